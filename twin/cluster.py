@@ -1,0 +1,172 @@
+"""The simulated cluster: arrivals -> router policy -> instances, in one SimPy environment."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import simpy
+
+from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
+from twin.engine.request import Request, RequestStatus, engine_block_keys
+from twin.errors import TwinInputError
+from twin.hardware import get_gpu
+from twin.models import get_model
+from twin.perf.roofline import RooflineModel
+from twin.policy.routers import make_router
+from twin.records import RequestLog
+from twin.scenario import Scenario
+from twin.workload.stream import RequestStream
+
+
+def build_perf(sc: Scenario) -> RooflineModel:
+    c = sc.cluster
+    return RooflineModel(
+        get_gpu(c.hardware), get_model(c.model), dtype=c.dtype, kv_cache_dtype=c.kv_cache_dtype,
+        tensor_parallel=c.tensor_parallel, compute_efficiency=c.perf.compute_efficiency,
+        memory_efficiency=c.perf.memory_efficiency, step_overhead_s=c.perf.step_overhead_s,
+        allreduce_latency_s=c.perf.allreduce_latency_s,
+    )
+
+
+def engine_config(sc: Scenario) -> EngineConfig:
+    e = sc.cluster.engine
+    cfg = EngineConfig(**e.model_dump())
+    if cfg.max_model_len is None:
+        cfg.max_model_len = get_model(sc.cluster.model).max_model_len
+    return cfg
+
+
+@dataclass
+class SimResult:
+    """Everything a run produced: per-request records, per-instance engines, timings."""
+
+    scenario: Scenario
+    log: RequestLog
+    instances: list[Instance]
+    sim_time_s: float
+    wall_time_s: float
+    num_gpu_blocks: int
+    perf: RooflineModel
+    stream_stats: dict = field(default_factory=dict)
+
+
+class Cluster:
+    """Instances and a router in one SimPy environment, fed by a request stream."""
+
+    def __init__(self, sc: Scenario, stream: RequestStream, router: object | None = None) -> None:
+        self.scenario = sc
+        self.stream = stream
+        self.env = simpy.Environment()
+        self.perf = build_perf(sc)
+        self.engine_config = engine_config(sc)
+        self.num_blocks = num_gpu_blocks(
+            self.engine_config, self.perf.gpu.hbm_bytes, self.perf.weight_bytes_per_gpu,
+            self.perf.kv_bytes_per_token_per_gpu,
+        )
+        self.log = RequestLog(len(stream))
+        self.log.arrival_s[:] = stream.arrival_s
+        self.log.prompt_tokens[:] = stream.prompt_tokens
+        self.log.max_tokens[:] = stream.output_tokens
+        if stream.session_id is not None:
+            self.log.session_id[:] = stream.session_id
+        fast = sc.sim.mode == "fast"
+        self.instances = [
+            Instance(self.env, f"instance-{i}", i, self.engine_config, self.perf, self.num_blocks, self.log,
+                     fast_forward=fast)
+            for i in range(sc.cluster.num_instances)
+        ]
+        self.by_id = {inst.id: inst for inst in self.instances}
+        if router is None:
+            try:
+                router = make_router(sc.router.name, **sc.router.params)
+            except TypeError as e:
+                raise TwinInputError(f"router.params: {e}") from None
+        self.router = router
+        self.num_arrived = 0
+        self.env.process(self.arrivals())
+
+    def make_request(self, i: int) -> Request:
+        s = self.stream
+        p = int(s.prompt_tokens[i])
+        o = int(s.output_tokens[i])
+        keys: list[int] = []
+        if s.hash_ids is not None and s.hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
+            covered = p + o if s.hashes_cover_output else p
+            keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, self.engine_config.block_size, covered)
+        sid = -1 if s.session_id is None else int(s.session_id[i])
+        return Request(i, float(s.arrival_s[i]), p, o, keys, sid)
+
+    def arrivals(self):
+        """Each request at its arrival time goes to the router, then to the chosen instance."""
+        env = self.env
+        arrival = self.stream.arrival_s
+        max_len = self.engine_config.max_model_len
+        log = self.log
+        instances = self.instances
+        for i in range(len(arrival)):
+            t = float(arrival[i])
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            self.num_arrived += 1
+            r = self.make_request(i)
+            if r.num_prompt_tokens + r.max_tokens > max_len:
+                log.reject(i, "longer than max_model_len",
+                           f"{r.num_prompt_tokens} + {r.max_tokens} tokens > {max_len}")
+                continue
+            try:
+                target = self.router.choose(r, instances)
+            except Exception as e:  # a policy bug must not lose the request silently
+                log.reject(i, "router error", f"{type(e).__name__}: {e}")
+                continue
+            inst = self.by_id.get(target)
+            if inst is None:
+                log.reject(i, "router returned an unknown instance", repr(target))
+                continue
+            if not inst.fits(r.num_prompt_tokens + r.max_tokens):
+                log.reject(i, "larger than the instance's KV cache",
+                           f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
+                continue
+            inst.add_request(r)
+
+    def done(self) -> bool:
+        """Every request has arrived and no instance has work left."""
+        return self.num_arrived == len(self.stream) and not any(
+            inst.scheduler.has_unfinished_requests() for inst in self.instances)
+
+    def run(self, progress: Callable[[float, int], None] | None = None, slices: int = 200) -> SimResult:
+        """Run to completion (or `sim.max_sim_time_s`), calling `progress(sim_now, arrived)` between slices."""
+        env = self.env
+        t_wall = time.perf_counter()
+        horizon = self.scenario.sim.max_sim_time_s
+        last_arrival = float(self.stream.arrival_s[-1]) if len(self.stream) else 0.0
+        step = max((horizon or last_arrival) / slices, 1e-3)
+        t = 0.0
+        while not self.done():
+            nxt = env.peek()
+            if nxt == float("inf"):
+                break
+            t = max(t + step, nxt)
+            if horizon is not None and t >= horizon:
+                env.run(until=horizon)
+                break
+            env.run(until=t)
+            if progress is not None:
+                progress(env.now, self.num_arrived)
+        wall = time.perf_counter() - t_wall
+        if progress is not None:
+            progress(env.now, self.num_arrived)
+        return SimResult(self.scenario, self.log, self.instances, float(env.now), wall, self.num_blocks,
+                         self.perf, self.stream.stats.to_dict())
+
+
+def simulate(sc: Scenario, stream: RequestStream, progress=None, router=None) -> SimResult:
+    return Cluster(sc, stream, router).run(progress)
+
+
+def account(log: RequestLog) -> dict[str, int]:
+    """How many requests ended in each state; they always add up to the total."""
+    counts = np.bincount(log.status, minlength=len(RequestStatus))
+    return {s.name.lower(): int(counts[s]) for s in RequestStatus}

@@ -1,0 +1,171 @@
+"""One vLLM instance in the simulation: its engine config, KV capacity and its step loop (a SimPy process)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+
+from twin.engine.block_pool import BlockPool
+from twin.engine.request import Request
+from twin.engine.scheduler import Scheduler, SchedulerConfig
+from twin.errors import TwinInputError
+from twin.perf.base import StepTimeModel
+from twin.records import RequestLog
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs of one instance, by vLLM's names, plus how the KV pool is sized."""
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
+    gpu_memory_utilization: float = 0.9
+    activation_reserve_gb: float = 2.0  # ASSUMPTION: profile-run activation peak + CUDA graphs
+    num_gpu_blocks_override: int | None = None
+    max_model_len: int | None = None
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
+            watermark=self.watermark,
+        )
+
+
+def num_gpu_blocks(cfg: EngineConfig, hbm_bytes: float, weight_bytes_per_gpu: float,
+                   kv_bytes_per_token_per_gpu: float) -> int:
+    """vLLM's sizing: (HBM x utilisation - weights - activation peak) / bytes per block."""
+    if cfg.num_gpu_blocks_override:
+        return int(cfg.num_gpu_blocks_override)
+    avail = hbm_bytes * cfg.gpu_memory_utilization - weight_bytes_per_gpu - cfg.activation_reserve_gb * 1e9
+    per_block = kv_bytes_per_token_per_gpu * cfg.block_size
+    n = int(avail // per_block)
+    if n < 2:
+        raise TwinInputError(
+            f"the model's weights ({weight_bytes_per_gpu / 1e9:.1f} GB per GPU) leave no room for a KV cache "
+            f"in {hbm_bytes / 1e9:.0f} GB x {cfg.gpu_memory_utilization}: use more tensor parallelism, "
+            "a bigger GPU or fp8"
+        )
+    return n
+
+
+class Instance:
+    """A vLLM engine as a SimPy process. Also the simulator's `InstanceView` for routers."""
+
+    def __init__(self, env: simpy.Environment, name: str, index: int, config: EngineConfig,
+                 perf: StepTimeModel, num_blocks: int, log: RequestLog, fast_forward: bool = True,
+                 max_run_steps: int = 100_000) -> None:
+        self.env = env
+        self.id = name
+        self.index = index
+        self.config = config
+        self.perf = perf
+        self.log = log
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config(), self.pool, perf, log, index)
+        self.fast_forward = fast_forward
+        self.max_run_steps = max_run_steps
+        self._wakeup: simpy.Event | None = None
+        self._run: tuple[float, np.ndarray, np.ndarray] | None = None  # (t0, ends, cum blocks)
+        self._interruptible = False
+        self.num_dispatched = 0
+        self.process = env.process(self.run())
+
+    # -- the step loop -------------------------------------------------------------------------------
+    def run(self):
+        env = self.env
+        sched = self.scheduler
+        while True:
+            if not sched.has_unfinished_requests():
+                self._wakeup = env.event()
+                yield self._wakeup
+                self._wakeup = None
+                continue
+            k, cum = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else (0, None)
+            if k >= 2:
+                t0 = env.now
+                durations = sched.decode_run_durations(k)
+                ends = t0 + np.cumsum(durations)
+                self._run = (t0, ends, cum)
+                self._interruptible = True
+                j = k
+                try:
+                    yield env.timeout(float(ends[-1]) - t0)
+                except simpy.Interrupt:
+                    # an arrival: the step in progress completes, then the scheduler sees the newcomer
+                    j = min(int(np.searchsorted(ends, env.now, side="left")) + 1, k)
+                self._interruptible = False
+                self._run = None
+                if env.now < ends[j - 1]:
+                    yield env.timeout(float(ends[j - 1]) - env.now)
+                sched.commit_decode_run(j, cum, durations, ends)
+                continue
+            out = sched.schedule(env.now)
+            if out.is_empty:
+                # nothing fits even an empty pool: cannot happen for admitted requests (checked at dispatch)
+                raise RuntimeError(f"{self.id}: scheduler made no progress with {len(sched.waiting)} waiting")
+            dt = self.perf.step_time(out.batch())
+            yield env.timeout(dt)
+            sched.update_from_output(out, env.now)
+
+    def add_request(self, r: Request) -> None:
+        """Dispatch: the request joins the waiting queue; a sleeping or fast-forwarding engine is woken."""
+        self.num_dispatched += 1
+        self.log.instance[r.idx] = self.index
+        self.scheduler.add_request(r)
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+        elif self._interruptible:
+            self._interruptible = False
+            self.process.interrupt()
+
+    def fits(self, num_tokens: int) -> bool:
+        """Could a request of this many tokens ever be held by this instance's KV pool?"""
+        return math.ceil(num_tokens / self.config.block_size) <= self.pool.num_usable_blocks
+
+    # -- InstanceView --------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def free_blocks(self) -> int:
+        free = self.pool.get_num_free_blocks()
+        if self._run is not None:
+            t0, ends, cum = self._run
+            started = min(int(np.searchsorted(ends, self.env.now, side="right")) + 1, len(ends))
+            free -= int(cum[started - 1])
+        return free
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.pool.num_usable_blocks
+
+    @property
+    def inflight_prefill_tokens(self) -> int:
+        return self.scheduler.inflight_prefill_tokens()
+
+    def cached_prefix_tokens(self, req) -> int:
+        """Exact prefix-cache hit (in tokens) this request would get here now."""
+        keys = getattr(req, "block_keys", ())
+        if not keys:
+            return 0
+        bs = self.config.block_size
+        max_blocks = (req.num_prompt_tokens - 1) // bs
+        return self.pool.num_cached_hits(keys, max_blocks) * bs

@@ -1,0 +1,582 @@
+"""One engine's scheduler, modelled on vLLM V1 (`vllm/v1/core/sched/scheduler.py`), FCFS policy.
+
+Each step gives every running request tokens so its computed tokens catch up with its tokens: running
+requests first in admission order (decodes 1 token, a partial prefill its next chunk), then waiting
+requests are admitted while the token budget, `max_num_seqs` and KV blocks allow. When blocks run out,
+the most recently admitted request is preempted (recompute) and goes back to the front of the queue.
+
+Decoding requests advance in lockstep, so they form one *decode group* driven by a shared step
+counter `D`: a member's output count is `out_base + D - d_base`. A step then costs O(1) for all
+decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the fast-forward).
+Blocks a decode needs follow from its position modulo the block size (`phase_count`), finishes from
+a heap keyed by the value of `D` at which each member reaches its `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from twin.engine.block_pool import BlockPool
+from twin.engine.request import Request, RequestStatus
+from twin.perf.base import StepBatch, StepTimeModel
+from twin.records import RequestLog
+
+
+@dataclass
+class SchedulerConfig:
+    """vLLM's scheduler knobs, by their vLLM names."""
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    scheduler_reserve_full_isl: bool = True  # vLLM 0.32 admission gate: room for the whole sequence
+    watermark: float = 0.0
+
+
+@dataclass
+class SchedulerOutput:
+    """What one `schedule()` decided."""
+
+    t_start: float
+    prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, tokens, computed before)
+    num_decode: int = 0  # decode-group members scheduled (1 token each)
+    decode_context: int = 0
+    skipped: list[Request] = field(default_factory=list)  # decode members that got no token
+    preempted: list[Request] = field(default_factory=list)
+
+    def batch(self) -> StepBatch:
+        b = StepBatch(num_decode_tokens=self.num_decode, decode_context_tokens=self.decode_context)
+        for r, n, c in self.prefills:
+            b.num_prefill_tokens += n
+            b.prefill_attn_tokens += n * c + n * (n + 1) / 2
+            b.prefill_kv_read_tokens += c + n
+            if c + n == r.num_tokens:
+                b.num_prefill_sampled += 1
+        return b
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and self.num_decode == 0
+
+
+@dataclass
+class EngineStats:
+    """Counters and weighted samples an instance accumulates over a run."""
+
+    num_steps: int = 0
+    busy_time_s: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens of newly admitted requests (vLLM's counter)
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    kv_used_block_seconds: float = 0.0
+    kv_peak_used_blocks: int = 0
+    generated_tokens: int = 0
+    itl_values: list = field(default_factory=list)  # scalars or arrays of inter-token latencies
+    itl_weights: list = field(default_factory=list)  # how many tokens had each value
+
+    def add_itl(self, value, weight) -> None:
+        self.itl_values.append(value)
+        self.itl_weights.append(weight)
+
+
+class Scheduler:
+    """Waiting queue, running list, decode group, block pool and records of one engine."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, perf: StepTimeModel,
+                 log: RequestLog, instance_index: int = 0) -> None:
+        self.config = config
+        self.pool = pool
+        self.perf = perf
+        self.log = log
+        self.instance_index = instance_index
+        self.block_size = pool.block_size
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # running requests not in the decode group, running order
+        # the decode group
+        self.D = 0
+        self.phase_count = [0] * self.block_size
+        self.finish_heap: list[tuple[int, int, Request]] = []
+        self._heap_seq = 0
+        self.num_decode = 0
+        self.decode_context = 0  # sum over members of the tokens each attends to in the next step
+        self.group_last_out = 0.0
+        self.stale: dict[Request, float] = {}  # members whose last output was not the group's
+        self.stats = EngineStats()
+        self._watermark_blocks = int(config.watermark * pool.num_gpu_blocks)
+
+    # ---------------------------------------------------------------------------------------------
+    def add_request(self, r: Request) -> None:
+        r.status = RequestStatus.WAITING
+        self.waiting.append(r)
+        self.log.status[r.idx] = RequestStatus.WAITING
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_usable_blocks - self.pool.get_num_free_blocks()
+
+    def inflight_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: queued requests plus the rest of partial prefills."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + sum(
+            r.num_tokens - r.num_computed_tokens for r in self.prefilling)
+
+    # -- the decode group --------------------------------------------------------------------------
+    def _member_output(self, r: Request) -> int:
+        return r.out_base + self.D - r.d_base
+
+    def _join_group(self, r: Request, now: float) -> None:
+        """A request whose prompt is computed and that sampled a token starts decoding."""
+        bs = self.block_size
+        r.in_decode = True
+        r.out_base = r.num_output_tokens
+        r.d_base = self.D
+        computed = r.num_prompt_tokens + r.num_output_tokens - 1
+        r.phase = (computed - self.D) % bs
+        self.phase_count[r.phase] += 1
+        self.num_decode += 1
+        self.decode_context += computed + 1
+        self._heap_seq += 1
+        r.heap_seq = self._heap_seq
+        heapq.heappush(self.finish_heap, (self.D + r.max_tokens - r.out_base, self._heap_seq, r))
+        if self.num_decode == 1:
+            self.group_last_out = now
+        elif self.group_last_out != now:
+            self.stale[r] = now
+
+    def _leave_group(self, r: Request) -> None:
+        """Materialise a member's counters and take it out of the group."""
+        out = self._member_output(r)
+        r.num_output_tokens = out
+        r.num_computed_tokens = r.num_prompt_tokens + out - 1
+        r.num_blocks = -(-r.num_computed_tokens // self.block_size)
+        self.phase_count[r.phase] -= 1
+        self.num_decode -= 1
+        self.decode_context -= r.num_computed_tokens + 1
+        r.in_decode = False
+        r.heap_seq = -1  # invalidates its heap entry
+        if r in self.stale:
+            r.last_output_time = self.stale.pop(r)
+        else:
+            r.last_output_time = self.group_last_out
+
+    def _skip_member(self, r: Request) -> None:
+        """A member got no token this step (budget exhausted): it falls one step behind the group."""
+        bs = self.block_size
+        self.phase_count[r.phase] -= 1
+        r.d_base += 1
+        r.phase = (r.phase - 1) % bs
+        self.phase_count[r.phase] += 1
+        self._heap_seq += 1
+        r.heap_seq = self._heap_seq
+        heapq.heappush(self.finish_heap, (r.d_base + r.max_tokens - r.out_base, self._heap_seq, r))
+        if r not in self.stale:
+            self.stale[r] = self.group_last_out
+
+    def _next_finish_d(self) -> int | None:
+        h = self.finish_heap
+        while h and h[0][2].heap_seq != h[0][1]:
+            heapq.heappop(h)
+        return h[0][0] if h else None
+
+    # -- KV ----------------------------------------------------------------------------------------
+    def _register_full_blocks(self, r: Request, computed: int) -> None:
+        """Blocks that are full after computing `computed` tokens get their hash (vLLM `cache_blocks`)."""
+        end = min(computed // self.block_size, len(r.block_keys))
+        pool = self.pool
+        for j in range(r.next_reg, end):
+            key = r.block_keys[j]
+            if pool.register(key):
+                r.keyed.append(key)
+        if end > r.next_reg:
+            r.next_reg = end
+
+    def _free_request(self, r: Request, preempted: bool) -> None:
+        """Release all blocks in vLLM's order: tail first; hashed blocks to the LRU tail."""
+        pool = self.pool
+        bs = self.block_size
+        computed = r.num_computed_tokens
+        full = computed // bs
+        partial = r.num_blocks - full
+        keyed_region = min(len(r.block_keys), full)
+        late: list[int] = []
+        if pool.enable_caching:
+            m = pool.cached_block_hash_to_ref
+            for j in range(r.next_reg, keyed_region):  # full blocks (e.g. outputs) not yet hashed
+                key = r.block_keys[j]
+                if key not in m:
+                    late.append(key)
+        n_dups = keyed_region - len(r.keyed) - len(late)
+        pool.release_anon(partial)
+        tail = full - keyed_region
+        run = pool.release_run(tail, owner=r if preempted else None)
+        if preempted:
+            r.own_run = run
+        pool.release_run(n_dups)
+        for key in reversed(late):
+            pool.release_cached_unkeyed(key)
+        pool.release_keyed(reversed(r.keyed))
+        r.keyed = []
+        r.num_blocks = 0
+        r.next_reg = 0
+
+    # -- admission helpers -------------------------------------------------------------------------
+    def _lookup(self, r: Request) -> tuple[int, int, int]:
+        """(hit keyed blocks, hit own-run blocks, free blocks among the hits) for a waiting request."""
+        bs = self.block_size
+        max_blocks = (r.num_tokens - 1) // bs
+        keys = r.block_keys
+        hk = self.pool.num_cached_hits(keys, max_blocks)
+        own = 0
+        run = r.own_run
+        if run is not None and run.count > 0 and hk == len(keys) and hk < max_blocks:
+            own = min(run.count, max_blocks - hk)
+        free_hits = own + (self.pool.num_free_among(keys[:hk]) if hk else 0)
+        return hk, own, free_hits
+
+    def _admission_required_blocks(self, r: Request, hit_blocks: int, free_hits: int, n: int) -> int:
+        bs = self.block_size
+        wm = self._watermark_blocks if self.running else 0
+        if self.config.scheduler_reserve_full_isl:
+            total = -(-r.num_tokens // bs)
+        else:
+            total = -(-(hit_blocks * bs + n) // bs)
+        return total - hit_blocks + free_hits + wm
+
+    def _can_admit_head(self, budget: int, thr: int) -> bool:
+        """Would Phase B admit the head of the queue now? (No state changes.)"""
+        cfg = self.config
+        if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+            return False
+        r = self.waiting[0]
+        hk, own, free_hits = self._lookup(r)
+        hit_tokens = (hk + own) * self.block_size
+        n = r.num_tokens - hit_tokens
+        if 0 < thr < n:
+            n = thr
+        if not cfg.enable_chunked_prefill and n > budget:
+            return False
+        n = min(n, budget)
+        return self._admission_required_blocks(r, hk + own, free_hits, n) <= self.pool.get_num_free_blocks()
+
+    # -- preemption --------------------------------------------------------------------------------
+    def _preempt(self, r: Request, out: SchedulerOutput) -> None:
+        if r.in_decode:
+            self._leave_group(r)
+        else:
+            self.prefilling.remove(r)
+            if r.num_output_tokens > 0 and r.last_output_time < 0:
+                r.last_output_time = self.group_last_out
+        self._free_request(r, preempted=True)
+        r.status = RequestStatus.PREEMPTED
+        r.num_computed_tokens = 0
+        r.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.log.preemptions[r.idx] = r.num_preemptions
+        self.log.status[r.idx] = RequestStatus.PREEMPTED
+        self.waiting.appendleft(r)
+        out.preempted.append(r)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        """vLLM's `schedule()`: Phase A over running, Phase B over waiting if nobody was preempted."""
+        cfg = self.config
+        out = SchedulerOutput(t_start=now)
+        budget = cfg.max_num_batched_tokens
+        thr = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+
+        # Phase A, fast path: no preemption needed, so the running list need not be walked.
+        if not self._schedule_running_fast(budget, thr, out):
+            budget = self._schedule_running_exact(budget, thr, out)
+        else:
+            budget -= out.num_decode + sum(n for _, n, _ in out.prefills)
+
+        # Phase B: admit waiting requests, only if nobody was preempted.
+        if not out.preempted:
+            self._admit(budget, thr, now, out)
+        return out
+
+    def _schedule_running_fast(self, budget: int, thr: int, out: SchedulerOutput) -> bool:
+        """Schedule Phase A at group level when the outcome provably equals the exact walk.
+
+        That holds when every request gets its full want within the budget, or when the partial
+        prefills are the tail of the running list (always so without a long-prefill threshold), so the
+        decodes go first and the prefills split what is left in order; and in both cases only if the
+        free blocks cover it all, so nobody is preempted. Returns False to fall back to the exact walk.
+        """
+        bs = self.block_size
+        nd = self.num_decode
+        need = self.phase_count[(-self.D) % bs] if nd else 0
+        pre = self.prefilling
+        wants = []
+        tot = nd
+        for r in pre:
+            n = r.num_tokens - r.num_computed_tokens
+            if 0 < thr < n:
+                n = thr
+            wants.append(n)
+            tot += n
+        if tot > budget:
+            if not pre or self.running[-len(pre):] != pre:
+                return False
+            left = budget - nd
+            for i, n in enumerate(wants):
+                n = min(n, left)
+                wants[i] = n
+                left -= n
+        for r, n in zip(pre, wants):
+            if n:
+                need += -(-(r.num_computed_tokens + n) // bs) - r.num_blocks
+        if need > self.pool.get_num_free_blocks():
+            return False
+        self.pool.allocate(need)
+        out.num_decode = nd
+        out.decode_context = self.decode_context
+        for r, n in zip(pre, wants):
+            if n:
+                self._schedule_chunk(r, n, out)
+        return True
+
+    def _schedule_chunk(self, r: Request, n: int, out: SchedulerOutput) -> None:
+        c = r.num_computed_tokens
+        r.num_blocks = -(-(c + n) // self.block_size)
+        r.num_computed_tokens = c + n
+        if r.next_reg < len(r.block_keys):
+            self._register_full_blocks(r, c + n)
+        out.prefills.append((r, n, c))
+
+    def _schedule_running_exact(self, budget: int, thr: int, out: SchedulerOutput) -> int:
+        """Phase A request by request, in running order, preempting from the back when blocks run out."""
+        bs = self.block_size
+        pool = self.pool
+        running = self.running
+        i = 0
+        d_mod = self.D % bs
+        while i < len(running) and budget > 0:
+            r = running[i]
+            if r.in_decode:
+                n = 1
+                nb = 1 if (r.phase + d_mod) % bs == 0 else 0
+            else:
+                n = r.num_tokens - r.num_computed_tokens
+                if 0 < thr < n:
+                    n = thr
+                n = min(n, budget)
+                nb = -(-(r.num_computed_tokens + n) // bs) - r.num_blocks
+            self_preempted = False
+            while nb > pool.get_num_free_blocks():
+                victim = running.pop()
+                self._preempt(victim, out)
+                if victim is r:
+                    self_preempted = True
+                    break
+            if self_preempted:
+                break
+            pool.allocate(nb)
+            if r.in_decode:
+                out.num_decode += 1
+                out.decode_context += r.num_prompt_tokens + self._member_output(r)
+            else:
+                self._schedule_chunk(r, n, out)
+            budget -= n
+            i += 1
+        for r in running[i:]:
+            if r.in_decode:
+                self._skip_member(r)
+                out.skipped.append(r)
+        return budget
+
+    def _admit(self, budget: int, thr: int, now: float, out: SchedulerOutput) -> None:
+        cfg = self.config
+        bs = self.block_size
+        pool = self.pool
+        log = self.log
+        while budget > 0 and self.waiting:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            r = self.waiting[0]
+            hk, own, free_hits = self._lookup(r)
+            hit_blocks = hk + own
+            hit_tokens = hit_blocks * bs
+            n = r.num_tokens - hit_tokens
+            if 0 < thr < n:
+                n = thr
+            if not cfg.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if self._admission_required_blocks(r, hit_blocks, free_hits, n) > pool.get_num_free_blocks():
+                break
+            self.waiting.popleft()
+            if hk:
+                keys = r.block_keys[:hk]
+                pool.touch(keys)
+                r.keyed = list(keys)
+            if r.own_run is not None:
+                if own:
+                    pool.touch_run(r.own_run, own)
+                r.own_run = None
+            r.num_blocks = hit_blocks
+            r.next_reg = hk
+            new = -(-(hit_tokens + n) // bs) - hit_blocks
+            pool.allocate(new)
+            r.num_computed_tokens = hit_tokens
+            if r.num_cached_tokens < 0:  # first admission: vLLM records SCHEDULED and prefix stats
+                r.num_cached_tokens = hit_tokens
+                log.scheduled_s[r.idx] = now
+                log.cached_tokens[r.idx] = hit_tokens
+                self.stats.prefix_cache_queries += r.num_prompt_tokens
+                self.stats.prefix_cache_hits += hit_tokens
+            r.status = RequestStatus.RUNNING
+            log.status[r.idx] = RequestStatus.RUNNING
+            self.running.append(r)
+            self.prefilling.append(r)
+            self._schedule_chunk(r, n, out)
+            budget -= n
+
+    def update_from_output(self, out: SchedulerOutput, t_end: float) -> list[Request]:
+        """After the step ran: tokens out, stops checked, finished requests freed. Returns the finished."""
+        stats = self.stats
+        dt = t_end - out.t_start
+        stats.num_steps += 1
+        stats.busy_time_s += dt
+        used = self.num_used_blocks
+        stats.kv_used_block_seconds += used * dt
+        if used > stats.kv_peak_used_blocks:
+            stats.kv_peak_used_blocks = used
+        finished: list[Request] = []
+
+        if out.num_decode:
+            n_stale_out = 0
+            if self.stale:
+                skipped = set(out.skipped)
+                for r, last in list(self.stale.items()):
+                    if r not in skipped:
+                        stats.add_itl(t_end - last, 1)
+                        del self.stale[r]
+                        n_stale_out += 1
+            stats.add_itl(t_end - self.group_last_out, out.num_decode - n_stale_out)
+            stats.generated_tokens += out.num_decode
+            self.group_last_out = t_end
+            self.D += 1
+            self.decode_context += out.num_decode
+            D = self.D
+            h = self.finish_heap
+            while h:
+                d_fin, seq, r = h[0]
+                if r.heap_seq != seq:
+                    heapq.heappop(h)
+                    continue
+                if d_fin > D:
+                    break
+                heapq.heappop(h)
+                self._leave_group(r)
+                finished.append(r)
+
+        for r, n, c in out.prefills:
+            if r.status is not RequestStatus.RUNNING or r.num_computed_tokens != r.num_tokens:
+                continue
+            r.num_output_tokens += 1
+            stats.generated_tokens += 1
+            if r.first_token_time < 0:
+                r.first_token_time = t_end
+                self.log.first_token_s[r.idx] = t_end
+            else:
+                stats.add_itl(t_end - r.last_output_time, 1)
+            self.prefilling.remove(r)
+            if r.num_output_tokens >= r.max_tokens:
+                r.num_computed_tokens = r.num_tokens - 1
+                r.last_output_time = t_end
+                finished.append(r)
+            else:
+                self._join_group(r, t_end)
+
+        for r in finished:
+            self._finish(r, t_end)
+        return finished
+
+    def _finish(self, r: Request, t_end: float) -> None:
+        self._free_request(r, preempted=False)
+        self.running.remove(r)
+        r.status = RequestStatus.FINISHED
+        log = self.log
+        log.finish_s[r.idx] = t_end
+        log.output_tokens[r.idx] = r.num_output_tokens
+        log.status[r.idx] = RequestStatus.FINISHED
+        if r.own_run is not None:
+            r.own_run.owner = None
+            r.own_run = None
+
+    # -- the fast-forward --------------------------------------------------------------------------
+    def plan_decode_run(self, max_steps: int) -> tuple[int, np.ndarray | None]:
+        """How many homogeneous decode-only steps can run from now without any decision changing.
+
+        Returns (k, cumulative new blocks per step). k < 2 means: take a normal step instead.
+        """
+        if self.prefilling or self.stale or not self.num_decode:
+            return 0, None
+        budget_left = self.config.max_num_batched_tokens - self.num_decode
+        thr = self.config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        if self.waiting and self._can_admit_head(budget_left, thr):
+            return 0, None
+        d_fin = self._next_finish_d()
+        k = min(d_fin - self.D, max_steps)
+        if k < 2:
+            return 0, None
+        bs = self.block_size
+        pc = np.asarray(self.phase_count)
+        need = pc[(-(self.D + np.arange(k))) % bs]
+        cum = np.cumsum(need)
+        kb = int(np.searchsorted(cum, self.pool.get_num_free_blocks(), side="right"))
+        k = min(k, kb)
+        if k < 2:
+            return 0, None
+        return k, cum[:k]
+
+    def decode_run_durations(self, k: int) -> np.ndarray:
+        return self.perf.decode_run_times(self.num_decode, self.decode_context, k)
+
+    def commit_decode_run(self, j: int, cum_blocks: np.ndarray, durations: np.ndarray,
+                          ends: np.ndarray) -> list[Request]:
+        """Apply the first j steps of a planned run that ended at ends[j-1]."""
+        stats = self.stats
+        used0 = self.num_used_blocks
+        self.pool.allocate(int(cum_blocks[j - 1]))
+        used = used0 + cum_blocks[:j]
+        stats.kv_used_block_seconds += float(np.dot(used, durations[:j]))
+        peak = int(used[-1])
+        if peak > stats.kv_peak_used_blocks:
+            stats.kv_peak_used_blocks = peak
+        nd = self.num_decode
+        first_itl = float(ends[0]) - self.group_last_out
+        stats.add_itl(first_itl, nd)
+        if j > 1:
+            stats.add_itl(np.diff(ends[:j]), nd)
+        stats.num_steps += j
+        stats.busy_time_s += float(ends[j - 1]) - (float(ends[0]) - float(durations[0]))
+        stats.generated_tokens += nd * j
+        self.D += j
+        self.decode_context += nd * j
+        t_end = float(ends[j - 1])
+        self.group_last_out = t_end
+        finished = []
+        h = self.finish_heap
+        while h:
+            d_fin, seq, r = h[0]
+            if r.heap_seq != seq:
+                heapq.heappop(h)
+                continue
+            if d_fin > self.D:
+                break
+            heapq.heappop(h)
+            self._leave_group(r)
+            finished.append(r)
+        for r in finished:
+            self._finish(r, t_end)
+        return finished

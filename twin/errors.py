@@ -1,0 +1,5 @@
+"""One exception type for bad user input, so the CLI can print one clear line instead of a traceback."""
+
+
+class TwinInputError(ValueError):
+    """A user-facing input problem: a bad scenario field, trace row, model or GPU name."""

@@ -1,0 +1,139 @@
+"""From per-request records and engine counters to the numbers a user compares: TTFT, TPOT, ITL, E2E, goodput."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from twin.cluster import SimResult, account
+from twin.records import RequestLog
+
+QUANTILES = {"p50": 0.50, "p90": 0.90, "p99": 0.99}
+
+
+def weighted_quantiles(values: np.ndarray, weights: np.ndarray, qs) -> list[float]:
+    """Quantiles of samples with integer multiplicities (inverted-CDF: an actual sample value)."""
+    if len(values) == 0 or weights.sum() == 0:
+        return [float("nan")] * len(qs)
+    order = np.argsort(values, kind="stable")
+    v, w = values[order], weights[order]
+    cum = np.cumsum(w)
+    total = cum[-1]
+    return [float(v[min(int(np.searchsorted(cum, q * total, side="left")), len(v) - 1)]) for q in qs]
+
+
+def describe(values: np.ndarray, weights: np.ndarray | None = None) -> dict:
+    values = np.asarray(values, dtype=np.float64)
+    if weights is None:
+        weights = np.ones(len(values), dtype=np.int64)
+    ok = ~np.isnan(values)
+    values, weights = values[ok], weights[ok]
+    n = int(weights.sum())
+    if n == 0:
+        return {"count": 0, "mean": None, **{k: None for k in QUANTILES}}
+    qs = weighted_quantiles(values, weights, list(QUANTILES.values()))
+    mean = float(np.dot(values, weights) / n)
+    return {"count": n, "mean": mean, **dict(zip(QUANTILES, qs))}
+
+
+def itl_samples(result: SimResult) -> tuple[np.ndarray, np.ndarray]:
+    vals, wts = [], []
+    for inst in result.instances:
+        st = inst.scheduler.stats
+        for v, w in zip(st.itl_values, st.itl_weights):
+            if w <= 0:
+                continue
+            v = np.atleast_1d(np.asarray(v, dtype=np.float64))
+            vals.append(v)
+            wts.append(np.full(len(v), w, dtype=np.int64))
+    if not vals:
+        return np.empty(0), np.empty(0, dtype=np.int64)
+    return np.concatenate(vals), np.concatenate(wts)
+
+
+def slo_mask(log: RequestLog, slo) -> np.ndarray:
+    """Finished requests that meet every SLO bound that is set."""
+    ok = log.status == 4  # FINISHED
+    ttft = log.first_token_s - log.arrival_s
+    e2e = log.finish_s - log.arrival_s
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(log.output_tokens > 1, (log.finish_s - log.first_token_s) / (log.output_tokens - 1), 0.0)
+    if slo.ttft_s is not None:
+        ok &= ttft <= slo.ttft_s
+    if slo.tpot_s is not None:
+        ok &= tpot <= slo.tpot_s
+    if slo.e2e_s is not None:
+        ok &= e2e <= slo.e2e_s
+    return ok
+
+
+def summarize(result: SimResult) -> dict:
+    """The summary.json of a run (fields documented in the README)."""
+    log = result.log
+    sc = result.scenario
+    counts = account(log)
+    fin = log.status == 4
+    ttft = (log.first_token_s - log.arrival_s)[fin]
+    e2e = (log.finish_s - log.arrival_s)[fin]
+    multi = fin & (log.output_tokens > 1)
+    tpot = ((log.finish_s - log.first_token_s) / np.maximum(log.output_tokens - 1, 1))[multi]
+    iv, iw = itl_samples(result)
+    sim_t = result.sim_time_s if result.sim_time_s > 0 else float("nan")
+    stats = [inst.scheduler.stats for inst in result.instances]
+    queries = sum(s.prefix_cache_queries for s in stats)
+    hits = sum(s.prefix_cache_hits for s in stats)
+    generated = sum(s.generated_tokens for s in stats)
+    usable = result.instances[0].pool.num_usable_blocks if result.instances else 1
+    kv_mean = sum(s.kv_used_block_seconds for s in stats) / (usable * len(stats) * sim_t) if stats else 0.0
+    kv_peak = max((s.kv_peak_used_blocks for s in stats), default=0) / usable
+    good = int(slo_mask(log, sc.slo).sum())
+    prompt_computed = int((log.prompt_tokens[fin] - log.cached_tokens[fin]).sum())
+    ceiling = roofline_ceiling_tok_s(result)
+    processed_rate = (prompt_computed + generated) / sim_t
+    summary = {
+        "scenario": sc.name,
+        "seed": sc.seed,
+        "mode": sc.sim.mode,
+        "requests_total": log.n,
+        "requests_finished": counts["finished"],
+        "requests_rejected": counts["rejected"],
+        "requests_running": counts["waiting"] + counts["running"] + counts["preempted"],
+        "requests_not_arrived": counts["pending"],
+        "reject_reasons": dict(log.reject_counts),
+        "sim_time_s": result.sim_time_s,
+        "wall_time_s": result.wall_time_s,
+        "requests_per_wall_s": log.n / result.wall_time_s if result.wall_time_s > 0 else None,
+        "sim_speedup": result.sim_time_s / result.wall_time_s if result.wall_time_s > 0 else None,
+        "ttft_s": describe(ttft),
+        "tpot_s": describe(tpot),
+        "itl_s": describe(iv, iw),
+        "e2e_s": describe(e2e),
+        "throughput_output_tok_s": generated / sim_t,
+        "throughput_req_s": counts["finished"] / sim_t,
+        "goodput_req_s": good / sim_t,
+        "slo": sc.slo.model_dump(),
+        "slo_attainment": good / counts["finished"] if counts["finished"] else None,
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "prefix_cache_queries_tokens": queries,
+        "prefix_cache_hits_tokens": hits,
+        "preemptions": sum(s.num_preemptions for s in stats),
+        "kv_usage_mean": kv_mean,
+        "kv_usage_peak": kv_peak,
+        "num_gpu_blocks": result.num_gpu_blocks,
+        "engine_steps": sum(s.num_steps for s in stats),
+        "roofline_ceiling_tok_s": ceiling,
+        "physics_ok": bool(processed_rate <= ceiling * (1 + 1e-9)),
+        "perf_model": result.perf.describe(),
+        "workload": result.stream_stats,
+        "instances": [
+            {"id": inst.id, "dispatched": inst.num_dispatched, "steps": inst.scheduler.stats.num_steps,
+             "busy_frac": inst.scheduler.stats.busy_time_s / sim_t,
+             "preemptions": inst.scheduler.stats.num_preemptions}
+            for inst in result.instances
+        ],
+    }
+    return summary
+
+
+def roofline_ceiling_tok_s(result: SimResult) -> float:
+    """Tokens/s the cluster's GPUs could process at 100 % of peak FLOP/s (linear layers only: a hard bound)."""
+    return len(result.instances) * result.perf.peak_tokens_per_s()

@@ -1,0 +1,6 @@
+"""Step-time models: how long one engine step takes for a given batch. One interface, several fits."""
+
+from twin.perf.base import StepBatch, StepTimeModel
+from twin.perf.roofline import RooflineModel
+
+__all__ = ["StepBatch", "StepTimeModel", "RooflineModel"]

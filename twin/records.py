@@ -1,0 +1,69 @@
+"""Per-request records as columns: every request of a run, whatever became of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from twin.engine.request import RequestStatus
+
+
+class RequestLog:
+    """Column arrays indexed by request number; NaN means 'did not happen (yet)'."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        nan = lambda: np.full(n, np.nan)  # noqa: E731
+        self.arrival_s = nan()
+        self.scheduled_s = nan()
+        self.first_token_s = nan()
+        self.finish_s = nan()
+        self.instance = np.full(n, -1, dtype=np.int32)
+        self.prompt_tokens = np.zeros(n, dtype=np.int64)
+        self.max_tokens = np.zeros(n, dtype=np.int64)
+        self.output_tokens = np.zeros(n, dtype=np.int64)
+        self.cached_tokens = np.zeros(n, dtype=np.int64)
+        self.preemptions = np.zeros(n, dtype=np.int32)
+        self.status = np.full(n, int(RequestStatus.PENDING), dtype=np.int8)
+        self.session_id = np.full(n, -1, dtype=np.int64)
+        self.reject_reason: dict[int, str] = {}
+        self.reject_counts: dict[str, int] = {}
+
+    def reject(self, idx: int, reason: str, detail: str = "") -> None:
+        """Record a rejection: `reason` is a short category (counted), `detail` the specifics."""
+        self.status[idx] = RequestStatus.REJECTED
+        self.reject_reason[idx] = f"{reason}: {detail}" if detail else reason
+        self.reject_counts[reason] = self.reject_counts.get(reason, 0) + 1
+
+    def to_frame(self, instance_names: list[str] | None = None) -> pd.DataFrame:
+        """One row per request, with status names and derived latencies."""
+        names = np.array([s.name.lower() for s in RequestStatus])
+        df = pd.DataFrame({
+            "request_id": np.arange(self.n),
+            "arrival_s": self.arrival_s,
+            "scheduled_s": self.scheduled_s,
+            "first_token_s": self.first_token_s,
+            "finish_s": self.finish_s,
+            "instance": self.instance,
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "output_tokens": self.output_tokens,
+            "cached_tokens": self.cached_tokens,
+            "preemptions": self.preemptions,
+            "status": names[self.status],
+            "session_id": self.session_id,
+        })
+        if instance_names is not None:
+            labels = np.array(list(instance_names) + [""], dtype=object)
+            df["instance_name"] = labels[self.instance]
+        reasons = np.full(self.n, "", dtype=object)
+        for i, r in self.reject_reason.items():
+            reasons[i] = r
+        df["reject_reason"] = reasons
+        df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
+        df["e2e_s"] = df["finish_s"] - df["arrival_s"]
+        df["queue_s"] = df["scheduled_s"] - df["arrival_s"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = (df["finish_s"] - df["first_token_s"]) / (df["output_tokens"] - 1)
+        df["tpot_s"] = tpot.where(df["output_tokens"] > 1)
+        return df

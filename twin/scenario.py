@@ -1,0 +1,216 @@
+"""Scenario files: YAML validated by pydantic. A scenario is data: cluster, workload, router, SLOs, seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from twin.errors import TwinInputError
+from twin.hardware import get_gpu
+from twin.models import get_model
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PerfSpec(_Spec):
+    """Step-time model and its corrections (see twin.perf.roofline for which values are assumptions)."""
+
+    kind: Literal["roofline"] = "roofline"
+    compute_efficiency: float = Field(0.75, gt=0, le=1)
+    memory_efficiency: float = Field(0.9, gt=0, le=1)
+    step_overhead_s: float = Field(0.002, ge=0)
+    allreduce_latency_s: float = Field(10e-6, ge=0)
+
+
+class EngineSpec(_Spec):
+    """vLLM engine arguments, by their vLLM names."""
+
+    block_size: int = Field(16, gt=0)
+    max_num_batched_tokens: int = Field(8192, gt=0)
+    max_num_seqs: int = Field(256, gt=0)
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = Field(0.0, ge=0, lt=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    activation_reserve_gb: float = Field(2.0, ge=0)
+    num_gpu_blocks_override: Optional[int] = Field(None, ge=2)
+    max_model_len: Optional[int] = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _budget_covers_seqs(self) -> "EngineSpec":
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}), as vLLM requires"
+            )
+        return self
+
+
+class ClusterSpec(_Spec):
+    num_instances: int = Field(gt=0)
+    hardware: str = "H100-SXM-80GB"
+    model: str = "Llama-3-8B"
+    dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"
+    tensor_parallel: int = Field(1, gt=0)
+    engine: EngineSpec = EngineSpec()
+    perf: PerfSpec = PerfSpec()
+
+    @field_validator("hardware")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        return get_gpu(v).name
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        return get_model(v).name
+
+
+class ArrivalSpec(_Spec):
+    process: Literal["poisson", "gamma"] = "poisson"
+    rate: float = Field(gt=0, description="requests per second")
+    cv: float = Field(1.0, gt=0, description="coefficient of variation of the gaps (gamma only)")
+
+
+class LengthSpec(_Spec):
+    kind: Literal["fixed", "trace"] = "fixed"
+    prompt_tokens: Optional[int] = Field(None, gt=0)
+    output_tokens: Optional[int] = Field(None, gt=0)
+    path: Optional[str] = None
+    max_total_tokens: Optional[int] = Field(None, gt=1)
+
+    @model_validator(mode="after")
+    def _complete(self) -> "LengthSpec":
+        if self.kind == "fixed" and (self.prompt_tokens is None or self.output_tokens is None):
+            raise ValueError("kind 'fixed' needs prompt_tokens and output_tokens")
+        if self.kind == "trace" and not self.path:
+            raise ValueError("kind 'trace' needs path (a CSV with num_prefill_tokens, num_decode_tokens)")
+        return self
+
+
+class SessionSpec(_Spec):
+    turns_mean: float = Field(3.0, ge=1)
+    think_time_s: float = Field(10.0, ge=0)
+
+
+class WorkloadSpec(_Spec):
+    num_requests: int = Field(gt=0)
+    arrival: ArrivalSpec
+    lengths: LengthSpec
+    sessions: Optional[SessionSpec] = None
+    on_too_long: Literal["error", "reject", "truncate"] = "error"
+
+
+class RouterSpec(_Spec):
+    name: str = "least_outstanding_requests"
+    params: dict[str, Any] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _known_router(cls, v: str) -> str:
+        from twin.policy.routers import ALIASES, ROUTERS
+
+        key = ALIASES.get(v, v)
+        if key not in ROUTERS:
+            raise ValueError(f"unknown router {v!r} (known: {', '.join(ROUTERS)})")
+        return key
+
+
+class SLOSpec(_Spec):
+    """A request meets the SLOs when every set bound holds; goodput counts such requests per second."""
+
+    ttft_s: Optional[float] = Field(None, gt=0)
+    tpot_s: Optional[float] = Field(None, gt=0)
+    e2e_s: Optional[float] = Field(None, gt=0)
+
+
+class SimSpec(_Spec):
+    mode: Literal["fast", "step"] = "fast"
+    max_sim_time_s: Optional[float] = Field(None, gt=0)
+
+
+class Scenario(_Spec):
+    name: str = "scenario"
+    description: str = ""
+    seed: int = 0
+    cluster: ClusterSpec
+    workload: WorkloadSpec
+    router: RouterSpec = RouterSpec()
+    slo: SLOSpec = SLOSpec()
+    sim: SimSpec = SimSpec()
+    base_dir: str = Field(".", exclude=True, description="where relative paths resolve (the file's folder)")
+
+    def resolve_path(self, p: str) -> Path:
+        path = Path(p)
+        return path if path.is_absolute() else Path(self.base_dir) / path
+
+
+def _format_error(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        got = err.get("input")
+        tail = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{source}: {loc}: {msg}{tail}")
+    return "\n".join(lines)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`--set a.b.c=value` edits of the raw YAML; the value is parsed as YAML (numbers, bools, lists)."""
+    for item in overrides:
+        if "=" not in item:
+            raise TwinInputError(f"--set {item!r}: expected dotted.path=value")
+        path, value = item.split("=", 1)
+        keys = [k for k in path.strip().split(".") if k]
+        if not keys:
+            raise TwinInputError(f"--set {item!r}: empty path")
+        node = raw
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        try:
+            node[keys[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            node[keys[-1]] = value
+    return raw
+
+
+def parse_scenario(raw: Any, source: str = "scenario", base_dir: str | Path = ".") -> Scenario:
+    if not isinstance(raw, dict):
+        raise TwinInputError(f"{source}: a scenario must be a YAML mapping, got {type(raw).__name__}")
+    try:
+        sc = Scenario.model_validate({**raw, "base_dir": str(base_dir)})
+    except ValidationError as e:
+        raise TwinInputError(_format_error(e, source)) from None
+    return sc
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None, seed: int | None = None) -> Scenario:
+    """Read, override and validate a scenario file; bad input raises TwinInputError with one line per problem."""
+    path = Path(path)
+    if not path.exists():
+        raise TwinInputError(f"scenario file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise TwinInputError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    raw = apply_overrides(raw if isinstance(raw, dict) else raw, overrides or []) if isinstance(raw, dict) else raw
+    if seed is not None and isinstance(raw, dict):
+        raw["seed"] = seed
+    return parse_scenario(raw, str(path), path.parent)

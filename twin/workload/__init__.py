@@ -1,0 +1,68 @@
+"""Workloads: trace readers and synthetic generators, all yielding one `RequestStream`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from twin.errors import TwinInputError
+from twin.models import get_model
+from twin.workload.stream import RequestStream, TraceStats
+from twin.workload.synthetic import (gamma_arrivals, poisson_arrivals, read_length_trace, sample_lengths,
+                                     sessionize)
+
+__all__ = ["RequestStream", "TraceStats", "build_stream", "apply_context_limit"]
+
+
+def apply_context_limit(stream: RequestStream, max_model_len: int, policy: str, where: str) -> RequestStream:
+    """Requests longer than the model's context: an error (default), kept to be rejected, or truncated."""
+    total = stream.prompt_tokens + stream.output_tokens
+    over = total > max_model_len
+    n = int(over.sum())
+    if n == 0 or policy == "reject":
+        if n:
+            stream.stats.notes.append(f"{n} requests exceed max_model_len {max_model_len}: rejected at arrival")
+        return stream
+    if policy == "error":
+        i = int(np.flatnonzero(over)[0])
+        raise TwinInputError(
+            f"{where}: {n} request(s) longer than the model's context (max_model_len {max_model_len}); "
+            f"the first is request {i} with {int(stream.prompt_tokens[i])} prompt + "
+            f"{int(stream.output_tokens[i])} output tokens. Set workload.on_too_long to 'reject' or "
+            "'truncate', or cap the lengths"
+        )
+    # truncate: keep the output, cut the prompt from the left (as a chat client drops old turns)
+    out = np.minimum(stream.output_tokens, max_model_len - 1)
+    stream.output_tokens = out
+    stream.prompt_tokens = np.minimum(stream.prompt_tokens, max_model_len - out)
+    stream.stats.notes.append(f"{n} requests truncated to max_model_len {max_model_len}")
+    return stream
+
+
+def build_stream(sc) -> RequestStream:
+    """The request stream a scenario's `workload` section describes."""
+    w = sc.workload
+    rng = np.random.default_rng(sc.seed)
+    n = w.num_requests
+    if w.arrival.process == "poisson":
+        arrivals = poisson_arrivals(n, w.arrival.rate, rng)
+    else:
+        arrivals = gamma_arrivals(n, w.arrival.rate, w.arrival.cv, rng)
+    stats = TraceStats(source="synthetic")
+    if w.lengths.kind == "fixed":
+        prompt = np.full(n, w.lengths.prompt_tokens, dtype=np.int64)
+        output = np.full(n, w.lengths.output_tokens, dtype=np.int64)
+    else:
+        path = sc.resolve_path(w.lengths.path)
+        p_all, o_all = read_length_trace(path)
+        prompt, output, capped = sample_lengths(p_all, o_all, n, rng, w.lengths.max_total_tokens)
+        stats = TraceStats(source=f"lengths from {w.lengths.path}", rows_read=len(p_all),
+                           rows_used=len(p_all) - capped, rows_filtered=capped)
+        if capped:
+            stats.notes.append(f"{capped} length rows over max_total_tokens left out of the sampling pool")
+    if w.sessions is not None:
+        stream = sessionize(arrivals, prompt, output, rng, w.sessions.turns_mean, w.sessions.think_time_s)
+        stream.stats = stats
+    else:
+        stream = RequestStream(arrivals, prompt, output, stats=stats)
+    max_len = sc.cluster.engine.max_model_len or get_model(sc.cluster.model).max_model_len
+    return apply_context_limit(stream, max_len, w.on_too_long, "workload")

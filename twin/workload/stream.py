@@ -1,0 +1,75 @@
+"""The one shape every workload takes: a columnar stream of requests, plus an account of where it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class TraceStats:
+    """How the rows of a source became requests: nothing is dropped without being counted here."""
+
+    source: str = "synthetic"
+    rows_read: int = 0
+    rows_used: int = 0
+    rows_filtered: int = 0  # removed on purpose (a filter, a window, sampling, a cap)
+    rows_skipped: int = 0  # malformed rows skipped because the user asked to skip bad rows
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "rows_read": self.rows_read, "rows_used": self.rows_used,
+                "rows_filtered": self.rows_filtered, "rows_skipped": self.rows_skipped, "notes": self.notes}
+
+
+@dataclass
+class RequestStream:
+    """Requests in arrival order. `hash_ids[i]` is request i's prefix identity, each id naming
+    `hash_block_size` tokens (None or empty: content nobody shares)."""
+
+    arrival_s: np.ndarray  # float64, non-decreasing, seconds from the start
+    prompt_tokens: np.ndarray  # int64 > 0
+    output_tokens: np.ndarray  # int64 > 0
+    hash_ids: list | None = None
+    hash_block_size: int = 16
+    hashes_cover_output: bool = False  # ids also name the output tokens (multi-turn sessions)
+    session_id: np.ndarray | None = None
+    stats: TraceStats = field(default_factory=TraceStats)
+
+    def __post_init__(self) -> None:
+        self.arrival_s = np.asarray(self.arrival_s, dtype=np.float64)
+        self.prompt_tokens = np.asarray(self.prompt_tokens, dtype=np.int64)
+        self.output_tokens = np.asarray(self.output_tokens, dtype=np.int64)
+        n = len(self.arrival_s)
+        if len(self.prompt_tokens) != n or len(self.output_tokens) != n:
+            raise ValueError("arrival_s, prompt_tokens and output_tokens must have the same length")
+        if self.hash_ids is not None and len(self.hash_ids) != n:
+            raise ValueError("hash_ids must have one entry per request")
+        if n and np.any(np.diff(self.arrival_s) < 0):
+            order = np.argsort(self.arrival_s, kind="stable")
+            self._take(order)
+
+    def _take(self, idx: np.ndarray) -> None:
+        self.arrival_s = self.arrival_s[idx]
+        self.prompt_tokens = self.prompt_tokens[idx]
+        self.output_tokens = self.output_tokens[idx]
+        if self.hash_ids is not None:
+            self.hash_ids = [self.hash_ids[i] for i in idx]
+        if self.session_id is not None:
+            self.session_id = np.asarray(self.session_id)[idx]
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def head(self, n: int) -> "RequestStream":
+        """The first n requests (a cap on count)."""
+        s = RequestStream(
+            self.arrival_s[:n], self.prompt_tokens[:n], self.output_tokens[:n],
+            None if self.hash_ids is None else self.hash_ids[:n], self.hash_block_size,
+            self.hashes_cover_output, None if self.session_id is None else self.session_id[:n],
+            TraceStats(**{**self.stats.to_dict(), "notes": list(self.stats.notes)}),
+        )
+        s.stats.rows_filtered += len(self) - len(s)
+        s.stats.rows_used = len(s)
+        return s
