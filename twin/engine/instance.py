@@ -81,6 +81,7 @@ class Instance:
         self._run: tuple[float, np.ndarray, np.ndarray] | None = None  # (t0, ends, cum blocks)
         self._interruptible = False
         self.num_dispatched = 0
+        self.num_wakeups = 0  # times the step loop resumed: what simulation cost grows with
         self.process = env.process(self.run())
 
     # -- the step loop -------------------------------------------------------------------------------
@@ -108,10 +109,12 @@ class Instance:
                     j = min(int(np.searchsorted(ends, env.now, side="left")) + 1, k)
                 self._interruptible = False
                 self._run = None
+                self.num_wakeups += 1
                 if env.now < ends[j - 1]:
                     yield env.timeout(float(ends[j - 1]) - env.now)
                 sched.commit_decode_run(j, cum, durations, ends)
                 continue
+            self.num_wakeups += 1
             out = sched.schedule(env.now)
             if out.is_empty:
                 # nothing fits even an empty pool: cannot happen for admitted requests (checked at dispatch)

@@ -1,0 +1,110 @@
+"""The block pool conserves blocks and keeps vLLM's free-queue order, whatever happens to it."""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from twin.engine.block_pool import BlockPool
+
+
+class Holder:
+    def __init__(self):
+        self.keyed = []
+        self.anon = 0
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Requests allocate, hash, hit and free blocks at random; held + free always equals the pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(64, 16, True)
+        self.holders: list[Holder] = []
+
+    def held(self):
+        """Physical blocks in use: a shared hashed block counts once, however many hold it."""
+        shared = {k for h in self.holders for k in h.keyed}
+        return len(shared) + sum(h.anon for h in self.holders)
+
+    @rule(n=st.integers(1, 10))
+    def allocate(self, n):
+        if n <= self.pool.get_num_free_blocks():
+            self.pool.allocate(n)
+            h = Holder()
+            h.anon = n
+            self.holders.append(h)
+
+    @precondition(lambda self: self.holders)
+    @rule(i=st.integers(0, 100), key=st.integers(0, 30))
+    def register(self, i, key):
+        h = self.holders[i % len(self.holders)]
+        if h.anon and self.pool.register(key):
+            h.anon -= 1
+            h.keyed.append(key)
+
+    @rule(keys=st.lists(st.integers(0, 30), max_size=5, unique=True))
+    def hit(self, keys):
+        n = self.pool.num_cached_hits(keys, len(keys))
+        hits = keys[:n]
+        if hits:
+            self.pool.touch(hits)
+            h = Holder()
+            h.keyed = list(hits)
+            self.holders.append(h)
+
+    @precondition(lambda self: self.holders)
+    @rule(i=st.integers(0, 100), partial=st.booleans(), owned=st.booleans())
+    def free(self, i, partial, owned):
+        h = self.holders.pop(i % len(self.holders))
+        p = 1 if (partial and h.anon) else 0
+        self.pool.release_anon(p)
+        self.pool.release_run(h.anon - p, owner=h if owned else None)
+        self.pool.release_keyed(reversed(h.keyed))
+
+    @invariant()
+    def conserved(self):
+        self.pool.check()
+        assert self.held() + self.pool.get_num_free_blocks() == self.pool.num_usable_blocks
+
+    @invariant()
+    def ref_counts_match_holders(self):
+        refs = {}
+        for h in self.holders:
+            for k in h.keyed:
+                refs[k] = refs.get(k, 0) + 1
+        for k, r in self.pool.cached_block_hash_to_ref.items():
+            assert r == refs.get(k, 0)
+
+
+TestPool = PoolMachine.TestCase
+TestPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_eviction_is_lru_by_release_time_and_unhashed_blocks_go_first():
+    pool = BlockPool(11, 16, True)  # 10 usable
+    pool.allocate(6)
+    for k in (1, 2, 3):
+        assert pool.register(k)
+    # release request A: keyed 1,2,3 (tail first) and one partial block
+    pool.release_anon(1)
+    pool.release_keyed(reversed([1, 2, 3]))
+    pool.release_run(2)
+    assert pool.get_num_free_blocks() == 10
+    pool.allocate(5)  # 4 never-used + 1 partial: no eviction yet
+    assert pool.num_evictions == 0 and pool.num_cached_hits([1, 2, 3], 3) == 3
+    pool.allocate(2)  # LRU front: 3 (the deepest block of A) then 2
+    assert pool.num_cached_hits([1], 1) == 1 and pool.num_cached_hits([1, 2], 2) == 1
+    assert 3 not in pool.cached_block_hash_to_ref
+    pool.check()
+
+
+def test_a_hit_on_a_free_block_takes_it_out_of_the_free_queue():
+    pool = BlockPool(5, 16, True)
+    pool.allocate(1)
+    pool.register(9)
+    pool.release_keyed([9])
+    assert pool.get_num_free_blocks() == 4
+    assert pool.num_free_among([9]) == 1
+    pool.touch([9])
+    assert pool.get_num_free_blocks() == 3 and pool.get_usage() == 0.25
+    pool.check()

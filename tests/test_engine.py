@@ -1,0 +1,132 @@
+"""The engine behaves as vLLM V1 does, and accounts for every request and every KV block."""
+
+import numpy as np
+import pytest
+
+from twin.cluster import Cluster, build_perf
+from twin.perf import StepBatch
+from twin.workload import build_stream
+
+from conftest import make_scenario, run_checked, stream_of
+
+
+def prefill_batch(n, c=0, sampled=1):
+    return StepBatch(num_prefill_tokens=n, prefill_attn_tokens=n * c + n * (n + 1) / 2,
+                     prefill_kv_read_tokens=c + n, num_prefill_sampled=sampled)
+
+
+def test_lone_request_ttft_is_the_step_models_prefill_time():
+    sc = make_scenario()
+    res = run_checked(sc, stream_of([1.0], [1000], [5]))
+    ttft = res.log.first_token_s[0] - res.log.arrival_s[0]
+    assert ttft == pytest.approx(build_perf(sc).step_time(prefill_batch(1000)), rel=1e-12)
+    assert res.log.scheduled_s[0] == res.log.arrival_s[0]
+
+
+def test_chunked_prefill_ttft_is_the_sum_of_its_chunks():
+    sc = make_scenario(**{"cluster.engine.max_num_batched_tokens": 512})
+    res = run_checked(sc, stream_of([0.0], [1200], [3]))
+    perf = build_perf(sc)
+    expected = (perf.step_time(prefill_batch(512, 0, 0)) + perf.step_time(prefill_batch(512, 512, 0))
+                + perf.step_time(prefill_batch(176, 1024, 1)))
+    assert res.log.first_token_s[0] == pytest.approx(expected, rel=1e-12)
+
+
+def test_decode_steps_follow_the_first_token():
+    sc = make_scenario()
+    res = run_checked(sc, stream_of([0.0], [100], [4]))
+    perf = build_perf(sc)
+    d = [perf.step_time(StepBatch(num_decode_tokens=1, decode_context_tokens=101 + s)) for s in range(3)]
+    assert res.log.finish_s[0] - res.log.first_token_s[0] == pytest.approx(sum(d), rel=1e-12)
+
+
+def test_prefix_cache_hits_when_two_requests_share_a_prefix():
+    sc = make_scenario()
+    shared = list(range(10))  # 10 blocks of 16 tokens
+    ids = [shared + [100, 101], shared + [200, 201]]
+    res = run_checked(sc, stream_of([0.0, 5.0], [192, 192], [4, 4], ids, hash_block_size=16))
+    assert res.log.cached_tokens[0] == 0
+    assert res.log.cached_tokens[1] == 160
+    stats = res.instances[0].scheduler.stats
+    assert stats.prefix_cache_hits == 160 and stats.prefix_cache_queries == 384
+
+
+@pytest.mark.parametrize("prompt,hit", [(32, 16), (33, 32)])
+def test_the_last_token_is_always_recomputed(prompt, hit):
+    sc = make_scenario()
+    ids = [[1, 2, 3], [1, 2, 3]]
+    res = run_checked(sc, stream_of([0.0, 5.0], [prompt, prompt], [2, 2], ids, hash_block_size=16))
+    assert res.log.cached_tokens[1] == hit
+
+
+def test_mooncake_style_512_token_ids_map_onto_16_token_blocks():
+    sc = make_scenario()
+    ids = [[7, 8, 9], [7, 8, 10]]  # share the first two 512-token blocks
+    res = run_checked(sc, stream_of([0.0, 5.0], [1500, 1500], [2, 2], ids, hash_block_size=512))
+    assert res.log.cached_tokens[1] == 1024
+
+
+def test_without_prefix_caching_nothing_hits():
+    sc = make_scenario(**{"cluster.engine.enable_prefix_caching": False})
+    ids = [[1, 2, 3, 4], [1, 2, 3, 4]]
+    res = run_checked(sc, stream_of([0.0, 5.0], [64, 64], [2, 2], ids, hash_block_size=16))
+    assert res.log.cached_tokens[1] == 0
+
+
+def test_preemption_under_a_tiny_kv_pool_and_everyone_still_finishes():
+    sc = make_scenario(**{"cluster.engine.num_gpu_blocks_override": 60,
+                          "workload.num_requests": 30, "workload.arrival.rate": 50})
+    res = run_checked(sc, build_stream(sc))
+    assert res.log.preemptions.sum() > 0
+    assert (res.log.status == 4).all()
+
+
+def test_preempted_request_recomputes_and_reports_one_large_itl():
+    sc = make_scenario(**{"cluster.engine.num_gpu_blocks_override": 30})
+    # two requests that cannot both hold their full sequences: the later one is preempted
+    res = run_checked(sc, stream_of([0.0, 0.0], [200, 200], [100, 100]))
+    assert res.log.preemptions.sum() >= 1
+    itl = max(np.max(np.atleast_1d(v)) for v in res.instances[0].scheduler.stats.itl_values)
+    step = build_perf(sc).step_time(StepBatch(num_decode_tokens=1, decode_context_tokens=300))
+    assert itl > 5 * step
+
+
+def test_request_longer_than_the_kv_pool_is_rejected_with_a_reason():
+    sc = make_scenario(**{"cluster.engine.num_gpu_blocks_override": 10})
+    res = run_checked(sc, stream_of([0.0, 1.0], [500, 50], [10, 10]))
+    assert res.log.status[0] == 5 and "KV cache" in res.log.reject_reason[0]
+    assert res.log.status[1] == 4
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sc = make_scenario(**{"cluster.engine.max_num_seqs": 4, "workload.num_requests": 20,
+                          "workload.arrival.rate": 1000})
+    cl = Cluster(sc, build_stream(sc))
+    peak = 0
+    sched = cl.instances[0].scheduler
+    while cl.env.peek() < float("inf") and not cl.done():
+        cl.env.step()
+        peak = max(peak, len(sched.running))
+    assert peak == 4
+
+
+def test_same_seed_same_results_and_another_seed_differs():
+    sc = make_scenario(**{"workload.num_requests": 200, "workload.arrival.rate": 40,
+                          "cluster.num_instances": 3, "router.name": "random"})
+    a = run_checked(sc, build_stream(sc)).log.to_frame()
+    b = run_checked(sc, build_stream(sc)).log.to_frame()
+    assert a.equals(b)
+    sc2 = make_scenario(**{"workload.num_requests": 200, "workload.arrival.rate": 40, "seed": 2,
+                           "cluster.num_instances": 3, "router.name": "random"})
+    c = run_checked(sc2, build_stream(sc2)).log.to_frame()
+    assert not a["finish_s"].equals(c["finish_s"])
+
+
+def test_max_sim_time_leaves_requests_running_not_lost():
+    sc = make_scenario(**{"workload.num_requests": 100, "workload.arrival.rate": 10,
+                          "sim.max_sim_time_s": 3.0})
+    res = run_checked(sc, build_stream(sc))
+    st = res.log.status
+    assert (st == 0).sum() > 0  # not yet arrived
+    assert ((st == 1) | (st == 2)).sum() > 0 or (st == 4).sum() > 0
+    assert res.sim_time_s == pytest.approx(3.0)
