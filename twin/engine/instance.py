@@ -150,10 +150,10 @@ class Instance:
     @property
     def free_blocks(self) -> int:
         free = self.pool.get_num_free_blocks()
-        if self._run is not None:
+        if self._run is not None:  # blocks taken by the decode steps of the run started so far
             t0, ends, cum = self._run
             started = min(int(np.searchsorted(ends, self.env.now, side="right")) + 1, len(ends))
-            free -= int(cum[started - 1])
+            free -= int(cum[started - 1]) if cum is not None else self.scheduler.decode_blocks_needed(started)
         return free
 
     @property

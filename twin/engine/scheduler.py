@@ -466,18 +466,7 @@ class Scheduler:
             self.group_last_out = t_end
             self.D += 1
             self.decode_context += out.num_decode
-            D = self.D
-            h = self.finish_heap
-            while h:
-                d_fin, seq, r = h[0]
-                if r.heap_seq != seq:
-                    heapq.heappop(h)
-                    continue
-                if d_fin > D:
-                    break
-                heapq.heappop(h)
-                self._leave_group(r)
-                finished.append(r)
+            finished = self._pop_finished_members()
 
         for r, n, c in out.prefills:
             if r.status is not RequestStatus.RUNNING or r.num_computed_tokens != r.num_tokens:
@@ -517,66 +506,87 @@ class Scheduler:
     def plan_decode_run(self, max_steps: int) -> tuple[int, np.ndarray | None]:
         """How many homogeneous decode-only steps can run from now without any decision changing.
 
-        Returns (k, cumulative new blocks per step). k < 2 means: take a normal step instead.
+        Returns (k, cumulative new blocks per step or None when blocks are plentiful). k < 2 means:
+        take a normal step instead.
         """
         if self.prefilling or self.stale or not self.num_decode:
             return 0, None
-        budget_left = self.config.max_num_batched_tokens - self.num_decode
-        thr = self.config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
-        if self.waiting and self._can_admit_head(budget_left, thr):
-            return 0, None
-        d_fin = self._next_finish_d()
-        k = min(d_fin - self.D, max_steps)
+        if self.waiting:
+            budget_left = self.config.max_num_batched_tokens - self.num_decode
+            thr = self.config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+            if self._can_admit_head(budget_left, thr):
+                return 0, None
+        k = min(self._next_finish_d() - self.D, max_steps)
         if k < 2:
             return 0, None
         bs = self.block_size
-        pc = np.asarray(self.phase_count)
-        need = pc[(-(self.D + np.arange(k))) % bs]
-        cum = np.cumsum(need)
-        kb = int(np.searchsorted(cum, self.pool.get_num_free_blocks(), side="right"))
-        k = min(k, kb)
+        free = self.pool.get_num_free_blocks()
+        if free >= self.num_decode * -(-k // bs):  # nobody can run out of blocks within k steps
+            return k, None
+        cum = self._decode_block_cumsum(k)
+        k = min(k, int(np.searchsorted(cum, free, side="right")))
         if k < 2:
             return 0, None
         return k, cum[:k]
 
+    def _decode_block_cumsum(self, k: int) -> np.ndarray:
+        """New blocks the decode group takes by the end of each of the next k steps."""
+        pc = np.asarray(self.phase_count)
+        return np.cumsum(pc[(-(self.D + np.arange(k))) % self.block_size])
+
+    def decode_blocks_needed(self, j: int) -> int:
+        """New blocks the decode group takes over the next j steps (each member one per block_size)."""
+        bs = self.block_size
+        full, rest = divmod(j, bs)
+        pc = self.phase_count
+        D = self.D
+        return full * self.num_decode + sum(pc[(-(D + s)) % bs] for s in range(rest))
+
     def decode_run_durations(self, k: int) -> np.ndarray:
         return self.perf.decode_run_times(self.num_decode, self.decode_context, k)
 
-    def commit_decode_run(self, j: int, cum_blocks: np.ndarray, durations: np.ndarray,
+    def commit_decode_run(self, j: int, cum_blocks: np.ndarray | None, durations: np.ndarray,
                           ends: np.ndarray) -> list[Request]:
         """Apply the first j steps of a planned run that ended at ends[j-1]."""
         stats = self.stats
         used0 = self.num_used_blocks
+        if cum_blocks is None:
+            cum_blocks = self._decode_block_cumsum(j)
         self.pool.allocate(int(cum_blocks[j - 1]))
-        used = used0 + cum_blocks[:j]
-        stats.kv_used_block_seconds += float(np.dot(used, durations[:j]))
-        peak = int(used[-1])
+        dur = durations[:j]
+        stats.kv_used_block_seconds += used0 * float(dur.sum()) + float(np.dot(cum_blocks[:j], dur))
+        peak = used0 + int(cum_blocks[j - 1])
         if peak > stats.kv_peak_used_blocks:
             stats.kv_peak_used_blocks = peak
         nd = self.num_decode
-        first_itl = float(ends[0]) - self.group_last_out
-        stats.add_itl(first_itl, nd)
+        t_end = float(ends[j - 1])
+        stats.add_itl(float(ends[0]) - self.group_last_out, nd)
         if j > 1:
-            stats.add_itl(np.diff(ends[:j]), nd)
+            stats.add_itl(dur[1:], nd)
         stats.num_steps += j
-        stats.busy_time_s += float(ends[j - 1]) - (float(ends[0]) - float(durations[0]))
+        stats.busy_time_s += t_end - (float(ends[0]) - float(durations[0]))
         stats.generated_tokens += nd * j
         self.D += j
         self.decode_context += nd * j
-        t_end = float(ends[j - 1])
         self.group_last_out = t_end
+        finished = self._pop_finished_members()
+        for r in finished:
+            self._finish(r, t_end)
+        return finished
+
+    def _pop_finished_members(self) -> list[Request]:
+        """Members whose output count reached max_tokens at the current D leave the group."""
         finished = []
         h = self.finish_heap
+        D = self.D
         while h:
             d_fin, seq, r = h[0]
             if r.heap_seq != seq:
                 heapq.heappop(h)
                 continue
-            if d_fin > self.D:
+            if d_fin > D:
                 break
             heapq.heappop(h)
             self._leave_group(r)
             finished.append(r)
-        for r in finished:
-            self._finish(r, t_end)
         return finished
