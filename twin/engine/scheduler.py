@@ -353,44 +353,60 @@ class Scheduler:
         out.prefills.append((r, n, c))
 
     def _schedule_running_exact(self, budget: int, thr: int, out: SchedulerOutput) -> int:
-        """Phase A request by request, in running order, preempting from the back when blocks run out."""
+        """Phase A request by request, in running order, preempting from the back when blocks run out.
+
+        Allocations are batched (`pending`) but flushed before any preemption frees blocks, so the
+        pool sees allocations and releases in vLLM's order. Decode members cost one comparison each.
+        """
         bs = self.block_size
         pool = self.pool
         running = self.running
+        target = (-self.D) % bs  # a member needs a new block this step iff its phase equals this
+        free = pool.get_num_free_blocks()
+        pending = 0
         i = 0
-        d_mod = self.D % bs
         while i < len(running) and budget > 0:
             r = running[i]
             if r.in_decode:
                 n = 1
-                nb = 1 if (r.phase + d_mod) % bs == 0 else 0
+                nb = 1 if r.phase == target else 0
             else:
                 n = r.num_tokens - r.num_computed_tokens
                 if 0 < thr < n:
                     n = thr
-                n = min(n, budget)
+                if n > budget:
+                    n = budget
                 nb = -(-(r.num_computed_tokens + n) // bs) - r.num_blocks
-            self_preempted = False
-            while nb > pool.get_num_free_blocks():
-                victim = running.pop()
-                self._preempt(victim, out)
-                if victim is r:
-                    self_preempted = True
+            if nb > free - pending:
+                pool.allocate(pending)
+                pending = 0
+                self_preempted = False
+                while nb > pool.get_num_free_blocks():
+                    victim = running.pop()
+                    self._preempt(victim, out)
+                    if victim is r:
+                        self_preempted = True
+                        break
+                free = pool.get_num_free_blocks()
+                if self_preempted:
                     break
-            if self_preempted:
-                break
-            pool.allocate(nb)
-            if r.in_decode:
-                out.num_decode += 1
-                out.decode_context += r.num_prompt_tokens + self._member_output(r)
-            else:
+            pending += nb
+            if not r.in_decode:
+                pool.allocate(pending)
+                free -= pending
+                pending = 0
                 self._schedule_chunk(r, n, out)
             budget -= n
             i += 1
+        pool.allocate(pending)
+        skipped_ctx = 0
         for r in running[i:]:
             if r.in_decode:
+                skipped_ctx += r.num_prompt_tokens + self._member_output(r)
                 self._skip_member(r)
                 out.skipped.append(r)
+        out.num_decode = self.num_decode - len(out.skipped)
+        out.decode_context = self.decode_context - skipped_ctx
         return budget
 
     def _admit(self, budget: int, thr: int, now: float, out: SchedulerOutput) -> None:
