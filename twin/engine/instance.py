@@ -78,7 +78,7 @@ class Instance:
         self.fast_forward = fast_forward
         self.max_run_steps = max_run_steps
         self._wakeup: simpy.Event | None = None
-        self._run: tuple[float, np.ndarray, np.ndarray] | None = None  # (t0, ends, cum blocks)
+        self._run: np.ndarray | None = None  # end times of the steps of the decode run in progress
         self._interruptible = False
         self.num_dispatched = 0
         self.num_wakeups = 0  # times the step loop resumed: what simulation cost grows with
@@ -94,12 +94,12 @@ class Instance:
                 yield self._wakeup
                 self._wakeup = None
                 continue
-            k, cum = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else (0, None)
+            k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
             if k >= 2:
                 t0 = env.now
                 durations = sched.decode_run_durations(k)
                 ends = t0 + np.cumsum(durations)
-                self._run = (t0, ends, cum)
+                self._run = ends
                 self._interruptible = True
                 j = k
                 try:
@@ -112,7 +112,7 @@ class Instance:
                 self.num_wakeups += 1
                 if env.now < ends[j - 1]:
                     yield env.timeout(float(ends[j - 1]) - env.now)
-                sched.commit_decode_run(j, cum, durations, ends)
+                sched.commit_decode_run(j, durations, ends)
                 continue
             self.num_wakeups += 1
             out = sched.schedule(env.now)
@@ -151,9 +151,9 @@ class Instance:
     def free_blocks(self) -> int:
         free = self.pool.get_num_free_blocks()
         if self._run is not None:  # blocks taken by the decode steps of the run started so far
-            t0, ends, cum = self._run
+            ends = self._run
             started = min(int(np.searchsorted(ends, self.env.now, side="right")) + 1, len(ends))
-            free -= int(cum[started - 1]) if cum is not None else self.scheduler.decode_blocks_needed(started)
+            free -= self.scheduler.decode_blocks_needed(started)
         return free
 
     @property

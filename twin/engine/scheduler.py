@@ -109,6 +109,7 @@ class Scheduler:
         self.stale: dict[Request, float] = {}  # members whose last output was not the group's
         self.stats = EngineStats()
         self._watermark_blocks = int(config.watermark * pool.num_gpu_blocks)
+        self._blocked: tuple | None = None  # (head, len(running), num_decode, free) when it was refused
 
     # ---------------------------------------------------------------------------------------------
     def add_request(self, r: Request) -> None:
@@ -519,31 +520,50 @@ class Scheduler:
             r.own_run = None
 
     # -- the fast-forward --------------------------------------------------------------------------
-    def plan_decode_run(self, max_steps: int) -> tuple[int, np.ndarray | None]:
+    def plan_decode_run(self, max_steps: int) -> int:
         """How many homogeneous decode-only steps can run from now without any decision changing.
 
-        Returns (k, cumulative new blocks per step or None when blocks are plentiful). k < 2 means:
-        take a normal step instead.
+        k < 2 means: take a normal step instead.
         """
         if self.prefilling or self.stale or not self.num_decode:
-            return 0, None
-        if self.waiting:
+            return 0
+        free = self.pool.get_num_free_blocks()
+        if self.waiting and not self._head_stays_blocked(free):
             budget_left = self.config.max_num_batched_tokens - self.num_decode
             thr = self.config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
             if self._can_admit_head(budget_left, thr):
-                return 0, None
+                return 0
+            self._blocked = (self.waiting[0], len(self.running), self.num_decode, free)
         k = min(self._next_finish_d() - self.D, max_steps)
-        if k < 2:
-            return 0, None
         bs = self.block_size
-        free = self.pool.get_num_free_blocks()
-        if free >= self.num_decode * -(-k // bs):  # nobody can run out of blocks within k steps
-            return k, None
-        cum = self._decode_block_cumsum(k)
-        k = min(k, int(np.searchsorted(cum, free, side="right")))
-        if k < 2:
-            return 0, None
-        return k, cum[:k]
+        if free < self.num_decode * -(-k // bs):  # some member may run out of blocks within k steps
+            k = min(k, self._steps_until_blocks_run_out(free))
+        return k if k >= 2 else 0
+
+    def _head_stays_blocked(self, free: int) -> bool:
+        """The queue head was refused with at least as many free blocks and the same batch: still refused.
+
+        Free blocks only shrink while the batch decodes, and evictions only shrink the head's hit.
+        """
+        b = self._blocked
+        return (b is not None and b[0] is self.waiting[0] and b[1] == len(self.running)
+                and b[2] == self.num_decode and free <= b[3])
+
+    def _steps_until_blocks_run_out(self, free: int) -> int:
+        """Decode steps the group can take before the free blocks cannot cover a step's allocations."""
+        bs = self.block_size
+        nd = self.num_decode
+        periods = free // nd  # each run of block_size steps takes exactly one block per member
+        left = free - periods * nd
+        pc = self.phase_count
+        D = self.D
+        s = 0
+        while True:
+            need = pc[(-(D + s)) % bs]
+            if need > left:
+                return periods * bs + s
+            left -= need
+            s += 1
 
     def _decode_block_cumsum(self, k: int) -> np.ndarray:
         """New blocks the decode group takes by the end of each of the next k steps."""
@@ -561,13 +581,11 @@ class Scheduler:
     def decode_run_durations(self, k: int) -> np.ndarray:
         return self.perf.decode_run_times(self.num_decode, self.decode_context, k)
 
-    def commit_decode_run(self, j: int, cum_blocks: np.ndarray | None, durations: np.ndarray,
-                          ends: np.ndarray) -> list[Request]:
+    def commit_decode_run(self, j: int, durations: np.ndarray, ends: np.ndarray) -> list[Request]:
         """Apply the first j steps of a planned run that ended at ends[j-1]."""
         stats = self.stats
         used0 = self.num_used_blocks
-        if cum_blocks is None:
-            cum_blocks = self._decode_block_cumsum(j)
+        cum_blocks = self._decode_block_cumsum(j)
         self.pool.allocate(int(cum_blocks[j - 1]))
         dur = durations[:j]
         stats.kv_used_block_seconds += used0 * float(dur.sum()) + float(np.dot(cum_blocks[:j], dur))
