@@ -111,7 +111,9 @@ class Cluster:
             if t > env.now:
                 yield env.timeout(t - env.now)
             self.num_arrived += 1
+            log.arrival_s[i] = env.now  # the clock's value: t - now + now can differ from t by an ulp
             r = self.make_request(i)
+            r.arrival_time = env.now
             if r.num_prompt_tokens + r.max_tokens > max_len:
                 log.reject(i, "longer than max_model_len",
                            f"{r.num_prompt_tokens} + {r.max_tokens} tokens > {max_len}")

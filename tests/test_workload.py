@@ -1,0 +1,71 @@
+"""Synthetic workloads have the statistics they claim; sessions share their history as a prefix."""
+
+import numpy as np
+import pytest
+
+from twin.cluster import Cluster
+from twin.engine.request import engine_block_keys
+from twin.workload import build_stream
+from twin.workload.synthetic import gamma_arrivals, poisson_arrivals
+
+from conftest import make_scenario, run_checked
+
+
+def test_poisson_and_gamma_have_the_requested_rate_and_burstiness():
+    rng = np.random.default_rng(0)
+    gaps = np.diff(poisson_arrivals(200_000, 20.0, rng))
+    assert gaps.mean() == pytest.approx(1 / 20, rel=0.02)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.02)
+    gaps = np.diff(gamma_arrivals(200_000, 20.0, 3.0, rng))
+    assert gaps.mean() == pytest.approx(1 / 20, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(3.0, rel=0.05)
+
+
+def test_length_trace_sampling_respects_the_cap():
+    sc = make_scenario(**{"workload.num_requests": 2000,
+                          "workload.lengths": {"kind": "trace", "path": "traces/sharegpt_lengths.sample.csv",
+                                               "max_total_tokens": 2048}})
+    s = build_stream(sc)
+    assert (s.prompt_tokens + s.output_tokens <= 2048).all()
+    assert s.stats.rows_filtered > 0 and s.stats.rows_read == 10000
+    assert len(np.unique(s.prompt_tokens)) > 100
+
+
+def test_sessions_carry_earlier_turns_as_a_prefix_and_hit_the_cache():
+    sc = make_scenario(**{"workload.num_requests": 60, "workload.arrival.rate": 2,
+                          "workload.sessions": {"turns_mean": 4, "think_time_s": 30}})
+    s = build_stream(sc)
+    assert len(np.unique(s.session_id)) < 60
+    # turn k+1's prompt = turn k's prompt + answer + a new message
+    for sid in np.unique(s.session_id):
+        idx = np.flatnonzero(s.session_id == sid)
+        for a, b in zip(idx, idx[1:]):
+            assert s.prompt_tokens[b] > s.prompt_tokens[a] + s.output_tokens[a]
+            keys_a = engine_block_keys(s.hash_ids[a], 16, 16, s.prompt_tokens[a] + s.output_tokens[a])
+            keys_b = engine_block_keys(s.hash_ids[b], 16, 16, s.prompt_tokens[b])
+            assert keys_b[:len(keys_a)] == keys_a
+    res = run_checked(sc, s)
+    later = np.flatnonzero(np.r_[False, s.session_id[1:] == s.session_id[:-1]])
+    assert (res.log.cached_tokens[later] > 0).mean() > 0.9
+
+
+def test_kv_capacity_follows_memory_minus_weights():
+    sc = make_scenario()
+    cl = Cluster(sc, build_stream(sc))
+    tokens = cl.num_blocks * 16
+    # Llama-3-8B on an H100: ~ (72 GB - 16 GB weights - activations) / 128 KiB = ~400k tokens
+    assert 380_000 < tokens < 430_000
+    sc70 = make_scenario(**{"cluster.model": "Llama-3-70B", "cluster.tensor_parallel": 4})
+    cl70 = Cluster(sc70, build_stream(sc70))
+    assert cl70.num_blocks > 0
+    with pytest.raises(Exception, match="no room for a KV cache"):
+        sc_bad = make_scenario(**{"cluster.model": "Llama-3-70B"})
+        Cluster(sc_bad, build_stream(sc_bad))
+
+
+def test_tensor_parallel_instance_serves_faster():
+    base = {"cluster.model": "Llama-3-70B", "cluster.hardware": "H200", "workload.num_requests": 20}
+    tp2 = run_checked(make_scenario(**base, **{"cluster.tensor_parallel": 2}), build_stream(make_scenario(**base)))
+    tp4 = run_checked(make_scenario(**base, **{"cluster.tensor_parallel": 4}), build_stream(make_scenario(**base)))
+    e2e = lambda r: np.nanmean(r.log.finish_s - r.log.arrival_s)  # noqa: E731
+    assert e2e(tp4) < e2e(tp2)
