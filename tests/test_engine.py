@@ -86,7 +86,7 @@ def test_preempted_request_recomputes_and_reports_one_large_itl():
     # two requests that cannot both hold their full sequences: the later one is preempted
     res = run_checked(sc, stream_of([0.0, 0.0], [200, 200], [100, 100]))
     assert res.log.preemptions.sum() >= 1
-    itl = max(np.max(np.atleast_1d(v)) for v in res.instances[0].scheduler.stats.itl_values)
+    itl = res.instances[0].scheduler.stats.itl.arrays()[0].max()
     step = build_perf(sc).step_time(StepBatch(num_decode_tokens=1, decode_context_tokens=300))
     assert itl > 5 * step
 

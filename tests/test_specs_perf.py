@@ -79,12 +79,12 @@ def test_fp8_and_tensor_parallel_make_compute_faster():
     assert model(tensor_parallel=2).step_time(b) < base
 
 
-def test_vectorised_decode_run_equals_step_by_step():
+def test_decode_run_equals_step_by_step():
     m = model()
     fast = m.decode_run_times(37, 37 * 900, 50)
     slow = decode_run_times_by_steps(m, 37, 37 * 900, 50)
     assert fast == pytest.approx(slow, rel=1e-12)
-    assert all(fast[1:] >= fast[:-1])  # attention over a growing context never gets cheaper
+    assert all(b >= a for a, b in zip(fast, fast[1:]))  # attention over a growing context never gets cheaper
 
 
 def test_empty_step_costs_nothing():

@@ -36,18 +36,11 @@ def describe(values: np.ndarray, weights: np.ndarray | None = None) -> dict:
 
 
 def itl_samples(result: SimResult) -> tuple[np.ndarray, np.ndarray]:
-    vals, wts = [], []
-    for inst in result.instances:
-        st = inst.scheduler.stats
-        for v, w in zip(st.itl_values, st.itl_weights):
-            if w <= 0:
-                continue
-            v = np.atleast_1d(np.asarray(v, dtype=np.float64))
-            vals.append(v)
-            wts.append(np.full(len(v), w, dtype=np.int64))
-    if not vals:
+    """All instances' inter-token latencies as (values, multiplicities)."""
+    parts = [inst.scheduler.stats.itl.arrays() for inst in result.instances]
+    if not parts:
         return np.empty(0), np.empty(0, dtype=np.int64)
-    return np.concatenate(vals), np.concatenate(wts)
+    return np.concatenate([v for v, _ in parts]), np.concatenate([w for _, w in parts])
 
 
 def slo_mask(log: RequestLog, slo) -> np.ndarray:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
 from dataclasses import dataclass
 
-import numpy as np
 import simpy
 
 from twin.engine.block_pool import BlockPool
@@ -66,7 +67,7 @@ class Instance:
 
     def __init__(self, env: simpy.Environment, name: str, index: int, config: EngineConfig,
                  perf: StepTimeModel, num_blocks: int, log: RequestLog, fast_forward: bool = True,
-                 max_run_steps: int = 100_000) -> None:
+                 max_run_steps: int = 4096) -> None:
         self.env = env
         self.id = name
         self.index = index
@@ -75,10 +76,12 @@ class Instance:
         self.log = log
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.pool, perf, log, index)
+        self._running = self.scheduler.running  # the same list and deque objects, for cheap views
+        self._waiting = self.scheduler.waiting
         self.fast_forward = fast_forward
         self.max_run_steps = max_run_steps
         self._wakeup: simpy.Event | None = None
-        self._run: np.ndarray | None = None  # end times of the steps of the decode run in progress
+        self._run: list[float] | None = None  # end times of the steps of the decode run in progress
         self._interruptible = False
         self.num_dispatched = 0
         self.num_wakeups = 0  # times the step loop resumed: what simulation cost grows with
@@ -98,20 +101,20 @@ class Instance:
             if k >= 2:
                 t0 = env.now
                 durations = sched.decode_run_durations(k)
-                ends = t0 + np.cumsum(durations)
+                ends = list(accumulate(durations, initial=t0))[1:]  # as the clock would add them
                 self._run = ends
                 self._interruptible = True
                 j = k
                 try:
-                    yield env.timeout(float(ends[-1]) - t0)
+                    yield env.timeout(ends[-1] - t0)
                 except simpy.Interrupt:
                     # an arrival: the step in progress completes, then the scheduler sees the newcomer
-                    j = min(int(np.searchsorted(ends, env.now, side="left")) + 1, k)
+                    j = min(bisect_left(ends, env.now) + 1, k)
                 self._interruptible = False
                 self._run = None
                 self.num_wakeups += 1
                 if env.now < ends[j - 1]:
-                    yield env.timeout(float(ends[j - 1]) - env.now)
+                    yield env.timeout(ends[j - 1] - env.now)
                 sched.commit_decode_run(j, durations, ends)
                 continue
             self.num_wakeups += 1
@@ -141,18 +144,18 @@ class Instance:
     # -- InstanceView --------------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return len(self._running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self._waiting)
 
     @property
     def free_blocks(self) -> int:
         free = self.pool.get_num_free_blocks()
         if self._run is not None:  # blocks taken by the decode steps of the run started so far
             ends = self._run
-            started = min(int(np.searchsorted(ends, self.env.now, side="right")) + 1, len(ends))
+            started = min(bisect_right(ends, self.env.now) + 1, len(ends))
             free -= self.scheduler.decode_blocks_needed(started)
         return free
 

@@ -15,6 +15,7 @@ a heap keyed by the value of `D` at which each member reaches its `max_tokens`.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -64,6 +65,29 @@ class SchedulerOutput:
         return not self.prefills and self.num_decode == 0
 
 
+class ItlRecorder:
+    """Inter-token latencies as (value, how many tokens had it), in compact arrays (16 bytes an entry)."""
+
+    __slots__ = ("values", "weights")
+
+    def __init__(self) -> None:
+        self.values = array("d")
+        self.weights = array("q")
+
+    def add(self, value: float, weight: int) -> None:
+        if weight > 0:
+            self.values.append(value)
+            self.weights.append(weight)
+
+    def add_many(self, values, weight: int) -> None:
+        if weight > 0 and len(values):
+            self.values.extend(values)
+            self.weights.extend(array("q", [weight]) * len(values))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.frombuffer(self.values, dtype=np.float64), np.frombuffer(self.weights, dtype=np.int64)
+
+
 @dataclass
 class EngineStats:
     """Counters and weighted samples an instance accumulates over a run."""
@@ -76,12 +100,7 @@ class EngineStats:
     kv_used_block_seconds: float = 0.0
     kv_peak_used_blocks: int = 0
     generated_tokens: int = 0
-    itl_values: list = field(default_factory=list)  # scalars or arrays of inter-token latencies
-    itl_weights: list = field(default_factory=list)  # how many tokens had each value
-
-    def add_itl(self, value, weight) -> None:
-        self.itl_values.append(value)
-        self.itl_weights.append(weight)
+    itl: ItlRecorder = field(default_factory=ItlRecorder)
 
 
 class Scheduler:
@@ -231,12 +250,14 @@ class Scheduler:
     # -- admission helpers -------------------------------------------------------------------------
     def _lookup(self, r: Request) -> tuple[int, int, int]:
         """(hit keyed blocks, hit own-run blocks, free blocks among the hits) for a waiting request."""
+        keys = r.block_keys
+        run = r.own_run
+        if not keys and run is None:  # content nobody shares and no blocks of its own left behind
+            return 0, 0, 0
         bs = self.block_size
         max_blocks = (r.num_tokens - 1) // bs
-        keys = r.block_keys
         hk = self.pool.num_cached_hits(keys, max_blocks)
         own = 0
-        run = r.own_run
         if run is not None and run.count > 0 and hk == len(keys) and hk < max_blocks:
             own = min(run.count, max_blocks - hk)
         free_hits = own + (self.pool.num_free_among(keys[:hk]) if hk else 0)
@@ -475,10 +496,10 @@ class Scheduler:
                 skipped = set(out.skipped)
                 for r, last in list(self.stale.items()):
                     if r not in skipped:
-                        stats.add_itl(t_end - last, 1)
+                        stats.itl.add(t_end - last, 1)
                         del self.stale[r]
                         n_stale_out += 1
-            stats.add_itl(t_end - self.group_last_out, out.num_decode - n_stale_out)
+            stats.itl.add(t_end - self.group_last_out, out.num_decode - n_stale_out)
             stats.generated_tokens += out.num_decode
             self.group_last_out = t_end
             self.D += 1
@@ -494,7 +515,7 @@ class Scheduler:
                 r.first_token_time = t_end
                 self.log.first_token_s[r.idx] = t_end
             else:
-                stats.add_itl(t_end - r.last_output_time, 1)
+                stats.itl.add(t_end - r.last_output_time, 1)
             self.prefilling.remove(r)
             if r.num_output_tokens >= r.max_tokens:
                 r.num_computed_tokens = r.num_tokens - 1
@@ -565,11 +586,6 @@ class Scheduler:
             left -= need
             s += 1
 
-    def _decode_block_cumsum(self, k: int) -> np.ndarray:
-        """New blocks the decode group takes by the end of each of the next k steps."""
-        pc = np.asarray(self.phase_count)
-        return np.cumsum(pc[(-(self.D + np.arange(k))) % self.block_size])
-
     def decode_blocks_needed(self, j: int) -> int:
         """New blocks the decode group takes over the next j steps (each member one per block_size)."""
         bs = self.block_size
@@ -578,27 +594,31 @@ class Scheduler:
         D = self.D
         return full * self.num_decode + sum(pc[(-(D + s)) % bs] for s in range(rest))
 
-    def decode_run_durations(self, k: int) -> np.ndarray:
+    def decode_run_durations(self, k: int) -> list[float]:
         return self.perf.decode_run_times(self.num_decode, self.decode_context, k)
 
-    def commit_decode_run(self, j: int, durations: np.ndarray, ends: np.ndarray) -> list[Request]:
+    def commit_decode_run(self, j: int, durations: list[float], ends: list[float]) -> list[Request]:
         """Apply the first j steps of a planned run that ended at ends[j-1]."""
         stats = self.stats
-        used0 = self.num_used_blocks
-        cum_blocks = self._decode_block_cumsum(j)
-        self.pool.allocate(int(cum_blocks[j - 1]))
-        dur = durations[:j]
-        stats.kv_used_block_seconds += used0 * float(dur.sum()) + float(np.dot(cum_blocks[:j], dur))
-        peak = used0 + int(cum_blocks[j - 1])
-        if peak > stats.kv_peak_used_blocks:
-            stats.kv_peak_used_blocks = peak
+        bs = self.block_size
+        pc = self.phase_count
+        D = self.D
+        used0 = used = self.num_used_blocks
+        block_seconds = 0.0
+        for s in range(j):  # allocation happens at each step's start, then the step runs
+            used += pc[(-(D + s)) % bs]
+            block_seconds += used * durations[s]
+        self.pool.allocate(used - used0)
+        stats.kv_used_block_seconds += block_seconds
+        if used > stats.kv_peak_used_blocks:
+            stats.kv_peak_used_blocks = used
         nd = self.num_decode
-        t_end = float(ends[j - 1])
-        stats.add_itl(float(ends[0]) - self.group_last_out, nd)
+        t_end = ends[j - 1]
+        stats.itl.add(ends[0] - self.group_last_out, nd)
         if j > 1:
-            stats.add_itl(dur[1:], nd)
+            stats.itl.add_many(durations[1:j], nd)
         stats.num_steps += j
-        stats.busy_time_s += t_end - (float(ends[0]) - float(durations[0]))
+        stats.busy_time_s += t_end - (ends[0] - durations[0])
         stats.generated_tokens += nd * j
         self.D += j
         self.decode_context += nd * j

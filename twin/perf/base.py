@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 
 @dataclass(slots=True)
 class StepBatch:
@@ -29,16 +27,12 @@ class StepTimeModel(Protocol):
 
     def step_time(self, batch: StepBatch) -> float: ...
 
-    def decode_run_times(self, num_decode: int, context0: int, k: int) -> np.ndarray:
+    def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
         """Durations of k decode-only steps of `num_decode` requests, step s attending context0 + s*num_decode."""
         ...
 
 
-def decode_run_times_by_steps(model: StepTimeModel, num_decode: int, context0: int, k: int) -> np.ndarray:
+def decode_run_times_by_steps(model: StepTimeModel, num_decode: int, context0: int, k: int) -> list[float]:
     """Reference implementation of `decode_run_times`: one `step_time` call per step."""
-    out = np.empty(k)
-    for s in range(k):
-        out[s] = model.step_time(
-            StepBatch(num_decode_tokens=num_decode, decode_context_tokens=context0 + s * num_decode)
-        )
-    return out
+    return [model.step_time(StepBatch(num_decode_tokens=num_decode, decode_context_tokens=context0 + s * num_decode))
+            for s in range(k)]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from twin.errors import TwinInputError
 from twin.hardware import GPUSpec
 from twin.models import DTYPE_BYTES, ModelSpec
@@ -97,16 +95,19 @@ class RooflineModel:
         comm = self._ar_fixed + self._ar_bytes_per_token * t
         return max(flops / self._flops_peak, nbytes / self._bw) + comm + self.step_overhead_s
 
-    def decode_run_times(self, num_decode: int, context0: int, k: int) -> np.ndarray:
-        ctx = context0 + num_decode * np.arange(k, dtype=np.float64)
-        flops = (self._flops_per_token + self._flops_per_sample) * num_decode + self._flops_per_attn * ctx
-        nbytes = (
-            self._weight_bytes
-            + (self._act_bytes_per_token + self._kv_bytes_per_token) * num_decode
-            + self._kv_bytes_per_token * ctx
-        )
-        comm = self._ar_fixed + self._ar_bytes_per_token * num_decode
-        return np.maximum(flops / self._flops_peak, nbytes / self._bw) + (comm + self.step_overhead_s)
+    def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
+        """k decode-only steps: each a max of two lines in the step index (compute, memory) + constants.
+
+        Plain Python: runs are a handful of steps between events, where numpy's set-up costs more.
+        """
+        nd = num_decode
+        f0 = (self._flops_per_token + self._flops_per_sample) * nd + self._flops_per_attn * context0
+        b0 = self._weight_bytes + (self._act_bytes_per_token + self._kv_bytes_per_token) * nd \
+            + self._kv_bytes_per_token * context0
+        a, da = f0 / self._flops_peak, self._flops_per_attn * nd / self._flops_peak
+        c, dc = b0 / self._bw, self._kv_bytes_per_token * nd / self._bw
+        e = self._ar_fixed + self._ar_bytes_per_token * nd + self.step_overhead_s
+        return [(a + da * s if a + da * s > c + dc * s else c + dc * s) + e for s in range(k)]
 
     def describe(self) -> dict:
         """Parameters and which of them are assumptions, for reports."""
