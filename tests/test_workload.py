@@ -69,3 +69,12 @@ def test_tensor_parallel_instance_serves_faster():
     tp4 = run_checked(make_scenario(**base, **{"cluster.tensor_parallel": 4}), build_stream(make_scenario(**base)))
     e2e = lambda r: np.nanmean(r.log.finish_s - r.log.arrival_s)  # noqa: E731
     assert e2e(tp4) < e2e(tp2)
+
+
+def test_truncated_requests_lose_their_prefix_identity():
+    from twin.workload import apply_context_limit
+
+    from conftest import stream_of
+    s = stream_of([0.0, 1.0], [9000, 100], [10, 10], [[1, 2, 3], [1, 2]], hash_block_size=512)
+    s = apply_context_limit(s, 8192, "truncate", "test")
+    assert s.prompt_tokens[0] == 8182 and s.hash_ids[0] is None and s.hash_ids[1] == [1, 2]

@@ -101,12 +101,58 @@ class SessionSpec(_Spec):
     think_time_s: float = Field(10.0, ge=0)
 
 
+class TraceSpec(_Spec):
+    """A public trace as the workload (twin.workload.formats), with replay controls; paths resolve
+    against the scenario file's folder. Traces without timestamps take workload.arrival."""
+
+    path: str
+    format: Literal["auto", "sharegpt", "burstgpt", "azure", "mooncake", "servegen", "lengths"] = "auto"
+    skip_bad_rows: bool = False
+    start_s: float = Field(0.0, ge=0, description="window start on the trace's own clock")
+    duration_s: Optional[float] = Field(None, gt=0)
+    rate_scale: Optional[float] = Field(None, gt=0, description="replay k times as fast")
+    target_rate: Optional[float] = Field(None, gt=0, description="or: scale to this mean req/s")
+    sample: Optional[float] = Field(None, gt=0, le=1, description="keep this fraction, at random")
+    max_requests: Optional[int] = Field(None, gt=0)
+    max_prompt_tokens: Optional[int] = Field(None, gt=0)
+    max_total_tokens: Optional[int] = Field(None, gt=1)
+    shuffle: bool = True  # sharegpt, lengths: rows are independent samples
+    think_time_s: float = Field(10.0, ge=0)  # sharegpt: gap before a conversation's next turn
+    tokenizer: Optional[str] = None  # sharegpt: local Hugging Face tokenizer folder
+    output_lengths: Optional[str] = None  # sharegpt: length CSV for turns without an answer
+    chars_per_token: float = Field(4.0, gt=0)  # sharegpt: the estimate without a tokenizer
+    models: list[str] = []  # burstgpt: keep these Model values
+    log_types: list[str] = []  # burstgpt: conversation | api
+    keep_failed: bool = False  # burstgpt: keep rows with Response tokens 0
+    clients: list[int] = []  # servegen: client ids (chunk-<id>); empty: all in the folder
+    lengths: Optional[str] = None  # servegen: length CSV where the dataset JSON has none
+
+    @model_validator(mode="after")
+    def _one_rate_control(self) -> "TraceSpec":
+        if self.rate_scale is not None and self.target_rate is not None:
+            raise ValueError("give rate_scale or target_rate, not both")
+        return self
+
+
 class WorkloadSpec(_Spec):
-    num_requests: int = Field(gt=0)
-    arrival: ArrivalSpec
-    lengths: LengthSpec
+    num_requests: Optional[int] = Field(None, gt=0)
+    arrival: Optional[ArrivalSpec] = None
+    lengths: Optional[LengthSpec] = None
     sessions: Optional[SessionSpec] = None
+    trace: Optional[TraceSpec] = None
     on_too_long: Literal["error", "reject", "truncate"] = "error"
+
+    @model_validator(mode="after")
+    def _synthetic_or_trace(self) -> "WorkloadSpec":
+        if self.trace is not None:
+            extra = [k for k in ("num_requests", "lengths", "sessions") if getattr(self, k) is not None]
+            if extra:
+                raise ValueError(f"with a trace, drop {', '.join(extra)} (cap the count with trace.max_requests; "
+                                 "arrival is used only by traces without timestamps)")
+        elif self.num_requests is None or self.arrival is None or self.lengths is None:
+            raise ValueError("give either trace (a trace file to replay) or num_requests, arrival and lengths "
+                             "(a synthetic workload)")
+        return self
 
 
 class RouterSpec(_Spec):
@@ -199,8 +245,8 @@ def parse_scenario(raw: Any, source: str = "scenario", base_dir: str | Path = ".
     return sc
 
 
-def load_scenario(path: str | Path, overrides: list[str] | None = None, seed: int | None = None) -> Scenario:
-    """Read, override and validate a scenario file; bad input raises TwinInputError with one line per problem."""
+def read_scenario_yaml(path: str | Path) -> dict:
+    """The raw mapping of a scenario file, or a TwinInputError naming the file (and line) and the problem."""
     path = Path(path)
     if not path.exists():
         raise TwinInputError(f"scenario file {path} does not exist")
@@ -210,7 +256,15 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None, seed: in
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise TwinInputError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    raw = apply_overrides(raw if isinstance(raw, dict) else raw, overrides or []) if isinstance(raw, dict) else raw
-    if seed is not None and isinstance(raw, dict):
+    if not isinstance(raw, dict):
+        raise TwinInputError(f"{path}: a scenario must be a YAML mapping, got {type(raw).__name__}")
+    return raw
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None, seed: int | None = None) -> Scenario:
+    """Read, override and validate a scenario file; bad input raises TwinInputError with one line per problem."""
+    path = Path(path)
+    raw = apply_overrides(read_scenario_yaml(path), overrides or [])
+    if seed is not None:
         raw["seed"] = seed
     return parse_scenario(raw, str(path), path.parent)

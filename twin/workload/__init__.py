@@ -10,7 +10,28 @@ from twin.workload.stream import RequestStream, TraceStats
 from twin.workload.synthetic import (gamma_arrivals, poisson_arrivals, read_length_trace, sample_lengths,
                                      sessionize)
 
-__all__ = ["RequestStream", "TraceStats", "build_stream", "apply_context_limit"]
+__all__ = ["RequestStream", "TraceStats", "build_stream", "apply_context_limit", "trace_stream"]
+
+
+def trace_stream(sc) -> RequestStream:
+    """The stream of a scenario whose workload names a trace (paths relative to the scenario file)."""
+    from twin.workload.formats import UNTIMED, detect_format, load_trace
+    from twin.workload.formats.common import check_file
+
+    t = sc.workload.trace
+    path = check_file(sc.resolve_path(t.path), "trace")
+    fmt = detect_format(path) if t.format == "auto" else t.format
+    opts = t.model_dump(exclude_defaults=True, exclude={"path", "format"})
+    for key in ("tokenizer", "output_lengths", "lengths"):
+        if key in opts:
+            opts[key] = str(sc.resolve_path(opts[key]))
+    a = sc.workload.arrival
+    if a is not None and fmt in UNTIMED:
+        opts.update(arrival=a.process, rate=a.rate, cv=a.cv)
+    stream = load_trace(path, fmt, seed=sc.seed, **opts)
+    if a is not None and fmt not in UNTIMED:
+        stream.stats.notes.append("workload.arrival ignored: this trace has its own timestamps")
+    return stream
 
 
 def apply_context_limit(stream: RequestStream, max_model_len: int, policy: str, where: str) -> RequestStream:
@@ -34,6 +55,9 @@ def apply_context_limit(stream: RequestStream, max_model_len: int, policy: str, 
     out = np.minimum(stream.output_tokens, max_model_len - 1)
     stream.output_tokens = out
     stream.prompt_tokens = np.minimum(stream.prompt_tokens, max_model_len - out)
+    if stream.hash_ids is not None:  # a prompt cut from the left no longer starts with its old prefix
+        for i in np.flatnonzero(over):
+            stream.hash_ids[i] = None
     stream.stats.notes.append(f"{n} requests truncated to max_model_len {max_model_len}")
     return stream
 
@@ -41,6 +65,10 @@ def apply_context_limit(stream: RequestStream, max_model_len: int, policy: str, 
 def build_stream(sc) -> RequestStream:
     """The request stream a scenario's `workload` section describes."""
     w = sc.workload
+    if w.trace is not None:
+        stream = trace_stream(sc)
+        max_len = sc.cluster.engine.max_model_len or get_model(sc.cluster.model).max_model_len
+        return apply_context_limit(stream, max_len, w.on_too_long, f"workload.trace {w.trace.path}")
     rng = np.random.default_rng(sc.seed)
     n = w.num_requests
     if w.arrival.process == "poisson":
