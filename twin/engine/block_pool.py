@@ -100,17 +100,17 @@ class BlockPool:
         lru = self.free_lru
         m = self.cached_block_hash_to_ref
         while n > 0:
-            entry = next(iter(lru))
+            entry, _ = lru.popitem(last=False)
             if type(entry) is Run:
                 k = min(n, entry.count)
                 entry.count -= k
                 n -= k
                 self.num_lru_free -= k
                 self.num_evictions += k
-                if entry.count == 0:
-                    del lru[entry]
+                if entry.count:  # partly used: the rest stays at the front
+                    lru[entry] = None
+                    lru.move_to_end(entry, last=False)
             else:
-                del lru[entry]
                 del m[entry]
                 n -= 1
                 self.num_lru_free -= 1
@@ -130,12 +130,14 @@ class BlockPool:
         """Drop one reference per key (tail first); blocks reaching zero go to the tail of the LRU."""
         m = self.cached_block_hash_to_ref
         lru = self.free_lru
+        freed = 0
         for key in keys_reversed:
             ref = m[key] - 1
             m[key] = ref
-            if ref == 0:
+            if not ref:
                 lru[key] = None
-                self.num_lru_free += 1
+                freed += 1
+        self.num_lru_free += freed
 
     def release_cached_unkeyed(self, key: int) -> None:
         """A freed full block whose hash was never registered: cache it now, straight into the LRU."""

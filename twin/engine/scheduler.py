@@ -210,13 +210,16 @@ class Scheduler:
     def _register_full_blocks(self, r: Request, computed: int) -> None:
         """Blocks that are full after computing `computed` tokens get their hash (vLLM `cache_blocks`)."""
         end = min(computed // self.block_size, len(r.block_keys))
-        pool = self.pool
-        for j in range(r.next_reg, end):
-            key = r.block_keys[j]
-            if pool.register(key):
-                r.keyed.append(key)
-        if end > r.next_reg:
-            r.next_reg = end
+        if end <= r.next_reg:
+            return
+        if self.pool.enable_caching:  # BlockPool.register, inlined: this loop runs once per prompt block
+            m = self.pool.cached_block_hash_to_ref
+            keyed = r.keyed
+            for key in r.block_keys[r.next_reg:end]:
+                if key not in m:
+                    m[key] = 1
+                    keyed.append(key)
+        r.next_reg = end
 
     def _free_request(self, r: Request, preempted: bool) -> None:
         """Release all blocks in vLLM's order: tail first; hashed blocks to the LRU tail."""
