@@ -41,8 +41,8 @@ def test_sessions_carry_earlier_turns_as_a_prefix_and_hit_the_cache():
         idx = np.flatnonzero(s.session_id == sid)
         for a, b in zip(idx, idx[1:]):
             assert s.prompt_tokens[b] > s.prompt_tokens[a] + s.output_tokens[a]
-            keys_a = engine_block_keys(s.hash_ids[a], 16, 16, s.prompt_tokens[a] + s.output_tokens[a])
-            keys_b = engine_block_keys(s.hash_ids[b], 16, 16, s.prompt_tokens[b])
+            keys_a = engine_block_keys(s.hash_ids[a], 16, 16, int(s.prompt_tokens[a] + s.output_tokens[a]))
+            keys_b = engine_block_keys(s.hash_ids[b], 16, 16, int(s.prompt_tokens[b]))
             assert keys_b[:len(keys_a)] == keys_a
     res = run_checked(sc, s)
     later = np.flatnonzero(np.r_[False, s.session_id[1:] == s.session_id[:-1]])

@@ -38,7 +38,7 @@ class BlockPool:
         self.num_usable_blocks = num_gpu_blocks - 1
         self.num_anon_free = self.num_usable_blocks  # front of vLLM's free queue
         # cached free blocks in LRU order (front = evicted first): hash -> None, or Run -> None
-        self.free_lru: OrderedDict[object, None] = OrderedDict()
+        self.free_lru: OrderedDict[int | Run, None] = OrderedDict()
         self.num_lru_free = 0
         # every live hashed block: hash -> ref_cnt (0 means it sits in free_lru)
         self.cached_block_hash_to_ref: dict[int, int] = {}
@@ -101,7 +101,7 @@ class BlockPool:
         m = self.cached_block_hash_to_ref
         while n > 0:
             entry, _ = lru.popitem(last=False)
-            if type(entry) is Run:
+            if isinstance(entry, Run):
                 k = min(n, entry.count)
                 entry.count -= k
                 n -= k
@@ -165,7 +165,7 @@ class BlockPool:
     def check(self) -> None:
         lru_total = 0
         for entry in self.free_lru:
-            if type(entry) is Run:
+            if isinstance(entry, Run):
                 assert entry.count > 0
                 lru_total += entry.count
             else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from twin.engine.block_pool import Run
+
 
 class RequestStatus(IntEnum):
     """Where a request is; also the `status` column of requests.parquet (as its name)."""
@@ -43,7 +45,7 @@ class Request:
         self.keyed: list[int] = []  # hashed blocks this request holds a reference to
         self.num_blocks = 0  # blocks held (keyed + anonymous); derived while decoding
         self.next_reg = 0  # next block index whose hash may still be registered
-        self.own_run = None  # its unshareable blocks freed by a preemption, still hittable by itself
+        self.own_run: Run | None = None  # its unshareable blocks freed by a preemption, still hittable by itself
         self.in_decode = False
         self.out_base = 0
         self.d_base = 0

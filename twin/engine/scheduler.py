@@ -558,7 +558,9 @@ class Scheduler:
             if self._can_admit_head(budget_left, thr):
                 return 0
             self._blocked = (self.waiting[0], len(self.running), self.num_decode, free)
-        k = min(self._next_finish_d() - self.D, max_steps)
+        d_fin = self._next_finish_d()
+        assert d_fin is not None  # every member has a live heap entry
+        k = min(d_fin - self.D, max_steps)
         bs = self.block_size
         if free < self.num_decode * -(-k // bs):  # some member may run out of blocks within k steps
             k = min(k, self._steps_until_blocks_run_out(free))

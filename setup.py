@@ -1,0 +1,30 @@
+"""Metadata lives in pyproject.toml. This file only adds the optional compiled build.
+
+`LLMTWIN_COMPILE=1 pip install --no-build-isolation .` (with mypy installed) compiles the simulator's hot
+modules with mypyc: same code, same results, about 3-4x faster. Without the variable the install is pure
+Python. `make compiled` does this in .venv-fast.
+"""
+
+import os
+
+from setuptools import setup
+
+HOT_MODULES = [
+    "twin/engine/block_pool.py",
+    "twin/engine/request.py",
+    "twin/engine/scheduler.py",
+    "twin/engine/instance.py",
+    "twin/perf/base.py",
+    "twin/perf/roofline.py",
+    "twin/policy/routers.py",
+    "twin/cluster.py",
+]
+
+ext_modules = []
+if os.environ.get("LLMTWIN_COMPILE") == "1":
+    from mypyc.build import mypycify
+
+    # errors in modules that are imported but not compiled (trace readers...) must not stop the build
+    ext_modules = mypycify(["--ignore-missing-imports", "--follow-imports=silent", *HOT_MODULES], opt_level="3")
+
+setup(ext_modules=ext_modules)
