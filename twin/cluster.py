@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -140,6 +141,19 @@ class Cluster:
 
     def run(self, progress: Callable[[float, int], None] | None = None, slices: int = 200) -> SimResult:
         """Run to completion (or `sim.max_sim_time_s`), calling `progress(sim_now, arrived)` between slices."""
+        env = self.env
+        # Requests waiting in a long queue are many young objects and no cycles: Python's collector
+        # rescanning them was ~15 % of a million-request run. Collect rarely; restore afterwards.
+        gc_threshold = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(max(gc_threshold[0], 100_000), gc_threshold[1], max(gc_threshold[2], 100))
+        try:
+            return self._run(progress, slices)
+        finally:
+            gc.set_threshold(*gc_threshold)
+            gc.unfreeze()
+
+    def _run(self, progress, slices: int) -> SimResult:
         env = self.env
         t_wall = time.perf_counter()
         horizon = self.scenario.sim.max_sim_time_s
