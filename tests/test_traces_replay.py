@@ -178,3 +178,16 @@ def test_mooncake_slice_through_the_simulator():
     hit = summary["prefix_cache_hit_rate"]
     assert 0 < hit <= ideal.token_hit_rate
     assert summary["workload"]["rows_used"] == 150 and summary["workload"]["rows_filtered"] == 350
+
+
+def test_an_unbounded_cache_on_one_instance_reaches_the_traces_own_reuse():
+    """With room for every block and one instance, the engine's hit rate is the trace's ideal reuse
+    (the engine recomputes the last token and hits whole 16-token blocks, so slightly less)."""
+    sc = parse_scenario({**BASE, "workload": {"trace": {"path": str(MOON)}, "on_too_long": "reject"},
+                         "cluster": {**BASE["cluster"], "num_instances": 1, "model": "Qwen2.5-32B",
+                                     "engine": {"max_model_len": 131072, "num_gpu_blocks_override": 2_000_000}}},
+                        "t")
+    stream = build_stream(sc)
+    ideal = ideal_block_reuse(stream.hash_ids, stream.prompt_tokens)
+    hit = summarize(Cluster(sc, stream).run())["prefix_cache_hit_rate"]
+    assert ideal.token_hit_rate - 0.01 <= hit <= ideal.token_hit_rate
