@@ -92,3 +92,9 @@ def test_simulate_runs_a_scenario_naming_a_trace(tmp_path):
     assert r.exit_code == 0, r.output
     w = json.loads((tmp_path / "o" / "summary.json").read_text())["workload"]
     assert w["rows_used"] == 50 and w["rows_filtered"] == 950
+
+
+def test_a_window_past_the_end_is_a_clear_error_not_an_empty_report(tmp_path):
+    scenario = Path(__file__).resolve().parents[1] / "scenarios" / "mooncake-replay.yaml"
+    r = CliRunner().invoke(app, ["simulate", str(scenario), "--set", "workload.trace.start_s=100000", "-q"])
+    assert r.exit_code == 2 and "no requests left to replay" in r.output and "Traceback" not in r.output

@@ -241,8 +241,6 @@ def replay(
     try:
         sc = _replay_scenario(scenario, set_, seed, spec, keep_arrival=fmt in UNTIMED)
         stream = build_stream(sc)
-        if not len(stream):
-            raise TwinInputError(f"{trace}: no requests left to replay (see the filters and window)")
         ideal = None
         if stream.hash_block_size == MOONCAKE_BLOCK and stream.hash_ids is not None and not stream.hashes_cover_output:
             # over the requests the cluster admits (longer ones are rejected at arrival, never cached)

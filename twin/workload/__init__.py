@@ -67,6 +67,9 @@ def build_stream(sc) -> RequestStream:
     w = sc.workload
     if w.trace is not None:
         stream = trace_stream(sc)
+        if not len(stream):
+            raise TwinInputError(f"workload.trace {w.trace.path}: no requests left to replay "
+                                 f"(see the window and filters; {stream.stats.rows_read:,} rows read)")
         max_len = sc.cluster.engine.max_model_len or get_model(sc.cluster.model).max_model_len
         return apply_context_limit(stream, max_len, w.on_too_long, f"workload.trace {w.trace.path}")
     rng = np.random.default_rng(sc.seed)
