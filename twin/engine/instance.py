@@ -75,7 +75,7 @@ class Instance:
         self.perf = perf
         self.log = log
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(), self.pool, perf, log, index)
+        self.scheduler = Scheduler(config.scheduler_config(), self.pool, perf, log)
         self._running = self.scheduler.running  # the same list and deque objects, for cheap views
         self._waiting = self.scheduler.waiting
         self.fast_forward = fast_forward

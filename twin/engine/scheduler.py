@@ -107,12 +107,11 @@ class Scheduler:
     """Waiting queue, running list, decode group, block pool and records of one engine."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, perf: StepTimeModel,
-                 log: RequestLog, instance_index: int = 0) -> None:
+                 log: RequestLog) -> None:
         self.config = config
         self.pool = pool
         self.perf = perf
         self.log = log
-        self.instance_index = instance_index
         self.block_size = pool.block_size
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -266,30 +265,35 @@ class Scheduler:
         free_hits = own + (self.pool.num_free_among(keys[:hk]) if hk else 0)
         return hk, own, free_hits
 
-    def _admission_required_blocks(self, r: Request, hit_blocks: int, free_hits: int, n: int) -> int:
-        bs = self.block_size
-        wm = self._watermark_blocks if self.running else 0
-        if self.config.scheduler_reserve_full_isl:
-            total = -(-r.num_tokens // bs)
-        else:
-            total = -(-(hit_blocks * bs + n) // bs)
-        return total - hit_blocks + free_hits + wm
+    def _admission_plan(self, r: Request, budget: int, thr: int) -> tuple[int, int, int] | None:
+        """(hit keyed blocks, hit own-run blocks, chunk tokens) if Phase B would admit `r` now, else None.
 
-    def _can_admit_head(self, budget: int, thr: int) -> bool:
-        """Would Phase B admit the head of the queue now? (No state changes.)"""
+        No state changes: the fast-forward asks this too.
+        """
         cfg = self.config
-        if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
-            return False
-        r = self.waiting[0]
+        bs = self.block_size
         hk, own, free_hits = self._lookup(r)
-        hit_tokens = (hk + own) * self.block_size
-        n = r.num_tokens - hit_tokens
+        hit_blocks = hk + own
+        n = r.num_tokens - hit_blocks * bs
         if 0 < thr < n:
             n = thr
         if not cfg.enable_chunked_prefill and n > budget:
-            return False
+            return None
         n = min(n, budget)
-        return self._admission_required_blocks(r, hk + own, free_hits, n) <= self.pool.get_num_free_blocks()
+        if cfg.scheduler_reserve_full_isl:  # vLLM 0.32: room for the whole current sequence
+            total = -(-r.num_tokens // bs)
+        else:
+            total = -(-(hit_blocks * bs + n) // bs)
+        required = total - hit_blocks + free_hits + (self._watermark_blocks if self.running else 0)
+        if required > self.pool.get_num_free_blocks():
+            return None
+        return hk, own, n
+
+    def _can_admit_head(self, budget: int, thr: int) -> bool:
+        """Would Phase B admit the head of the queue now? (No state changes.)"""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return False
+        return self._admission_plan(self.waiting[0], budget, thr) is not None
 
     # -- preemption --------------------------------------------------------------------------------
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
@@ -443,17 +447,12 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             r = self.waiting[0]
-            hk, own, free_hits = self._lookup(r)
+            plan = self._admission_plan(r, budget, thr)
+            if plan is None:
+                break  # head-of-line blocking, as in vLLM: no skipping ahead
+            hk, own, n = plan
             hit_blocks = hk + own
             hit_tokens = hit_blocks * bs
-            n = r.num_tokens - hit_tokens
-            if 0 < thr < n:
-                n = thr
-            if not cfg.enable_chunked_prefill and n > budget:
-                break
-            n = min(n, budget)
-            if self._admission_required_blocks(r, hit_blocks, free_hits, n) > pool.get_num_free_blocks():
-                break
             self.waiting.popleft()
             if hk:
                 keys = r.block_keys[:hk]
