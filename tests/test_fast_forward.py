@@ -45,6 +45,8 @@ SCENARIOS = {
                    "workload.arrival.rate": 50},
     "sessions with prefix caching": {"workload.sessions": {"turns_mean": 4, "think_time_s": 0.5},
                                      "workload.num_requests": 120, "workload.arrival.rate": 20},
+    "open-loop sessions": {"workload.sessions": {"turns_mean": 4, "think_time_s": 0.5, "closed_loop": False},
+                           "workload.num_requests": 120, "workload.arrival.rate": 20},
     "sessions, preemption and no full-sequence gate": {
         "workload.sessions": {"turns_mean": 3, "think_time_s": 0.2}, "workload.num_requests": 120,
         "workload.arrival.rate": 40, "cluster.engine.num_gpu_blocks_override": 120,

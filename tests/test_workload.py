@@ -78,3 +78,41 @@ def test_truncated_requests_lose_their_prefix_identity():
     s = stream_of([0.0, 1.0], [9000, 100], [10, 10], [[1, 2, 3], [1, 2]], hash_block_size=512)
     s = apply_context_limit(s, 8192, "truncate", "test")
     assert s.prompt_tokens[0] == 8182 and s.hash_ids[0] is None and s.hash_ids[1] == [1, 2]
+
+
+def test_closed_loop_turns_are_sent_a_think_time_after_the_previous_answer():
+    sc = make_scenario(**{"workload.num_requests": 80, "workload.arrival.rate": 4,
+                          "workload.sessions": {"turns_mean": 4, "think_time_s": 3}})
+    s = build_stream(sc)
+    assert s.after is not None and (s.after >= 0).sum() > 20
+    log = run_checked(sc, s).log
+    later = np.flatnonzero(s.after >= 0)
+    prev = s.after[later]
+    np.testing.assert_allclose(log.arrival_s[later], log.finish_s[prev] + s.think_s[later], rtol=1e-12)
+    # one instance: the previous turn's full blocks are cached, its answer included (the last sampled
+    # token never had its KV computed)
+    np.testing.assert_array_equal(log.cached_tokens[later],
+                                  (s.prompt_tokens[prev] + s.output_tokens[prev] - 1) // 16 * 16)
+
+
+def test_open_loop_turns_keep_their_precomputed_times():
+    sc = make_scenario(**{"workload.num_requests": 40, "workload.arrival.rate": 4,
+                          "workload.sessions": {"turns_mean": 4, "think_time_s": 3, "closed_loop": False}})
+    s = build_stream(sc)
+    assert s.after is None
+    log = run_checked(sc, s).log
+    np.testing.assert_allclose(log.arrival_s, s.arrival_s, rtol=1e-12)
+
+
+def test_a_rejected_turn_still_releases_the_next_and_a_time_limit_leaves_later_turns_pending():
+    sc = make_scenario(**{"workload.num_requests": 60, "workload.arrival.rate": 2, "workload.on_too_long": "reject",
+                          "workload.lengths.prompt_tokens": 3000, "workload.lengths.output_tokens": 500,
+                          "workload.sessions": {"turns_mean": 5, "think_time_s": 1}})
+    s = build_stream(sc)
+    log = run_checked(sc, s).log
+    assert (log.status == 5).sum() > 0  # later turns outgrow the 8k context and are rejected
+    assert (log.status == 4).sum() + (log.status == 5).sum() == len(s)
+    sc2 = make_scenario(**{"workload.num_requests": 60, "workload.arrival.rate": 2,
+                           "workload.sessions": {"turns_mean": 5, "think_time_s": 5}, "sim.max_sim_time_s": 8.0})
+    log2 = run_checked(sc2, build_stream(sc2)).log
+    assert (log2.status == 0).sum() > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,6 +18,7 @@ from twin.hardware import get_gpu
 from twin.models import get_model
 from twin.perf.roofline import RooflineModel
 from twin.policy.routers import make_router
+from twin.policy.views import Router
 from twin.records import RequestLog
 from twin.scenario import Scenario
 from twin.workload.stream import RequestStream
@@ -57,7 +59,7 @@ class SimResult:
 class Cluster:
     """Instances and a router in one SimPy environment, fed by a request stream."""
 
-    def __init__(self, sc: Scenario, stream: RequestStream, router: object | None = None) -> None:
+    def __init__(self, sc: Scenario, stream: RequestStream, router: Router | None = None) -> None:
         self.scenario = sc
         self.stream = stream
         self.env = simpy.Environment()
@@ -85,8 +87,17 @@ class Cluster:
                 router = make_router(sc.router.name, **sc.router.params)
             except TypeError as e:
                 raise TwinInputError(f"router.params: {e}") from None
-        self.router = router
+        self.router: Router = router
+        assert self.engine_config.max_model_len is not None  # engine_config() fills it in
+        self.max_model_len: int = self.engine_config.max_model_len
         self.num_arrived = 0
+        self._next_turn: np.ndarray | None = None
+        if stream.after is not None:
+            self._next_turn = np.full(len(stream), -1, dtype=np.int64)
+            has = np.flatnonzero(stream.after >= 0)
+            self._next_turn[stream.after[has]] = has
+            for inst in self.instances:
+                inst.scheduler.on_finish = self._turn_ended
         self.env.process(self.arrivals())
 
     def make_request(self, i: int) -> Request:
@@ -101,38 +112,63 @@ class Cluster:
         return Request(i, float(s.arrival_s[i]), p, o, keys, sid)
 
     def arrivals(self):
-        """Each request at its arrival time goes to the router, then to the chosen instance."""
+        """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor."""
         env = self.env
         arrival = self.stream.arrival_s
-        max_len = self.engine_config.max_model_len
-        log = self.log
-        instances = self.instances
+        after = self.stream.after
         for i in range(len(arrival)):
+            if after is not None and after[i] >= 0:
+                continue  # sent by `_turn_ended` when the turn before it ends
             t = float(arrival[i])
             if t > env.now:
                 yield env.timeout(t - env.now)
-            self.num_arrived += 1
-            log.arrival_s[i] = env.now  # the clock's value: t - now + now can differ from t by an ulp
-            r = self.make_request(i)
-            r.arrival_time = env.now
-            if r.num_prompt_tokens + r.max_tokens > max_len:
-                log.reject(i, "longer than max_model_len",
-                           f"{r.num_prompt_tokens} + {r.max_tokens} tokens > {max_len}")
-                continue
-            try:
-                target = self.router.choose(r, instances)
-            except Exception as e:  # a policy bug must not lose the request silently
-                log.reject(i, "router error", f"{type(e).__name__}: {e}")
-                continue
-            inst = self.by_id.get(target)
-            if inst is None:
-                log.reject(i, "router returned an unknown instance", repr(target))
-                continue
-            if not inst.fits(r.num_prompt_tokens + r.max_tokens):
-                log.reject(i, "larger than the instance's KV cache",
-                           f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
-                continue
-            inst.add_request(r)
+            self.dispatch(i)
+
+    def dispatch(self, i: int) -> None:
+        """Request i arrives now: checked, routed and queued, or rejected with a reason."""
+        env = self.env
+        log = self.log
+        self.num_arrived += 1
+        log.arrival_s[i] = env.now  # the clock's value: t - now + now can differ from t by an ulp
+        r = self.make_request(i)
+        r.arrival_time = env.now
+        max_len = self.max_model_len
+        if r.num_prompt_tokens + r.max_tokens > max_len:
+            self._reject(i, "longer than max_model_len", f"{r.num_prompt_tokens} + {r.max_tokens} tokens > {max_len}")
+            return
+        try:
+            target = self.router.choose(r, self.instances)
+        except Exception as e:  # a policy bug must not lose the request silently
+            self._reject(i, "router error", f"{type(e).__name__}: {e}")
+            return
+        inst = self.by_id.get(target)
+        if inst is None:
+            self._reject(i, "router returned an unknown instance", repr(target))
+            return
+        if not inst.fits(r.num_prompt_tokens + r.max_tokens):
+            self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
+            return
+        inst.add_request(r)
+
+    def _reject(self, i: int, reason: str, detail: str) -> None:
+        self.log.reject(i, reason, detail)
+        self._turn_ended(i)
+
+    def _turn_ended(self, i: int) -> None:
+        """Request i finished or was rejected: the session's next turn is sent after its think time."""
+        j = int(self._next_turn[i]) if self._next_turn is not None else -1
+        if j < 0:
+            return
+        think_s = self.stream.think_s
+        assert think_s is not None  # set together with `after`
+        think = float(think_s[j])
+        if think > 0:
+            self.env.timeout(think).callbacks.append(partial(self._dispatch_later, j))
+        else:
+            self.dispatch(j)
+
+    def _dispatch_later(self, i: int, _event: object) -> None:
+        self.dispatch(i)
 
     def done(self) -> bool:
         """Every request has arrived and no instance has work left."""

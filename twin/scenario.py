@@ -99,6 +99,7 @@ class LengthSpec(_Spec):
 class SessionSpec(_Spec):
     turns_mean: float = Field(3.0, ge=1)
     think_time_s: float = Field(10.0, ge=0)
+    closed_loop: bool = True  # a turn waits for the previous answer (false: think time after it was sent)
 
 
 class TraceSpec(_Spec):

@@ -18,6 +18,7 @@ import heapq
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -128,6 +129,7 @@ class Scheduler:
         self.stats = EngineStats()
         self._watermark_blocks = int(config.watermark * pool.num_gpu_blocks)
         self._blocked: tuple | None = None  # (head, len(running), num_decode, free) when it was refused
+        self.on_finish: Callable[[int], None] | None = None  # told each finished request's index
 
     # ---------------------------------------------------------------------------------------------
     def add_request(self, r: Request) -> None:
@@ -541,6 +543,8 @@ class Scheduler:
         if r.own_run is not None:
             r.own_run.owner = None
             r.own_run = None
+        if self.on_finish is not None:
+            self.on_finish(r.idx)
 
     # -- the fast-forward --------------------------------------------------------------------------
     def plan_decode_run(self, max_steps: int) -> int:

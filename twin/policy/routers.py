@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from twin.policy.views import InstanceView, RequestView
+from twin.policy.views import InstanceView, RequestView, Router
 
 
 @dataclass
@@ -52,7 +52,7 @@ class LeastOutstandingRequests:
         return best.id
 
 
-ROUTERS: dict[str, Callable[..., object]] = {
+ROUTERS: dict[str, Callable[..., Router]] = {
     "round_robin": RoundRobin,
     "random": Random,
     "least_outstanding_requests": LeastOutstandingRequests,
@@ -60,7 +60,7 @@ ROUTERS: dict[str, Callable[..., object]] = {
 ALIASES = {"rr": "round_robin", "least_outstanding": "least_outstanding_requests", "lor": "least_outstanding_requests"}
 
 
-def make_router(name: str, **params) -> object:
+def make_router(name: str, **params) -> Router:
     """Build a router by registry name; new routers register here without touching the simulator."""
     key = ALIASES.get(name, name)
     if key not in ROUTERS:

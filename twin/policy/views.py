@@ -9,24 +9,60 @@ from typing import Protocol, Sequence, runtime_checkable
 class RequestView(Protocol):
     """What a router may know about a request at dispatch time."""
 
-    id: int
-    arrival_time: float
-    num_prompt_tokens: int
-    max_tokens: int  # the output cap the client asked for (the twin knows the true length; a router must not)
-    block_keys: Sequence[int]  # prefix identity: hashes of the prompt's full KV blocks (may be empty)
-    session_id: int  # -1 when unknown
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def arrival_time(self) -> float: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def max_tokens(self) -> int:
+        """The output cap the client asked for (the twin knows the true length; a router must not)."""
+        ...
+
+    @property
+    def block_keys(self) -> Sequence[int]:
+        """Prefix identity: hashes of the prompt's full KV blocks (may be empty)."""
+        ...
+
+    @property
+    def session_id(self) -> int:
+        """-1 when unknown."""
+        ...
 
 
 @runtime_checkable
 class InstanceView(Protocol):
     """What a router may know about an instance (exact in the simulator, scraped in production)."""
 
-    id: str
-    num_running: int  # requests in the running batch
-    num_waiting: int  # queued, including preempted
-    kv_usage: float  # 0..1 of the KV block pool referenced by requests
-    free_blocks: int
-    inflight_prefill_tokens: int  # prompt tokens dispatched there and not yet computed
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued, including preempted."""
+        ...
+
+    @property
+    def kv_usage(self) -> float:
+        """0..1 of the KV block pool referenced by requests."""
+        ...
+
+    @property
+    def free_blocks(self) -> int: ...
+
+    @property
+    def inflight_prefill_tokens(self) -> int:
+        """Prompt tokens dispatched there and not yet computed."""
+        ...
 
     def cached_prefix_tokens(self, req: RequestView) -> int: ...
 

@@ -91,7 +91,8 @@ def build_stream(sc) -> RequestStream:
         if capped:
             stats.notes.append(f"{capped} length rows over max_total_tokens left out of the sampling pool")
     if w.sessions is not None:
-        stream = sessionize(arrivals, prompt, output, rng, w.sessions.turns_mean, w.sessions.think_time_s)
+        stream = sessionize(arrivals, prompt, output, rng, w.sessions.turns_mean, w.sessions.think_time_s,
+                            closed_loop=w.sessions.closed_loop)
         stream.stats = stats
     else:
         stream = RequestStream(arrivals, prompt, output, stats=stats)

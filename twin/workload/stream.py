@@ -26,7 +26,12 @@ class TraceStats:
 @dataclass
 class RequestStream:
     """Requests in arrival order. `hash_ids[i]` is request i's prefix identity, each id naming
-    `hash_block_size` tokens (None or empty: content nobody shares)."""
+    `hash_block_size` tokens (None or empty: content nobody shares).
+
+    Closed-loop turns: where `after[i] >= 0`, request i is sent `think_s[i]` seconds after request
+    `after[i]` finishes (or is rejected), as a chat user answers; its `arrival_s` is then only the
+    open-loop estimate that orders the stream, and the simulation records the real arrival.
+    """
 
     arrival_s: np.ndarray  # float64, non-decreasing, seconds from the start
     prompt_tokens: np.ndarray  # int64 > 0
@@ -36,6 +41,8 @@ class RequestStream:
     hashes_cover_output: bool = False  # ids also name the output tokens (multi-turn sessions)
     session_id: np.ndarray | None = None
     stats: TraceStats = field(default_factory=TraceStats)
+    after: np.ndarray | None = None  # index of the turn this one waits for, -1 for none
+    think_s: np.ndarray | None = None  # seconds after that turn ends
 
     def __post_init__(self) -> None:
         self.arrival_s = np.asarray(self.arrival_s, dtype=np.float64)
@@ -46,6 +53,8 @@ class RequestStream:
             raise ValueError("arrival_s, prompt_tokens and output_tokens must have the same length")
         if self.hash_ids is not None and len(self.hash_ids) != n:
             raise ValueError("hash_ids must have one entry per request")
+        if (self.after is None) != (self.think_s is None):
+            raise ValueError("after and think_s come together")
         if n and np.any(np.diff(self.arrival_s) < 0):
             order = np.argsort(self.arrival_s, kind="stable")
             self._take(order)
@@ -58,6 +67,12 @@ class RequestStream:
             self.hash_ids = [self.hash_ids[i] for i in idx]
         if self.session_id is not None:
             self.session_id = np.asarray(self.session_id)[idx]
+        if self.after is not None:
+            position = np.empty(len(idx), dtype=np.int64)
+            position[idx] = np.arange(len(idx))  # old index -> new index
+            old = np.asarray(self.after)[idx]
+            self.after = np.where(old >= 0, position[np.maximum(old, 0)], -1)
+            self.think_s = np.asarray(self.think_s, dtype=np.float64)[idx]
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -69,6 +84,7 @@ class RequestStream:
             None if self.hash_ids is None else self.hash_ids[:n], self.hash_block_size,
             self.hashes_cover_output, None if self.session_id is None else self.session_id[:n],
             TraceStats(**{**self.stats.to_dict(), "notes": list(self.stats.notes)}),
+            None if self.after is None else self.after[:n], None if self.think_s is None else self.think_s[:n],
         )
         s.stats.rows_filtered += len(self) - len(s)
         s.stats.rows_used = len(s)

@@ -66,23 +66,26 @@ def sample_lengths(prompt: np.ndarray, output: np.ndarray, n: int, rng: np.rando
 
 
 def sessionize(arrival_s: np.ndarray, prompt: np.ndarray, output: np.ndarray, rng: np.random.Generator,
-               turns_mean: float, think_time_s: float, hash_block_size: int = 16) -> RequestStream:
+               turns_mean: float, think_time_s: float, hash_block_size: int = 16,
+               closed_loop: bool = True) -> RequestStream:
     """Group requests into multi-turn sessions: turn k's prompt is all earlier turns plus a new message.
 
-    Session starts keep the given arrival times; later turns follow their predecessor after an
-    exponential think time (open loop: a turn does not wait for the previous answer). Turn counts are
-    geometric with mean `turns_mean`. Each session's content gets its own block ids, so a later turn
-    shares all earlier turns (prompts and answers) as a prefix.
+    Session starts keep the given arrival times. A later turn is sent an exponential think time after
+    its predecessor's answer ends (closed loop, as a chat user does), or with `closed_loop=False` after
+    its predecessor was sent. Turn counts are geometric with mean `turns_mean`. Each session's content
+    gets its own block ids, so a later turn shares all earlier turns (prompts and answers) as a prefix.
     """
     n = len(arrival_s)
     p_stop = 1.0 / max(turns_mean, 1.0)
-    arr, pr, out, sid, hashes = [], [], [], [], []
+    arr, pr, out, sid, hashes, after, think = [], [], [], [], [], [], []
     i = 0
     s = 0
     while i < n:
         turns = int(rng.geometric(p_stop))
         t = float(arrival_s[i])
         context = 0
+        prev = -1
+        gap = 0.0
         for _ in range(turns):
             if i >= n:
                 break
@@ -93,14 +96,20 @@ def sessionize(arrival_s: np.ndarray, prompt: np.ndarray, output: np.ndarray, rn
             pr.append(p_tok)
             out.append(o_tok)
             sid.append(s)
+            after.append(prev)
+            think.append(gap)
             nblocks = -(-(p_tok + o_tok) // hash_block_size)
             base = s << 24
             hashes.append(list(range(base, base + nblocks)))
             context = p_tok + o_tok
-            t += float(rng.exponential(think_time_s)) if think_time_s > 0 else 0.0
+            gap = float(rng.exponential(think_time_s)) if think_time_s > 0 else 0.0
+            t += gap  # the open-loop time; closed loop, it only orders the stream
+            prev = i
             i += 1
         s += 1
     stream = RequestStream(np.array(arr), np.array(pr), np.array(out), hashes, hash_block_size,
                            hashes_cover_output=True, session_id=np.array(sid),
-                           stats=TraceStats(source="synthetic sessions", rows_read=n, rows_used=n))
+                           stats=TraceStats(source="synthetic sessions", rows_read=n, rows_used=n),
+                           after=np.array(after) if closed_loop else None,
+                           think_s=np.array(think) if closed_loop else None)
     return stream
