@@ -130,3 +130,18 @@ def test_max_sim_time_leaves_requests_running_not_lost():
     assert (st == 0).sum() > 0  # not yet arrived
     assert ((st == 1) | (st == 2)).sum() > 0 or (st == 4).sum() > 0
     assert res.sim_time_s == pytest.approx(3.0)
+
+
+def test_a_preempted_request_hits_its_own_surviving_blocks_when_resumed():
+    """vLLM keeps a preempted request's full blocks hashed in the free queue; its recompute hits them."""
+    sc = make_scenario(**{"cluster.engine.num_gpu_blocks_override": 30})
+    stream = stream_of([0.0, 0.0], [200, 200], [100, 100])
+    cl = Cluster(sc, stream)
+    sched = cl.instances[0].scheduler
+    seen = []
+    while cl.env.peek() < float("inf") and not cl.done():
+        cl.env.step()
+        for r in sched.waiting:
+            if r.num_preemptions and r.own_run is not None:
+                seen.append(sched._lookup(r)[1])
+    assert seen and max(seen) >= 200 // 16  # at least its prompt's full blocks are still there
