@@ -1,5 +1,7 @@
 """The block pool conserves blocks and keeps vLLM's free-queue order, whatever happens to it."""
 
+import os
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -77,7 +79,8 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPool = PoolMachine.TestCase
-TestPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPool.settings = settings(max_examples=int(os.environ.get("LLMTWIN_HYPOTHESIS_EXAMPLES", 150)),
+                             stateful_step_count=40, deadline=None)
 
 
 def test_eviction_is_lru_by_release_time_and_unhashed_blocks_go_first():

@@ -1,5 +1,7 @@
 """The fast-forward (homogeneous decode runs advanced together) gives the reference step-by-step results."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -85,7 +87,9 @@ requests = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# LLMTWIN_HYPOTHESIS_EXAMPLES=1000 for a long stress run
+@settings(max_examples=int(os.environ.get("LLMTWIN_HYPOTHESIS_EXAMPLES", 40)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests, blocks=st.integers(45, 400), budget=st.sampled_from([64, 128, 2048]),
        seqs=st.integers(1, 16), thr=st.sampled_from([0, 0, 48]), instances=st.integers(1, 2),
        gate=st.booleans(), caching=st.booleans())
