@@ -55,12 +55,12 @@ class PoolMachine(RuleBasedStateMachine):
             self.holders.append(h)
 
     @precondition(lambda self: self.holders)
-    @rule(i=st.integers(0, 100), partial=st.booleans(), owned=st.booleans())
-    def free(self, i, partial, owned):
+    @rule(i=st.integers(0, 100), partial=st.booleans())
+    def free(self, i, partial):
         h = self.holders.pop(i % len(self.holders))
         p = 1 if (partial and h.anon) else 0
         self.pool.release_anon(p)
-        self.pool.release_run(h.anon - p, owner=h if owned else None)
+        self.pool.release_run(h.anon - p)
         self.pool.release_keyed(reversed(h.keyed))
 
     @invariant()

@@ -6,8 +6,8 @@ exactly (a count of anonymous free blocks) + (an LRU of cached free blocks), and
 way. Blocks are counted, not named: a request holds a list of hashed ("keyed") blocks plus a count of
 anonymous ones. The full blocks of content that nobody can share (a prompt with no prefix identity) are
 kept in the LRU as one *run* entry per release, so freeing or evicting them costs O(1), not O(blocks),
-while eviction order stays vLLM's. A run freed by a preemption remembers its owner, so the resumed
-request can hit its own surviving blocks as it does in vLLM.
+while eviction order stays vLLM's. The preempted request keeps a handle on the run its blocks went
+to, so when resumed it can hit its own surviving blocks as it does in vLLM.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from collections import OrderedDict
 
 
 class Run:
-    """`count` hashed-but-unshareable full blocks released together (optionally by `owner`)."""
+    """`count` hashed-but-unshareable full blocks released together."""
 
-    __slots__ = ("count", "owner")
+    __slots__ = ("count",)
 
-    def __init__(self, count: int, owner: object | None = None) -> None:
+    def __init__(self, count: int) -> None:
         self.count = count
-        self.owner = owner
 
 
 class BlockPool:
@@ -145,14 +144,14 @@ class BlockPool:
         self.free_lru[key] = None
         self.num_lru_free += 1
 
-    def release_run(self, count: int, owner: object | None = None) -> Run | None:
+    def release_run(self, count: int) -> Run | None:
         """Freed full blocks nobody else can hit: one LRU entry (or anonymous blocks without caching)."""
         if count <= 0:
             return None
         if not self.enable_caching:
             self.num_anon_free += count
             return None
-        run = Run(count, owner)
+        run = Run(count)
         self.free_lru[run] = None
         self.num_lru_free += count
         return run

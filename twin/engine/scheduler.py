@@ -240,7 +240,7 @@ class Scheduler:
         n_dups = keyed_region - len(r.keyed) - len(late)
         pool.release_anon(partial)
         tail = full - keyed_region
-        run = pool.release_run(tail, owner=r if preempted else None)
+        run = pool.release_run(tail)
         if preempted:
             r.own_run = run
         pool.release_run(n_dups)
@@ -540,9 +540,6 @@ class Scheduler:
         log.finish_s[r.idx] = t_end
         log.output_tokens[r.idx] = r.num_output_tokens
         log.status[r.idx] = RequestStatus.FINISHED
-        if r.own_run is not None:
-            r.own_run.owner = None
-            r.own_run = None
         if self.on_finish is not None:
             self.on_finish(r.idx)
 
