@@ -16,7 +16,6 @@ HOT_MODULES = [
     "twin/engine/instance.py",
     "twin/perf/base.py",
     "twin/perf/roofline.py",
-    "twin/policy/routers.py",
     "twin/cluster.py",
 ]
 

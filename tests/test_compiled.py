@@ -7,7 +7,7 @@ import os
 import pytest
 
 HOT = ["twin.engine.block_pool", "twin.engine.request", "twin.engine.scheduler", "twin.engine.instance",
-       "twin.perf.base", "twin.perf.roofline", "twin.policy.routers", "twin.cluster"]
+       "twin.perf.base", "twin.perf.roofline", "twin.cluster"]
 
 
 @pytest.mark.skipif(os.environ.get("LLMTWIN_EXPECT_COMPILED") != "1",

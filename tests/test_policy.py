@@ -1,43 +1,22 @@
-"""Routers are pure objects over views: no simulator imports, deterministic decisions."""
+"""Routers are pure objects over views: no simulator imports, no engine objects, deterministic decisions."""
 
 import ast
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import twin.policy
-from twin.policy import LeastOutstandingRequests, Random, RoundRobin, make_router
+from twin.policy import (ApproxPrefixIndex, BlockRemoved, BlockStored, Bookkeeping, LeastKV, LeastOutstanding,
+                         PowerOfTwo, PreciseIndex, Random, Reject, RoundRobin, make_router)
+from twin.policy.kv_events import AllBlocksCleared, decode_event
 
 from conftest import make_scenario, run_checked, stream_of
-
-
-@dataclass
-class FakeInstance:
-    id: str
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    free_blocks: int = 100
-    inflight_prefill_tokens: int = 0
-
-    def cached_prefix_tokens(self, req):
-        return 0
-
-
-@dataclass
-class FakeRequest:
-    id: int = 0
-    arrival_time: float = 0.0
-    num_prompt_tokens: int = 10
-    max_tokens: int = 10
-    block_keys: tuple = ()
-    session_id: int = -1
+from policy_fakes import fleet_of, req
 
 
 def test_policy_package_imports_nothing_from_the_simulator_or_live():
     root = Path(twin.policy.__file__).parent
-    for path in root.glob("*.py"):
+    for path in root.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = []
@@ -46,54 +25,181 @@ def test_policy_package_imports_nothing_from_the_simulator_or_live():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for n in names:
-                assert not n.startswith(("twin.cluster", "twin.engine", "live", "simpy")), (path.name, n)
+                assert not n.startswith(("twin.cluster", "twin.engine", "twin.dispatcher", "live", "simpy")), \
+                    (path.name, n)
 
 
-def test_round_robin_cycles():
-    insts = [FakeInstance(f"i{k}") for k in range(3)]
+def test_round_robin_cycles_over_serving_instances_only():
+    fleet = fleet_of({"id": "i0"}, {"id": "i1", "state": "draining"}, {"id": "i2"})
     rr = RoundRobin()
-    assert [rr.choose(FakeRequest(), insts) for _ in range(7)] == ["i0", "i1", "i2", "i0", "i1", "i2", "i0"]
+    assert [rr.choose(req(), fleet) for _ in range(5)] == ["i0", "i2", "i0", "i2", "i0"]
+
+
+def test_no_serving_instance_is_a_rejection_not_a_crash():
+    fleet = fleet_of({"id": "a", "state": "starting"})
+    for r in (RoundRobin(), Random(), LeastOutstanding(), LeastKV(), PowerOfTwo()):
+        assert isinstance(r.choose(req(), fleet), Reject)
 
 
 def test_random_is_reproducible_with_a_seed_and_covers_all():
-    insts = [FakeInstance(f"i{k}") for k in range(4)]
-    a = [Random(seed=3).choose(FakeRequest(), insts) for _ in range(1)]
+    fleet = fleet_of(*({"id": f"i{k}"} for k in range(4)))
+    seq1 = [Random(seed=3).choose(req(), fleet)] + [None]
     r1, r2 = Random(seed=3), Random(seed=3)
-    seq1 = [r1.choose(FakeRequest(), insts) for _ in range(50)]
-    seq2 = [r2.choose(FakeRequest(), insts) for _ in range(50)]
-    assert seq1 == seq2 and seq1[0] == a[0]
-    assert set(seq1) == {"i0", "i1", "i2", "i3"}
+    a = [r1.choose(req(), fleet) for _ in range(50)]
+    b = [r2.choose(req(), fleet) for _ in range(50)]
+    assert a == b and a[0] == seq1[0]
+    assert set(a) == {"i0", "i1", "i2", "i3"}
 
 
-def test_least_outstanding_picks_the_least_loaded_first_on_ties():
-    insts = [FakeInstance("a", 3, 1), FakeInstance("b", 2, 0), FakeInstance("c", 1, 1)]
-    assert LeastOutstandingRequests().choose(FakeRequest(), insts) == "b"
+def test_least_outstanding_reads_the_books_and_breaks_ties_at_random():
+    fleet = fleet_of({"id": "a", "inflight": 3}, {"id": "b", "inflight": 1}, {"id": "c", "inflight": 1},
+                     {"id": "d", "inflight": 2})
+    picks = {LeastOutstanding(seed=s).choose(req(), fleet) for s in range(20)}
+    assert picks == {"b", "c"}  # both tied instances get picked: ties do not herd onto the lowest index
 
 
-def test_registry_and_aliases():
+def test_least_outstanding_on_gauges_reads_running_plus_waiting():
+    fleet = fleet_of({"id": "a", "running": 1, "waiting": 0, "inflight": 9}, {"id": "b", "running": 3})
+    assert LeastOutstanding(signal="gauges").choose(req(), fleet) == "a"
+    assert LeastOutstanding().choose(req(), fleet) == "b"
+    with pytest.raises(ValueError):
+        LeastOutstanding(signal="magic")
+
+
+def test_least_kv_and_power_of_two():
+    fleet = fleet_of({"id": "a", "kv": 0.7}, {"id": "b", "kv": 0.2}, {"id": "c", "kv": 0.5})
+    assert LeastKV().choose(req(), fleet) == "b"
+    fleet = fleet_of({"id": "a", "inflight": 5}, {"id": "b", "inflight": 0})
+    assert all(PowerOfTwo(seed=s).choose(req(), fleet) == "b" for s in range(10))
+
+
+def test_registry_names_aliases_and_parameter_errors():
+    assert isinstance(make_router("round-robin"), RoundRobin)
     assert isinstance(make_router("rr"), RoundRobin)
-    assert isinstance(make_router("least_outstanding"), LeastOutstandingRequests)
+    assert isinstance(make_router("least_outstanding_requests"), LeastOutstanding)
     with pytest.raises(KeyError):
         make_router("nope")
+    with pytest.raises(TypeError, match="it takes: signal='bookkeeping', seed=0"):
+        make_router("least-outstanding", window=3)
+    assert make_router("random", seed=7).seed == 7
+
+
+def test_user_router_loads_from_a_file(tmp_path):
+    f = tmp_path / "mine.py"
+    f.write_text("from twin.policy import RouterBase\n"
+                 "class Last(RouterBase):\n"
+                 "    name = 'last'\n"
+                 "    def choose(self, req, fleet):\n"
+                 "        return fleet.instances[-1].id\n")
+    sc = make_scenario(**{"cluster.num_instances": 3, "router.name": f"{f}:Last"})
+    res = run_checked(sc, stream_of([0, 0.1, 0.2], [10] * 3, [5] * 3))
+    assert [i.num_dispatched for i in res.instances] == [0, 0, 3]
+
+
+def test_bookkeeping_tracks_dispatch_first_token_and_finish():
+    b = Bookkeeping()
+    b.dispatched("r1", "a", 100, 20)
+    b.dispatched("r2", "a", 50, 10)
+    ld = b.load("a")
+    assert (ld.requests, ld.prompt_tokens, ld.decode_tokens) == (2, 150, 0)
+    b.first_token("r1")
+    assert (ld.requests, ld.prompt_tokens, ld.decode_tokens) == (2, 50, 120)
+    b.finished("r1")
+    b.finished("r2")
+    b.finished("r2")  # a second finish (an abort after the end) changes nothing
+    assert (ld.requests, ld.prompt_tokens, ld.decode_tokens) == (0, 0, 0)
+
+
+def test_approximate_index_matches_leading_blocks_and_stays_bounded():
+    idx = ApproxPrefixIndex(capacity_blocks=4)
+    idx.on_dispatch([1, 2, 3], "a")
+    idx.on_dispatch([1, 2, 9], "b")
+    assert idx.match([1, 2, 3, 4], ["a", "b", "c"]) == {"a": 3, "b": 2}
+    assert idx.match([7, 2, 3], ["a", "b"]) == {}  # no leading block: nothing, whatever follows
+    idx.on_dispatch([5, 6], "a")  # capacity 4: blocks 1 and 2 of a are the oldest and go
+    assert idx.match([1, 2, 3], ["a", "b"]) == {"b": 2}
+    for k in range(10_000):
+        idx.on_dispatch([100 + k, 200 + k], "a")
+    assert idx.num_blocks() <= 4 + 3
+
+
+def test_precise_index_follows_stored_removed_and_cleared_counting_copies():
+    idx = PreciseIndex()
+    idx.apply("a", BlockStored([1, 2, 3]))
+    idx.apply("a", BlockStored([2]))  # a duplicate copy of block 2 (vLLM keeps both)
+    idx.apply("b", BlockStored([1]))
+    idx.apply("a", BlockRemoved([2]))  # one copy gone, one left: still hittable
+    assert idx.match([1, 2, 3], ["a", "b"]) == {"a": 3, "b": 1}
+    idx.apply("a", BlockRemoved([2]))
+    assert idx.match([1, 2, 3], ["a", "b"]) == {"a": 1, "b": 1}
+    idx.apply("a", AllBlocksCleared())
+    assert idx.match([1, 2, 3], ["a", "b"]) == {"b": 1}
+    idx.apply("b", BlockRemoved([42]))  # removal of a block stored before we listened: ignored
+
+
+def test_kv_events_decode_from_vllms_wire_forms():
+    stored = decode_event({"type": "BlockStored", "block_hashes": [b"\x01", 2], "parent_block_hash": None,
+                           "token_ids": [1, 2], "block_size": 16, "lora_id": None, "medium": "GPU"})
+    assert isinstance(stored, BlockStored) and list(stored.block_hashes) == [1, 2]
+    removed = decode_event(["BlockRemoved", [5], "GPU"])
+    assert isinstance(removed, BlockRemoved) and list(removed.block_hashes) == [5]
+    assert isinstance(decode_event(["AllBlocksCleared"]), AllBlocksCleared)
+    with pytest.raises(ValueError):
+        decode_event({"type": "Nope"})
 
 
 def test_least_outstanding_spreads_a_burst_evenly_in_the_simulator():
-    sc = make_scenario(**{"cluster.num_instances": 4, "router.name": "least_outstanding_requests"})
+    sc = make_scenario(**{"cluster.num_instances": 4, "router.name": "least-outstanding"})
     res = run_checked(sc, stream_of([0.0] * 8, [100] * 8, [50] * 8))
     assert [i.num_dispatched for i in res.instances] == [2, 2, 2, 2]
 
 
-def test_a_router_that_fails_loses_no_request():
+def test_a_router_that_raises_stops_the_run_with_the_request_named():
+    from twin.dispatcher import RouterError
+
     class Broken:
         name = "broken"
 
-        def choose(self, req, instances):
-            if req.id % 2:
+        def choose(self, req, fleet):
+            if req.id == "1":
                 raise RuntimeError("boom")
-            return "no-such-instance" if req.id == 2 else instances[0].id
+            return fleet.instances[0].id
 
     sc = make_scenario()
+    with pytest.raises(RouterError, match=r"router 'broken' raised RuntimeError: boom while routing request 1"):
+        run_checked(sc, stream_of([0, 1, 2, 3], [10] * 4, [5] * 4), router=Broken())
+
+
+def test_with_on_error_reject_a_failing_router_loses_no_request():
+    class Broken:
+        name = "broken"
+
+        def choose(self, req, fleet):
+            if int(req.id) % 2:
+                raise RuntimeError("boom")
+            return "no-such-instance" if req.id == "2" else fleet.instances[0].id
+
+    sc = make_scenario(**{"router.on_error": "reject"})
     res = run_checked(sc, stream_of([0, 1, 2, 3], [10] * 4, [5] * 4), router=Broken())
     assert list(res.log.status) == [4, 5, 5, 5]
     assert "router error" in res.log.reject_reason[1]
     assert "unknown instance" in res.log.reject_reason[2]
+
+
+def test_routers_never_see_the_true_output_length_or_engine_objects():
+    seen = []
+
+    class Spy:
+        name = "spy"
+
+        def choose(self, req, fleet):
+            seen.append((req, list(fleet.instances)))
+            return fleet.instances[0].id
+
+    sc = make_scenario(**{"cluster.num_instances": 2})
+    run_checked(sc, stream_of([0, 1], [100, 100], [37, 41]), router=Spy())
+    for r, views in seen:
+        assert r.max_tokens is None  # the client's cap (none given), not 37 or 41
+        assert 37 not in (getattr(r, f) for f in r.__slots__)
+        for v in views:
+            assert not any(hasattr(v, a) for a in ("scheduler", "pool", "env"))

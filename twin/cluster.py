@@ -17,8 +17,10 @@ from twin.errors import TwinInputError
 from twin.hardware import get_gpu
 from twin.models import get_model
 from twin.perf.roofline import RooflineModel
-from twin.policy.routers import make_router
-from twin.policy.views import Router
+from twin.dispatcher import Dispatcher, RouterError
+from twin.policy import make_router
+from twin.policy.base import Router
+from twin.policy.views import Reject, RequestView
 from twin.records import RequestLog
 from twin.scenario import Scenario
 from twin.workload.stream import RequestStream
@@ -83,21 +85,31 @@ class Cluster:
         ]
         self.by_id = {inst.id: inst for inst in self.instances}
         if router is None:
-            try:
-                router = make_router(sc.router.name, **sc.router.params)
-            except TypeError as e:
-                raise TwinInputError(f"router.params: {e}") from None
+            router = build_router(sc)
         self.router: Router = router
         assert self.engine_config.max_model_len is not None  # engine_config() fills it in
         self.max_model_len: int = self.engine_config.max_model_len
+        self.max_tokens_cap = sc.workload.max_tokens
+        rs = sc.router
+        self.dispatcher = Dispatcher(
+            self.env, router, self.instances, scrape_interval_s=rs.scrape_interval_s,
+            prefix_index=prefix_index_kind(router, rs.prefix_index),
+            prefix_index_capacity_blocks=rs.prefix_index_capacity_blocks, kv_event_delay_s=rs.kv_event_delay_s,
+            on_error=rs.on_error)
         self.num_arrived = 0
         self._next_turn: np.ndarray | None = None
         if stream.after is not None:
             self._next_turn = np.full(len(stream), -1, dtype=np.int64)
             has = np.flatnonzero(stream.after >= 0)
             self._next_turn[stream.after[has]] = has
-            for inst in self.instances:
-                inst.scheduler.on_finish = self._turn_ended
+        for inst in self.instances:
+            inst.scheduler.on_finish = self._finished
+            inst.scheduler.on_first_token = self.dispatcher.first_token
+        self.timeline = None
+        if sc.sim.timeline_interval_s > 0:
+            from twin.timeline import Timeline
+
+            self.timeline = Timeline(self.env, self.dispatcher, sc.sim.timeline_interval_s)
         self.env.process(self.arrivals())
 
     def make_request(self, i: int) -> Request:
@@ -109,7 +121,17 @@ class Cluster:
             covered = p + o if s.hashes_cover_output else p
             keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, self.engine_config.block_size, covered)
         sid = -1 if s.session_id is None else int(s.session_id[i])
-        return Request(i, float(s.arrival_s[i]), p, o, keys, sid)
+        cap = self.max_tokens_cap
+        return Request(i, float(s.arrival_s[i]), p, o if cap is None else min(o, cap), keys, sid)
+
+    def request_view(self, r: Request) -> RequestView:
+        """What the router may know: the client's cap, never the true length; the prompt's block hashes."""
+        bs = self.engine_config.block_size
+        keys = r.block_keys
+        n_prompt = r.num_prompt_tokens // bs
+        prefix = keys if len(keys) <= n_prompt else keys[:n_prompt]
+        return RequestView(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix, bs,
+                           None if r.session_id < 0 else str(r.session_id))
 
     def arrivals(self):
         """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor."""
@@ -133,25 +155,37 @@ class Cluster:
         r = self.make_request(i)
         r.arrival_time = env.now
         max_len = self.max_model_len
-        if r.num_prompt_tokens + r.max_tokens > max_len:
-            self._reject(i, "longer than max_model_len", f"{r.num_prompt_tokens} + {r.max_tokens} tokens > {max_len}")
+        cap = self.max_tokens_cap if self.max_tokens_cap is not None else r.max_tokens
+        if r.num_prompt_tokens + cap > max_len:  # vLLM refuses prompt + max_tokens > max_model_len (HTTP 400)
+            self._reject(i, "longer than max_model_len", f"{r.num_prompt_tokens} + {cap} tokens > {max_len}")
             return
+        view = self.request_view(r)
         try:
-            target = self.router.choose(r, self.instances)
-        except Exception as e:  # a policy bug must not lose the request silently
-            self._reject(i, "router error", f"{type(e).__name__}: {e}")
+            target = self.dispatcher.route(view)
+        except RouterError:
+            log.reject(i, "router error", "the run stopped here")
+            raise
+        if isinstance(target, Reject):
+            self._reject(i, "rejected by the router", target.reason)
             return
         inst = self.by_id.get(target)
-        if inst is None:
-            self._reject(i, "router returned an unknown instance", repr(target))
+        if inst is None or inst.state != "serving":
+            what = "an unknown instance" if inst is None else f"an instance that is {inst.state}"
+            self._reject(i, f"router returned {what}", repr(target))
             return
         if not inst.fits(r.num_prompt_tokens + r.max_tokens):
             self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
             return
+        self.dispatcher.dispatched(i, view, inst.id)
         inst.add_request(r)
 
     def _reject(self, i: int, reason: str, detail: str) -> None:
         self.log.reject(i, reason, detail)
+        self._turn_ended(i)
+
+    def _finished(self, i: int) -> None:
+        """The engine finished request i: the books and the router's hook hear of it, then the session."""
+        self.dispatcher.finished(i, int(self.log.output_tokens[i]))
         self._turn_ended(i)
 
     def _turn_ended(self, i: int) -> None:
@@ -212,6 +246,28 @@ class Cluster:
             progress(env.now, self.num_arrived)
         return SimResult(self.scenario, self.log, self.instances, float(env.now), wall, self.num_blocks,
                          self.perf, self.stream.stats.to_dict())
+
+
+def build_router(sc: Scenario) -> Router:
+    """The scenario's router by name or `module:Class`; bad names or parameters are one line."""
+    try:
+        return make_router(sc.router.name, seed=sc.seed, **sc.router.params)
+    except KeyError:
+        raise TwinInputError(f"router.name: unknown router {sc.router.name!r}") from None
+    except LookupError as e:
+        raise TwinInputError(f"router.name: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise TwinInputError(f"router.params: {e}") from None
+
+
+def prefix_index_kind(router: object, wanted: str | None) -> str | None:
+    """The prefix index to build: none for routers that read none, else the scenario's or the router's choice."""
+    pref = getattr(router, "prefix_index", None)
+    if pref is None:
+        return None
+    if wanted is not None:
+        return wanted
+    return "approximate" if pref == "any" else pref
 
 
 def simulate(sc: Scenario, stream: RequestStream, progress=None, router=None) -> SimResult:

@@ -142,6 +142,9 @@ class WorkloadSpec(_Spec):
     sessions: Optional[SessionSpec] = None
     trace: Optional[TraceSpec] = None
     on_too_long: Literal["error", "reject", "truncate"] = "error"
+    max_tokens: Optional[int] = Field(None, gt=0, description=(
+        "the client's max_tokens cap on every request (None: vLLM's default, max_model_len - prompt); "
+        "routers see this, never the true length"))
 
     @model_validator(mode="after")
     def _synthetic_or_trace(self) -> "WorkloadSpec":
@@ -157,17 +160,26 @@ class WorkloadSpec(_Spec):
 
 
 class RouterSpec(_Spec):
-    name: str = "least_outstanding_requests"
+    """The routing policy and the signals it sees (names and parameters as in the live controller's config)."""
+
+    name: str = "least-outstanding"
     params: dict[str, Any] = {}
+    scrape_interval_s: float = Field(0.05, ge=0, description="gauge age: /metrics scrape period (0 = exact)")
+    prefix_index: Optional[Literal["approximate", "precise"]] = Field(
+        None, description="for prefix-aware routers: the router's own default when unset")
+    prefix_index_capacity_blocks: int = Field(100_000, gt=0, description="approximate index: LRU blocks per instance")
+    kv_event_delay_s: float = Field(0.005, ge=0, description="ASSUMPTION: KV-event publish-to-index latency")
+    on_error: Literal["raise", "reject"] = "raise"
 
     @field_validator("name")
     @classmethod
     def _known_router(cls, v: str) -> str:
-        from twin.policy.routers import ALIASES, ROUTERS
+        from twin.policy import ROUTERS
+        from twin.policy.base import canonical_name
 
-        key = ALIASES.get(v, v)
-        if key not in ROUTERS:
-            raise ValueError(f"unknown router {v!r} (known: {', '.join(ROUTERS)})")
+        key = canonical_name(v)
+        if key not in ROUTERS and ":" not in v:
+            raise ValueError(f"unknown router {v!r} (known: {', '.join(ROUTERS)}; or module:Class, file.py:Class)")
         return key
 
 
@@ -182,6 +194,7 @@ class SLOSpec(_Spec):
 class SimSpec(_Spec):
     mode: Literal["fast", "step"] = "fast"
     max_sim_time_s: Optional[float] = Field(None, gt=0)
+    timeline_interval_s: float = Field(1.0, ge=0, description="per-instance time series resolution (0 = off)")
 
 
 class Scenario(_Spec):

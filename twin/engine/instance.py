@@ -84,6 +84,8 @@ class Instance:
         self._run: list[float] | None = None  # end times of the steps of the decode run in progress
         self._interruptible = False
         self.num_dispatched = 0
+        self.state = "serving"  # starting | serving | draining | stopped: the fleet's lifecycle
+        self.serving_since = env.now
         self.num_wakeups = 0  # times the step loop resumed: what simulation cost grows with
         self.process = env.process(self.run())
 

@@ -130,6 +130,7 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * pool.num_gpu_blocks)
         self._blocked: tuple | None = None  # (head, len(running), num_decode, free) when it was refused
         self.on_finish: Callable[[int], None] | None = None  # told each finished request's index
+        self.on_first_token: Callable[[int, float], None] | None = None  # told (index, time) of each first token
 
     # ---------------------------------------------------------------------------------------------
     def add_request(self, r: Request) -> None:
@@ -518,6 +519,8 @@ class Scheduler:
             if r.first_token_time < 0:
                 r.first_token_time = t_end
                 self.log.first_token_s[r.idx] = t_end
+                if self.on_first_token is not None:
+                    self.on_first_token(r.idx, t_end)
             else:
                 stats.itl.add(t_end - r.last_output_time, 1)
             self.prefilling.remove(r)

@@ -1,10 +1,21 @@
-"""THE SHARED POLICY OBJECTS: pure routers (and later scalers, planners) that both the twin and `live` run.
+"""THE SHARED POLICY OBJECTS: pure routers, predictors, scalers and planners that both the twin and `live` run.
 
-Nothing here imports from `twin.cluster`, `twin.engine` or `live`.
+Nothing here imports from `twin.cluster`, `twin.engine`, `live` or simpy: policies read views
+(`twin.policy.views`) and return decisions.
 """
 
-from twin.policy.routers import ROUTERS, LeastOutstandingRequests, Random, RoundRobin, make_router
-from twin.policy.views import InstanceView, RequestView, Router
+from twin.policy import routers as _routers  # noqa: F401  (registers the built-in routers)
+from twin.policy.base import ALIASES, ROUTERS, Router, RouterBase, make_router, register_router, router_params
+from twin.policy.bookkeeping import Bookkeeping, InstanceLoad
+from twin.policy.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex, PrefixIndex, make_prefix_index
+from twin.policy.routers import LeastKV, LeastOutstanding, PowerOfTwo, Random, RoundRobin
+from twin.policy.views import FleetView, Gauges, InstanceConfig, InstanceView, Reject, RequestView
 
-__all__ = ["ROUTERS", "InstanceView", "LeastOutstandingRequests", "Random", "RequestView", "RoundRobin",
-           "Router", "make_router"]
+__all__ = [
+    "ALIASES", "AllBlocksCleared", "ApproxPrefixIndex", "BlockRemoved", "BlockStored", "Bookkeeping",
+    "FleetView", "Gauges", "InstanceConfig", "InstanceLoad", "InstanceView", "KVEventBatch", "LeastKV",
+    "LeastOutstanding", "PowerOfTwo", "PreciseIndex", "PrefixIndex", "ROUTERS", "Random", "Reject",
+    "RequestView", "RoundRobin", "Router", "RouterBase", "make_prefix_index", "make_router", "register_router",
+    "router_params",
+]

@@ -1,68 +1,130 @@
-"""Routers: small, pure policies. They read views and return an instance id; they import no simulator code."""
+"""Load-only routers: round-robin, random, least-outstanding, least-KV and power-of-two choices.
+
+Each reads `FleetView` only. Prefix-aware routers live in `twin.policy.prefix_routers`; look-ahead routing
+(Block) in `twin.policy.block`.
+"""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from twin.policy.views import InstanceView, RequestView, Router
+from twin.policy.base import RouterBase, register_router
+from twin.policy.views import FleetView, InstanceView, Reject, RequestView
+
+NO_INSTANCE = Reject("no instance is serving")
 
 
-@dataclass
-class RoundRobin:
-    """Each request to the next instance in turn."""
+def argmin_random(instances: Sequence[InstanceView], key: Callable[[InstanceView], float],
+                  rng: random.Random) -> str:
+    """The instance with the least `key`, ties broken uniformly at random (lowest-index ties herd)."""
+    best: list[InstanceView] = []
+    best_v = float("inf")
+    for v in instances:
+        k = key(v)
+        if k < best_v:
+            best_v = k
+            best = [v]
+        elif k == best_v:
+            best.append(v)
+    if len(best) == 1:
+        return best[0].id
+    return best[rng.randrange(len(best))].id
 
-    name: str = "round_robin"
-    _next: int = field(default=0, repr=False)
 
-    def choose(self, req: RequestView, instances: Sequence[InstanceView]) -> str:
-        inst = instances[self._next % len(instances)]
+@register_router("round-robin", "round_robin", "rr")
+class RoundRobin(RouterBase):
+    """Each request to the next serving instance in turn."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
+        insts = fleet.instances
+        if not insts:
+            return NO_INSTANCE
+        inst = insts[self._next % len(insts)]
         self._next += 1
         return inst.id
 
 
-@dataclass
-class Random:
-    """A uniformly random instance, from its own seeded generator (reproducible)."""
+@register_router("random")
+class Random(RouterBase):
+    """A uniformly random serving instance, from its own seeded generator (reproducible)."""
 
-    seed: int = 0
-    name: str = "random"
+    name = "random"
 
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._rng = random.Random(seed)
 
-    def choose(self, req: RequestView, instances: Sequence[InstanceView]) -> str:
-        return instances[self._rng.randrange(len(instances))].id
-
-
-@dataclass
-class LeastOutstandingRequests:
-    """The instance with the fewest requests in flight (running + waiting); ties to the lowest index."""
-
-    name: str = "least_outstanding_requests"
-
-    def choose(self, req: RequestView, instances: Sequence[InstanceView]) -> str:
-        best = instances[0]
-        best_n = best.num_running + best.num_waiting
-        for inst in instances[1:]:
-            n = inst.num_running + inst.num_waiting
-            if n < best_n:
-                best, best_n = inst, n
-        return best.id
+    def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
+        insts = fleet.instances
+        if not insts:
+            return NO_INSTANCE
+        return insts[self._rng.randrange(len(insts))].id
 
 
-ROUTERS: dict[str, Callable[..., Router]] = {
-    "round_robin": RoundRobin,
-    "random": Random,
-    "least_outstanding_requests": LeastOutstandingRequests,
-}
-ALIASES = {"rr": "round_robin", "least_outstanding": "least_outstanding_requests", "lor": "least_outstanding_requests"}
+@register_router("least-outstanding", "least_outstanding_requests", "least_outstanding", "lor")
+class LeastOutstanding(RouterBase):
+    """Fewest requests in flight by the router's own books (always fresh), random tie-break.
+
+    `signal: gauges` uses the scraped running + waiting instead: what a router that reads only
+    `/metrics` does, and why it herds between scrapes.
+    """
+
+    name = "least-outstanding"
+
+    def __init__(self, signal: str = "bookkeeping", seed: int = 0) -> None:
+        if signal not in ("bookkeeping", "gauges"):
+            raise ValueError(f"signal must be 'bookkeeping' or 'gauges', got {signal!r}")
+        self.signal = signal
+        self._rng = random.Random(seed)
+
+    def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
+        if not fleet.instances:
+            return NO_INSTANCE
+        if self.signal == "gauges":
+            return argmin_random(fleet.instances, lambda v: v.num_running + v.num_waiting, self._rng)
+        return argmin_random(fleet.instances, lambda v: v.inflight_requests, self._rng)
 
 
-def make_router(name: str, **params) -> Router:
-    """Build a router by registry name; new routers register here without touching the simulator."""
-    key = ALIASES.get(name, name)
-    if key not in ROUTERS:
-        raise KeyError(name)
-    return ROUTERS[key](**params)
+@register_router("least-kv", "least_kv")
+class LeastKV(RouterBase):
+    """Lowest scraped KV-cache usage (`vllm:kv_cache_usage_perc`), then fewest waiting; random tie-break."""
+
+    name = "least-kv"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
+        if not fleet.instances:
+            return NO_INSTANCE
+        return argmin_random(fleet.instances, lambda v: v.kv_usage + 1e-6 * v.num_waiting, self._rng)
+
+
+@register_router("power-of-two", "power_of_two", "p2c")
+class PowerOfTwo(RouterBase):
+    """Two instances drawn at random, the one with fewer requests in flight wins (Mitzenmacher's p2c)."""
+
+    name = "power-of-two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
+        insts = fleet.instances
+        n = len(insts)
+        if n == 0:
+            return NO_INSTANCE
+        if n == 1:
+            return insts[0].id
+        i, j = self._rng.sample(range(n), 2)
+        a, b = insts[i], insts[j]
+        la, lb = a.inflight_requests, b.inflight_requests
+        if la == lb:
+            return (a if self._rng.random() < 0.5 else b).id
+        return (a if la < lb else b).id

@@ -1,77 +1,185 @@
-"""The read-only views a policy sees. The simulator and the live controller each back them with their state."""
+"""What a policy may know: small frozen values built by the world (simulator or live proxy), never engine objects.
+
+The seam, version 2 (../DESIGN.md, "The seam that matters"). A `RequestView` carries the client's `max_tokens`
+cap, never the true output length; an `InstanceView` carries gauges as old as the last scrape plus the
+router-side bookkeeping, which is always fresh; a `FleetView` bundles them with the prefix index.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from twin.policy.bookkeeping import Bookkeeping, InstanceLoad
+    from twin.policy.prefix_index import PrefixIndex
+
+InstanceState = Literal["starting", "serving", "draining", "stopped"]
+ROUTABLE: tuple[str, ...] = ("serving",)
 
 
-@runtime_checkable
-class RequestView(Protocol):
-    """What a router may know about a request at dispatch time."""
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """A request as a router sees it at arrival.
 
-    @property
-    def id(self) -> int: ...
+    `prefix` holds the hashes of the prompt's full blocks of `prefix_block_size` tokens, in order (chained, so
+    equal hashes mean equal prefixes); it must not be mutated. `max_tokens` is the client's cap (None: vLLM's
+    default, `max_model_len - num_prompt_tokens`). `predicted_output_tokens` is set when a length predictor
+    is configured. The true output length is not here: only the engine knows when a request stops.
+    """
 
-    @property
-    def arrival_time(self) -> float: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def max_tokens(self) -> int:
-        """The output cap the client asked for (the twin knows the true length; a router must not)."""
-        ...
-
-    @property
-    def block_keys(self) -> Sequence[int]:
-        """Prefix identity: hashes of the prompt's full KV blocks (may be empty)."""
-        ...
-
-    @property
-    def session_id(self) -> int:
-        """-1 when unknown."""
-        ...
+    id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    max_tokens: int | None = None
+    prefix: Sequence[int] = ()
+    prefix_block_size: int = 16
+    session_id: str | None = None
+    priority: int = 0
+    predicted_output_tokens: float | None = None
+    text: str | None = None  # the prompt text where the world has it (live, text traces); else None
 
 
-@runtime_checkable
-class InstanceView(Protocol):
-    """What a router may know about an instance (exact in the simulator, scraped in production)."""
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """A router's decision not to serve a request; the world answers the client with `reason`."""
 
-    @property
-    def id(self) -> str: ...
+    reason: str
 
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """An instance's scraped signals (vLLM's `/metrics` names in live), as of the scrape's time `as_of`."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
+    as_of: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceConfig:
+    """What an instance was launched with (`vllm:cache_config_info` and launch arguments in live)."""
+
+    num_gpu_blocks: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 0
+
+
+class InstanceView:
+    """One instance for a policy: lifecycle state, stale gauges, launch config, and fresh bookkeeping.
+
+    Gauges are a snapshot (replaced at each scrape); `inflight_*` read the router-side bookkeeping, which
+    the dispatcher updates at dispatch, first token and finish, so they are never stale.
+    """
+
+    __slots__ = ("id", "state", "gauges", "config", "_load", "started_at")
+
+    def __init__(self, id: str, state: InstanceState, gauges: Gauges, config: InstanceConfig,
+                 load: "InstanceLoad", started_at: float = 0.0) -> None:
+        self.id = id
+        self.state = state
+        self.gauges = gauges
+        self.config = config
+        self._load = load
+        self.started_at = started_at  # when it began serving (cold-start guards read it)
+
+    # gauges
     @property
     def num_running(self) -> int:
-        """Requests in the running batch."""
-        ...
+        return self.gauges.num_running
 
     @property
     def num_waiting(self) -> int:
-        """Queued, including preempted."""
-        ...
+        return self.gauges.num_waiting
 
     @property
     def kv_usage(self) -> float:
-        """0..1 of the KV block pool referenced by requests."""
-        ...
+        return self.gauges.kv_usage
 
     @property
-    def free_blocks(self) -> int: ...
+    def as_of(self) -> float:
+        return self.gauges.as_of
+
+    # launch config
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.config.num_gpu_blocks
 
     @property
-    def inflight_prefill_tokens(self) -> int:
-        """Prompt tokens dispatched there and not yet computed."""
-        ...
+    def block_size(self) -> int:
+        return self.config.block_size
 
-    def cached_prefix_tokens(self, req: RequestView) -> int: ...
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    @property
+    def free_blocks(self) -> int:
+        """Free KV blocks implied by the scraped usage."""
+        return int(round((1.0 - self.gauges.kv_usage) * max(self.config.num_gpu_blocks - 1, 0)))
+
+    # bookkeeping (fresh)
+    @property
+    def inflight_requests(self) -> int:
+        return self._load.requests
+
+    @property
+    def inflight_prompt_tokens(self) -> int:
+        """Prompt tokens of requests dispatched here that have not produced a first token."""
+        return self._load.prompt_tokens
+
+    @property
+    def inflight_decode_tokens(self) -> int:
+        """Context tokens held by requests here that are past their first token (prompt + output cap)."""
+        return self._load.decode_tokens
+
+    def with_gauges(self, gauges: Gauges) -> "InstanceView":
+        return InstanceView(self.id, self.state, gauges, self.config, self._load, self.started_at)
+
+    def __repr__(self) -> str:
+        g = self.gauges
+        return (f"InstanceView({self.id!r}, {self.state}, running={g.num_running}, waiting={g.num_waiting}, "
+                f"kv={g.kv_usage:.2f}, inflight={self._load.requests}, as_of={g.as_of:.3f})")
 
 
-class Router(Protocol):
-    """A routing policy: one pure decision per request."""
+class Forecaster(Protocol):
+    """Runs an instance's model forward without the policy importing the engine (Block-style routing)."""
 
-    name: str
+    def forecast(self, instance_id: str, extra_request: RequestView | None = None,
+                 horizon_s: float | None = None) -> Any: ...
 
-    def choose(self, req: RequestView, instances: Sequence[InstanceView]) -> str:
-        """The id of the instance that should serve `req`."""
-        ...
+
+@dataclass
+class FleetView:
+    """Everything a router reads for one decision.
+
+    `instances` are the routable (serving) ones, in a stable order; `all_instances` includes starting,
+    draining and stopped ones. `prefix_index` may be None when no prefix index is configured.
+    """
+
+    now: float
+    instances: Sequence[InstanceView]
+    bookkeeping: "Bookkeeping"
+    prefix_index: "PrefixIndex | None" = None
+    forecaster: Forecaster | None = None
+    all_instances: Sequence[InstanceView] = field(default=())
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+    def by_id(self, instance_id: str) -> InstanceView | None:
+        for v in self.instances:
+            if v.id == instance_id:
+                return v
+        return None
+
+    def cached_blocks(self, req: RequestView) -> dict[str, int]:
+        """Leading prefix blocks of `req` cached per routable instance (0 where none, or no index)."""
+        if self.prefix_index is None or not req.prefix:
+            return {}
+        return self.prefix_index.match(req.prefix, [v.id for v in self.instances])

@@ -1,0 +1,218 @@
+"""The simulator's side of the policy seam: views, bookkeeping, prefix index, KV-event delivery, hooks.
+
+It mirrors the live proxy (`live/`): the router sees `RequestView`s and `InstanceView`s built here, never
+engine objects. Gauges are sampled every `scrape_interval_s` (0 = exact at each decision), bookkeeping is
+updated at dispatch, first token and finish, and KV events reach a precise index `kv_event_delay_s` after
+the block pool emits them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import simpy
+
+from twin.policy.base import RouterBase
+from twin.policy.bookkeeping import Bookkeeping
+from twin.policy.kv_events import KVEvent
+from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex
+from twin.policy.views import FleetView, Gauges, InstanceConfig, InstanceView, Reject, RequestView
+
+
+class RouterError(Exception):
+    """A router raised: a bug in the policy the user must see, with the request that triggered it.
+
+    One message argument only (SimPy re-creates exceptions from their args); the router's own exception
+    is the `__cause__` chain's root (`router_traceback` finds it).
+    """
+
+    @classmethod
+    def of(cls, router_name: str, req: RequestView, cause: BaseException) -> "RouterError":
+        return cls(f"router {router_name!r} raised {type(cause).__name__}: {cause} while routing request "
+                   f"{req.id} (arrival {req.arrival_time:.6f} s, {req.num_prompt_tokens} prompt tokens, "
+                   f"session {req.session_id})")
+
+
+def router_cause(e: BaseException) -> BaseException:
+    """The router's own exception behind a RouterError (through SimPy's re-raise)."""
+    while isinstance(e, RouterError) and e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+class KVEventBus:
+    """Delivers each instance's KV events to subscribers `delay_s` later (at once when 0)."""
+
+    def __init__(self, env: simpy.Environment, delay_s: float) -> None:
+        self.env = env
+        self.delay_s = delay_s
+        self.subscribers: list[PreciseIndex] = []
+        self._pending: list[tuple[str, KVEvent]] | None = None
+        self._pending_t = -1.0
+        self.published = 0
+
+    def sink_for(self, instance_id: str) -> Callable[[KVEvent], None]:
+        return partial(self.publish, instance_id)
+
+    def publish(self, instance_id: str, event: KVEvent) -> None:
+        self.published += 1
+        now = self.env.now
+        if self.delay_s <= 0:
+            for s in self.subscribers:
+                s.apply(instance_id, event, now)
+            return
+        if self._pending is None or self._pending_t != now:
+            batch: list[tuple[str, KVEvent]] = []
+            self._pending = batch
+            self._pending_t = now
+            self.env.timeout(self.delay_s).callbacks.append(partial(self._deliver, batch, now))
+        self._pending.append((instance_id, event))
+
+    def _deliver(self, batch: list[tuple[str, KVEvent]], ts: float, _event: object) -> None:
+        for s in self.subscribers:
+            for inst, ev in batch:
+                s.apply(inst, ev, ts)
+
+
+def _has_hook(router: Any, hook: str) -> bool:
+    """The router has this hook and it is not RouterBase's no-op (skipping no-ops keeps dispatch cheap)."""
+    fn = getattr(type(router), hook, None)
+    return fn is not None and fn is not getattr(RouterBase, hook)
+
+
+class Dispatcher:
+    """Builds the fleet view for each decision and keeps it honest (stale gauges, fresh books)."""
+
+    def __init__(self, env: simpy.Environment, router: Any, instances: Sequence[Any], *,
+                 scrape_interval_s: float = 0.05, prefix_index: str | None = None,
+                 prefix_index_capacity_blocks: int = 100_000, kv_event_delay_s: float = 0.0,
+                 on_error: str = "raise") -> None:
+        self.env = env
+        self.router = router
+        self.router_name = getattr(router, "name", type(router).__name__)
+        self.instances = list(instances)
+        self.by_id = {inst.id: inst for inst in self.instances}
+        self.scrape_interval_s = scrape_interval_s
+        self.on_error = on_error
+        self.bookkeeping = Bookkeeping()
+        self.index: ApproxPrefixIndex | PreciseIndex | None = None
+        self.bus: KVEventBus | None = None
+        if prefix_index == "approximate":
+            self.index = ApproxPrefixIndex(prefix_index_capacity_blocks)
+        elif prefix_index == "precise":
+            self.index = PreciseIndex()
+            self.bus = KVEventBus(env, kv_event_delay_s)
+            self.bus.subscribers.append(self.index)
+            for inst in self.instances:
+                inst.pool.event_sink = self.bus.sink_for(inst.id)
+        elif prefix_index is not None:
+            raise ValueError(f"prefix_index must be 'approximate' or 'precise', got {prefix_index!r}")
+        self.views: dict[str, InstanceView] = {}
+        for inst in self.instances:
+            self.views[inst.id] = self._new_view(inst)
+        self.fleet = FleetView(env.now, [], self.bookkeeping, self.index)
+        self._refresh_lists()
+        self._hook_dispatch = _has_hook(router, "on_dispatch")
+        self._hook_first = _has_hook(router, "on_first_token")
+        self._hook_finish = _has_hook(router, "on_finish")
+        self.inflight: dict[int, tuple[RequestView, str, int]] = {}  # engine idx -> (view, instance, expected)
+        self.scrapes = 0
+        if scrape_interval_s > 0:
+            env.process(self._scraper())
+
+    # -- views ---------------------------------------------------------------------------------------
+    def _new_view(self, inst: Any) -> InstanceView:
+        cfg = inst.config
+        ic = InstanceConfig(num_gpu_blocks=inst.pool.num_gpu_blocks, block_size=cfg.block_size,
+                            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            max_model_len=cfg.max_model_len or 0)
+        return InstanceView(inst.id, inst.state, self._gauges(inst), ic, self.bookkeeping.load(inst.id),
+                            getattr(inst, "serving_since", 0.0))
+
+    def _gauges(self, inst: Any) -> Gauges:
+        return Gauges(inst.num_running, inst.num_waiting, inst.kv_usage, self.env.now)
+
+    def _refresh_lists(self) -> None:
+        views = [self.views[inst.id] for inst in self.instances]
+        self.fleet.all_instances = views
+        self.fleet.instances = [v for v in views if v.state == "serving"]
+
+    def scrape(self) -> None:
+        """Sample every instance's gauges now (what a /metrics scrape returns)."""
+        self.scrapes += 1
+        views = self.views
+        for inst in self.instances:
+            v = views[inst.id]
+            if v.state != inst.state:
+                views[inst.id] = v = InstanceView(inst.id, inst.state, v.gauges, v.config, v._load,
+                                                  getattr(inst, "serving_since", 0.0))
+            v.gauges = self._gauges(inst)
+        self._refresh_lists()
+
+    def lifecycle_changed(self) -> None:
+        """An instance was added or changed state: views follow at once (the registry knows)."""
+        for inst in self.instances:
+            if inst.id not in self.views:
+                self.views[inst.id] = self._new_view(inst)
+                self.by_id[inst.id] = inst
+        for inst in self.instances:
+            v = self.views[inst.id]
+            if v.state != inst.state:
+                self.views[inst.id] = InstanceView(inst.id, inst.state, v.gauges, v.config, v._load,
+                                                   getattr(inst, "serving_since", 0.0))
+        self._refresh_lists()
+
+    def add_instance(self, inst: Any) -> None:
+        self.instances.append(inst)
+        self.by_id[inst.id] = inst
+        if self.bus is not None:
+            inst.pool.event_sink = self.bus.sink_for(inst.id)
+        self.lifecycle_changed()
+
+    def _scraper(self):
+        env = self.env
+        dt = self.scrape_interval_s
+        while True:
+            self.scrape()
+            yield env.timeout(dt)
+
+    # -- a decision ----------------------------------------------------------------------------------
+    def route(self, req: RequestView) -> str | Reject:
+        """Ask the router. Exceptions become a RouterError (default) or a rejection (`on_error: reject`)."""
+        if self.scrape_interval_s <= 0:
+            self.scrape()
+        fleet = self.fleet
+        fleet.now = self.env.now
+        try:
+            target = self.router.choose(req, fleet)
+        except Exception as e:  # noqa: BLE001 - a policy bug: surfaced, never lost
+            if self.on_error == "reject":
+                return Reject(f"router error: {type(e).__name__}: {e}")
+            raise RouterError.of(self.router_name, req, e) from e
+        return target
+
+    def dispatched(self, idx: int, req: RequestView, instance_id: str) -> None:
+        expected = int(req.predicted_output_tokens or req.max_tokens or 0)
+        self.bookkeeping.dispatched(req.id, instance_id, req.num_prompt_tokens, expected)
+        self.inflight[idx] = (req, instance_id, expected)
+        if self.index is not None:
+            self.index.on_dispatch(req.prefix, instance_id, self.env.now)
+        if self._hook_dispatch:
+            self.router.on_dispatch(req, instance_id, self.env.now)
+
+    def first_token(self, idx: int, t: float) -> None:
+        rec = self.inflight.get(idx)
+        if rec is None:
+            return
+        self.bookkeeping.first_token(rec[0].id)
+        if self._hook_first:
+            self.router.on_first_token(rec[0], rec[1], t)
+
+    def finished(self, idx: int, output_tokens: int) -> None:
+        rec = self.inflight.pop(idx, None)
+        if rec is None:
+            return
+        self.bookkeeping.finished(rec[0].id)
+        if self._hook_finish:
+            self.router.on_finish(rec[0], rec[1], self.env.now, output_tokens)

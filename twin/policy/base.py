@@ -1,0 +1,145 @@
+"""The router protocol, a base class with no-op hooks, and the registry that names routers in scenarios.
+
+A router is small and pure: `choose(req, fleet)` reads views and returns an instance id or a `Reject`.
+Hooks tell it what happened to the requests it placed. New routers register by name (`@register_router`)
+or are loaded from the user's own code (`router.name: my_pkg.routers:Mine` or `path/to/file.py:Mine`),
+without touching the simulator or the live controller.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
+
+from twin.policy.views import FleetView, Reject, RequestView
+
+
+@runtime_checkable
+class Router(Protocol):
+    name: str
+
+    def choose(self, req: RequestView, fleet: FleetView) -> str | Reject: ...
+
+
+class RouterBase:
+    """Optional base: hooks are no-ops. `prefix_index` says which index the router reads, if any
+    ("approximate", "precise" or "any": the world builds it; "any" takes the scenario's choice)."""
+
+    name: ClassVar[str] = "router"
+    prefix_index: ClassVar[str | None] = None
+
+    def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def on_dispatch(self, req: RequestView, instance_id: str, now: float) -> None:
+        pass
+
+    def on_first_token(self, req: RequestView, instance_id: str, now: float) -> None:
+        pass
+
+    def on_finish(self, req: RequestView, instance_id: str, now: float, output_tokens: int) -> None:
+        pass
+
+
+ROUTERS: dict[str, type] = {}
+ALIASES: dict[str, str] = {}
+
+
+def register_router(name: str, *aliases: str) -> Callable[[type], type]:
+    """Class decorator: make a router available by `name` (and aliases) in scenarios and live configs."""
+
+    def deco(cls: type) -> type:
+        ROUTERS[name] = cls
+        for a in aliases:
+            ALIASES[a] = name
+        return cls
+
+    return deco
+
+
+def _load_object(ref: str) -> Any:
+    """`pkg.module:Name` or `path/to/file.py:Name`."""
+    target, _, attr = ref.rpartition(":")
+    if not target or not attr:
+        raise KeyError(ref)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.exists():
+            raise LookupError(f"router file {target} does not exist")
+        mod_name = f"llmtwin_user_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        if spec is None or spec.loader is None:
+            raise LookupError(f"cannot load {target} as Python")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise LookupError(f"cannot import {target}: {e}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise LookupError(f"{target} has no {attr}") from None
+
+
+def resolve_router_class(name: str) -> type:
+    """The class behind a registry name, an alias, or a `module:Class` / `file.py:Class` reference."""
+    key = ALIASES.get(name, name)
+    if key in ROUTERS:
+        return ROUTERS[key]
+    if ":" in name:
+        obj = _load_object(name)
+        if not callable(obj):
+            raise LookupError(f"{name} is not a class or factory")
+        return obj
+    raise KeyError(name)
+
+
+def canonical_name(name: str) -> str:
+    return ALIASES.get(name, name)
+
+
+def router_params(cls: type) -> dict[str, Any]:
+    """Constructor parameters and their defaults (`inspect.Parameter.empty` where required)."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and not p.name.startswith("_")}
+
+
+def make_router(name: str, seed: int | None = None, **params: Any) -> Router:
+    """Build a router by name; `seed` is passed when the router takes one and params do not set it.
+
+    Raises KeyError for an unknown name, LookupError for a user reference that cannot be loaded and
+    TypeError (naming the accepted parameters) for parameters the router does not take.
+    """
+    cls = resolve_router_class(name)
+    accepted = router_params(cls)
+    if seed is not None and "seed" in accepted and "seed" not in params:
+        params = {**params, "seed": seed}
+    unknown = [k for k in params if k not in accepted]
+    if unknown and accepted is not None and not _takes_kwargs(cls):
+        takes = ", ".join(f"{k}={v!r}" if v is not inspect.Parameter.empty else k for k, v in accepted.items())
+        raise TypeError(f"router {name!r} takes no parameter {', '.join(map(repr, unknown))} "
+                        f"(it takes: {takes or 'none'})")
+    return cls(**params)
+
+
+def _takes_kwargs(cls: type) -> bool:
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return True
+
+
+def hook(router: Any, name: str) -> Callable[..., None] | None:
+    """The router's hook `name`, or None for routers without it (plain objects need not subclass)."""
+    return getattr(router, name, None)

@@ -1,0 +1,79 @@
+"""Router-side bookkeeping: what was sent where and is still in flight. One class for both worlds.
+
+The dispatcher (simulator) and the proxy (live) call `dispatched`, `first_token` and `finished`; routers
+read the per-instance `InstanceLoad` through `InstanceView.inflight_*`. Unlike scraped gauges it is never
+stale, which is what keeps a burst from piling onto one instance between two scrapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class InstanceLoad:
+    """In-flight totals of one instance."""
+
+    requests: int = 0
+    prompt_tokens: int = 0  # of requests without a first token yet (prefill pending)
+    decode_tokens: int = 0  # context held by requests past their first token: prompt + expected output
+    dispatched_total: int = 0
+
+
+@dataclass(slots=True)
+class _Flight:
+    instance_id: str
+    prompt_tokens: int
+    expected_output: int
+    decoding: bool = False
+
+
+class Bookkeeping:
+    """In-flight requests per instance, updated at dispatch, first token and finish."""
+
+    def __init__(self) -> None:
+        self.loads: dict[str, InstanceLoad] = {}
+        self._flights: dict[str, _Flight] = {}
+
+    def load(self, instance_id: str) -> InstanceLoad:
+        """The live record for an instance (created on first use; views hold it)."""
+        ld = self.loads.get(instance_id)
+        if ld is None:
+            ld = self.loads[instance_id] = InstanceLoad()
+        return ld
+
+    def dispatched(self, request_id: str, instance_id: str, prompt_tokens: int, expected_output: int = 0) -> None:
+        """`expected_output`: predicted length, or the client's cap, or 0 when unknown."""
+        ld = self.load(instance_id)
+        ld.requests += 1
+        ld.prompt_tokens += prompt_tokens
+        ld.dispatched_total += 1
+        self._flights[request_id] = _Flight(instance_id, prompt_tokens, expected_output)
+
+    def first_token(self, request_id: str) -> None:
+        f = self._flights.get(request_id)
+        if f is None or f.decoding:
+            return
+        f.decoding = True
+        ld = self.loads[f.instance_id]
+        ld.prompt_tokens -= f.prompt_tokens
+        ld.decode_tokens += f.prompt_tokens + f.expected_output
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (finished, aborted, failed): it leaves the books."""
+        f = self._flights.pop(request_id, None)
+        if f is None:
+            return
+        ld = self.loads[f.instance_id]
+        ld.requests -= 1
+        if f.decoding:
+            ld.decode_tokens -= f.prompt_tokens + f.expected_output
+        else:
+            ld.prompt_tokens -= f.prompt_tokens
+
+    def instance_of(self, request_id: str) -> str | None:
+        f = self._flights.get(request_id)
+        return None if f is None else f.instance_id
+
+    def in_flight(self) -> int:
+        return len(self._flights)
