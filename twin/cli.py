@@ -19,6 +19,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 err = Console(stderr=True)
 
 
+def _router_failed(e: BaseException) -> None:
+    """A router bug: the router's own traceback, then one line naming the request; exit 1."""
+    import traceback
+
+    from twin.dispatcher import router_cause
+
+    cause = router_cause(e)
+    err.print("".join(traceback.format_exception(type(cause), cause, cause.__traceback__)), highlight=False,
+              markup=False, end="")
+    err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    err.print("(set router.on_error: reject to count such requests as rejected and go on)", highlight=False)
+    raise typer.Exit(1)
+
+
 def _fail(msg: str) -> None:
     for line in str(msg).splitlines():
         err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
@@ -64,18 +78,30 @@ def print_summary(s: dict, console: Console) -> None:
 def run_and_report(sc, stream, out: Optional[Path], quiet: bool, console: Console) -> dict:
     """Simulate with a live progress bar, print the summary, write the output files."""
     from twin.cluster import Cluster
-    from twin.metrics import summarize
+    from twin.dispatcher import RouterError
 
     cluster = Cluster(sc, stream)
-    total = len(stream)
+    try:
+        result = _run_with_bar(cluster, len(stream), quiet)
+    except RouterError as e:
+        _router_failed(e)
+    return _report(sc, result, out, quiet, console)
+
+
+def _run_with_bar(cluster, total: int, quiet: bool):
     if quiet:
-        result = cluster.run()
-    else:
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} arrived"),
-                      TextColumn("sim {task.fields[sim]:,.0f} s"), TimeElapsedColumn(), console=err,
-                      transient=True) as bar:
-            task = bar.add_task("simulating", total=total, sim=0.0)
-            result = cluster.run(lambda now, arrived: bar.update(task, completed=arrived, sim=now))
+        return cluster.run()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed:,}/{task.total:,} arrived"),
+                  TextColumn("sim {task.fields[sim]:,.0f} s"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task("simulating", total=total, sim=0.0)
+        return cluster.run(lambda now, arrived: bar.update(task, completed=arrived, sim=now))
+
+
+def _report(sc, result, out: Optional[Path], quiet: bool, console: Console) -> dict:
+    from twin.metrics import summarize
+
     summary = summarize(result)
     if not quiet:
         print_summary(summary, console)
@@ -84,8 +110,12 @@ def run_and_report(sc, stream, out: Optional[Path], quiet: bool, console: Consol
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
         names = [inst.id for inst in result.instances]
         result.log.to_frame(names).to_parquet(out / "requests.parquet", index=False)
+        written = ["summary.json", "requests.parquet"]
+        if result.timeline is not None:
+            result.timeline.to_frame().to_parquet(out / "timeline.parquet", index=False)
+            written.append("timeline.parquet")
         if not quiet:
-            console.print(f"wrote {out / 'summary.json'} and {out / 'requests.parquet'}")
+            console.print(f"wrote {', '.join(written)} to {out} (figures: twin plot {out})")
     return summary
 
 
@@ -257,6 +287,104 @@ def replay(
             console.print(f"prefix-cache hit rate: simulated {summary['prefix_cache_hit_rate']:.1%}; {ideal.line()}")
     except TwinInputError as e:
         _fail(str(e))
+
+
+@app.command()
+def compare(
+    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    routers: Optional[str] = typer.Option(None, "--routers", help="comma-separated router names"),
+    router: List[str] = typer.Option([], "--router", help=(
+        "a contender as inline YAML: '{label: lm-stale, name: lmetric, scrape_interval_s: 0.1, "
+        "prefix_index: precise, params: {...}, set: [cluster.num_instances=8]}' (repeatable)")),
+    set_: List[str] = typer.Option([], "--set", help="override a scenario field for every run: dotted.path=value"),
+    seeds: int = typer.Option(1, "--seeds", min=1, help="repeat on this many seeds (scenario seed, +1, ...)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="the first seed (default: the scenario's)"),
+    out: Path = typer.Option(..., "--out", help="folder for comparison.csv, figures and per-request tables"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
+) -> None:
+    """Replay the same arrivals under several routers; write a table (CSV) and figures (PNG)."""
+    from twin.compare import compare as run_compare
+    from twin.compare import parse_variant, write
+    from twin.dispatcher import RouterError
+
+    console = Console(width=max(Console().width, 150))
+    try:
+        variants = [parse_variant(n) for n in (routers or "").split(",") if n.strip()]
+        variants += [parse_variant(r) for r in router]
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=err, transient=True, disable=quiet) as bar:
+            task = bar.add_task("comparing", total=len(variants) * seeds)
+            started: list[str] = []
+
+            def step(label: str) -> None:
+                bar.update(task, description=label, completed=len(started))
+                started.append(label)
+
+            cmp = run_compare(scenario, variants, set_, seeds, seed, step)
+            bar.update(task, completed=len(variants) * seeds)
+        files = write(cmp, out, scenario.stem)
+    except TwinInputError as e:
+        _fail(str(e))
+    except RouterError as e:
+        _router_failed(e)
+    if not quiet:
+        t = Table(title=f"{scenario.stem}: {len(variants)} routers x {seeds} seed(s), means")
+        cols = [("label", "router"), ("ttft_mean_s", "TTFT mean"), ("ttft_p99_s", "TTFT p99"),
+                ("tpot_mean_s", "TPOT mean"), ("e2e_mean_s", "E2E mean"), ("e2e_p99_s", "E2E p99"),
+                ("goodput_req_s", "goodput req/s"), ("prefix_hit_rate", "prefix hits"),
+                ("load_imbalance", "imbalance"), ("preemptions", "preempt.")]
+        for _, name in cols:
+            t.add_column(name, justify="right" if name != "router" else "left")
+        for _, r in cmp.mean.iterrows():
+            cells = []
+            for key, _ in cols:
+                v = r[key]
+                if key == "label":
+                    cells.append(str(v))
+                elif key.endswith("_s") and not key.startswith("goodput"):
+                    cells.append(_fmt(v))
+                elif key == "prefix_hit_rate":
+                    cells.append(f"{v:.1%}")
+                else:
+                    cells.append(f"{v:,.2f}")
+            t.add_row(*cells)
+        console.print(t)
+        console.print(f"wrote {', '.join(f.name for f in files)} to {out}")
+
+
+@app.command()
+def plot(
+    run_dir: Path = typer.Argument(..., help="a run folder (from simulate/replay --out)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="where to write the PNGs (default: the run folder)"),
+) -> None:
+    """Draw latency CDFs and per-instance timelines of a finished run."""
+    from twin.report import plot_run
+
+    try:
+        files = plot_run(run_dir, out)
+    except TwinInputError as e:
+        _fail(str(e))
+    Console().print("wrote " + ", ".join(str(f) for f in files))
+
+
+@app.command("routers")
+def routers_cmd() -> None:
+    """List the registered routers, their parameters and the prefix index they read."""
+    import inspect
+
+    from twin.policy import ROUTERS, router_params
+    from twin.policy.base import ALIASES
+
+    t = Table(title="routers (scenario: router.name / router.params)")
+    for c in ("name", "aliases", "prefix index", "parameters (defaults)", "what it does"):
+        t.add_column(c)
+    for name, cls in ROUTERS.items():
+        params = router_params(cls)
+        ps = ", ".join(k if v is inspect.Parameter.empty else f"{k}={v!r}" for k, v in params.items())
+        doc = (inspect.getdoc(cls) or "").split("\n")[0]
+        aliases = ", ".join(a for a, n in ALIASES.items() if n == name)
+        t.add_row(name, aliases, str(getattr(cls, "prefix_index", None) or "-"), ps or "-", doc)
+    Console(width=200).print(t)
 
 
 def main() -> None:  # pragma: no cover

@@ -56,6 +56,8 @@ class SimResult:
     num_gpu_blocks: int
     perf: RooflineModel
     stream_stats: dict = field(default_factory=dict)
+    router_info: dict = field(default_factory=dict)
+    timeline: object | None = None  # twin.timeline.Timeline when sim.timeline_interval_s > 0
 
 
 class Cluster:
@@ -74,7 +76,9 @@ class Cluster:
         self.log = RequestLog(len(stream))
         self.log.arrival_s[:] = stream.arrival_s
         self.log.prompt_tokens[:] = stream.prompt_tokens
-        self.log.max_tokens[:] = stream.output_tokens
+        cap = sc.workload.max_tokens
+        # the length at which the engine stops each request: its true length, or the client's cap
+        self.log.max_tokens[:] = stream.output_tokens if cap is None else np.minimum(stream.output_tokens, cap)
         if stream.session_id is not None:
             self.log.session_id[:] = stream.session_id
         fast = sc.sim.mode == "fast"
@@ -245,7 +249,18 @@ class Cluster:
         if progress is not None:
             progress(env.now, self.num_arrived)
         return SimResult(self.scenario, self.log, self.instances, float(env.now), wall, self.num_blocks,
-                         self.perf, self.stream.stats.to_dict())
+                         self.perf, self.stream.stats.to_dict(), self.router_info(), self.timeline)
+
+    def router_info(self) -> dict:
+        """What routed this run, for the report: name, parameters, signals and prefix index."""
+        d = self.dispatcher
+        rs = self.scenario.router
+        return {"name": getattr(self.router, "name", type(self.router).__name__), "params": dict(rs.params),
+                "scrape_interval_s": rs.scrape_interval_s,
+                "prefix_index": None if d.index is None else d.index.kind,
+                "kv_event_delay_s": rs.kv_event_delay_s if d.bus is not None else None,
+                "kv_events_published": d.bus.published if d.bus is not None else 0,
+                "scrapes": d.scrapes}
 
 
 def build_router(sc: Scenario) -> Router:

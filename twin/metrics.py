@@ -116,6 +116,7 @@ def summarize(result: SimResult) -> dict:
         "roofline_ceiling_tok_s": ceiling,
         "physics_ok": bool(processed_rate <= ceiling * (1 + 1e-9)),
         "perf_model": result.perf.describe(),
+        "router": result.router_info,
         "workload": result.stream_stats,
         "instances": [
             {"id": inst.id, "dispatched": inst.num_dispatched, "steps": inst.scheduler.stats.num_steps,
