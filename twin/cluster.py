@@ -58,6 +58,7 @@ class SimResult:
     stream_stats: dict = field(default_factory=dict)
     router_info: dict = field(default_factory=dict)
     timeline: object | None = None  # twin.timeline.Timeline when sim.timeline_interval_s > 0
+    fleet: object | None = None  # twin.fleet.Fleet: lifetimes, scale events, GPU-seconds
 
 
 class Cluster:
@@ -81,13 +82,10 @@ class Cluster:
         self.log.max_tokens[:] = stream.output_tokens if cap is None else np.minimum(stream.output_tokens, cap)
         if stream.session_id is not None:
             self.log.session_id[:] = stream.session_id
-        fast = sc.sim.mode == "fast"
-        self.instances = [
-            Instance(self.env, f"instance-{i}", i, self.engine_config, self.perf, self.num_blocks, self.log,
-                     fast_forward=fast)
-            for i in range(sc.cluster.num_instances)
-        ]
-        self.by_id = {inst.id: inst for inst in self.instances}
+        self.instances: list[Instance] = []
+        self.by_id: dict[str, Instance] = {}
+        for _ in range(sc.cluster.num_instances):
+            self._build_instance()
         if router is None:
             router = build_router(sc)
         self.router: Router = router
@@ -106,15 +104,52 @@ class Cluster:
             self._next_turn = np.full(len(stream), -1, dtype=np.int64)
             has = np.flatnonzero(stream.after >= 0)
             self._next_turn[stream.after[has]] = has
+        from twin.fleet import Fleet
+
+        c = sc.cluster
+        self.fleet = Fleet(self, c.min_instances, c.max_instances, c.startup_delay_s, c.tensor_parallel)
         for inst in self.instances:
-            inst.scheduler.on_finish = self._finished
-            inst.scheduler.on_first_token = self.dispatcher.first_token
+            self.fleet.register_initial(inst)
+        if sc.scaler.name != "none":
+            self._prepare_scaler()
+            self.env.process(self.fleet.scaler_process())
         self.timeline = None
         if sc.sim.timeline_interval_s > 0:
             from twin.timeline import Timeline
 
             self.timeline = Timeline(self.env, self.dispatcher, sc.sim.timeline_interval_s)
         self.env.process(self.arrivals())
+
+    def _build_instance(self) -> Instance:
+        i = len(self.instances)
+        inst = Instance(self.env, f"instance-{i}", i, self.engine_config, self.perf, self.num_blocks, self.log,
+                        fast_forward=self.scenario.sim.mode == "fast")
+        inst.scheduler.on_finish = self._finished
+        inst.scheduler.on_first_token = self._first_token
+        self.instances.append(inst)
+        self.by_id[inst.id] = inst
+        return inst
+
+    def new_instance(self, state: str = "starting") -> Instance:
+        """An instance added by the fleet while the run goes on (the dispatcher learns of it at once)."""
+        inst = self._build_instance()
+        inst.state = state
+        self.dispatcher.add_instance(inst)
+        return inst
+
+    def _first_token(self, i: int, t: float) -> None:
+        self.dispatcher.first_token(i, t)
+
+    def _prepare_scaler(self) -> None:
+        """Scalers that need a measured per-instance capacity get it from the twin before the run."""
+        scaler = self.fleet.scaler
+        if getattr(scaler, "capacity_req_s", 0) is None:
+            from twin.capacity import measure_capacity
+
+            cap = measure_capacity(self.scenario)
+            scaler.capacity_req_s = cap.req_s
+            scaler.capacity_tokens = cap.tokens_per_request
+            self.capacity = cap
 
     def make_request(self, i: int) -> Request:
         s = self.stream
@@ -190,6 +225,9 @@ class Cluster:
     def _finished(self, i: int) -> None:
         """The engine finished request i: the books and the router's hook hear of it, then the session."""
         self.dispatcher.finished(i, int(self.log.output_tokens[i]))
+        inst = self.instances[self.log.instance[i]]
+        if inst.state == "draining":
+            self.fleet.maybe_stop(inst)
         self._turn_ended(i)
 
     def _turn_ended(self, i: int) -> None:
@@ -249,7 +287,7 @@ class Cluster:
         if progress is not None:
             progress(env.now, self.num_arrived)
         return SimResult(self.scenario, self.log, self.instances, float(env.now), wall, self.num_blocks,
-                         self.perf, self.stream.stats.to_dict(), self.router_info(), self.timeline)
+                         self.perf, self.stream.stats.to_dict(), self.router_info(), self.timeline, self.fleet)
 
     def router_info(self) -> dict:
         """What routed this run, for the report: name, parameters, signals and prefix index."""

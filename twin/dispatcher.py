@@ -17,6 +17,7 @@ from twin.policy.base import RouterBase
 from twin.policy.bookkeeping import Bookkeeping
 from twin.policy.kv_events import KVEvent
 from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex
+from twin.policy.signals import RecentWindow
 from twin.policy.views import FleetView, Gauges, InstanceConfig, InstanceView, Reject, RequestView
 
 
@@ -111,12 +112,13 @@ class Dispatcher:
         self.views: dict[str, InstanceView] = {}
         for inst in self.instances:
             self.views[inst.id] = self._new_view(inst)
-        self.fleet = FleetView(env.now, [], self.bookkeeping, self.index)
+        self.signals = RecentWindow()
+        self.fleet = FleetView(env.now, [], self.bookkeeping, self.index, signals=self.signals)
         self._refresh_lists()
         self._hook_dispatch = _has_hook(router, "on_dispatch")
         self._hook_first = _has_hook(router, "on_first_token")
         self._hook_finish = _has_hook(router, "on_finish")
-        self.inflight: dict[int, tuple[RequestView, str, int]] = {}  # engine idx -> (view, instance, expected)
+        self.inflight: dict[int, list] = {}  # engine idx -> [view, instance id, first token time]
         self.scrapes = 0
         if scrape_interval_s > 0:
             env.process(self._scraper())
@@ -195,7 +197,8 @@ class Dispatcher:
     def dispatched(self, idx: int, req: RequestView, instance_id: str) -> None:
         expected = int(req.predicted_output_tokens or req.max_tokens or 0)
         self.bookkeeping.dispatched(req.id, instance_id, req.num_prompt_tokens, expected)
-        self.inflight[idx] = (req, instance_id, expected)
+        self.inflight[idx] = [req, instance_id, -1.0]
+        self.signals.arrived(self.env.now, req.num_prompt_tokens)
         if self.index is not None:
             self.index.on_dispatch(req.prefix, instance_id, self.env.now)
         if self._hook_dispatch:
@@ -206,6 +209,7 @@ class Dispatcher:
         if rec is None:
             return
         self.bookkeeping.first_token(rec[0].id)
+        rec[2] = t
         if self._hook_first:
             self.router.on_first_token(rec[0], rec[1], t)
 
@@ -214,5 +218,9 @@ class Dispatcher:
         if rec is None:
             return
         self.bookkeeping.finished(rec[0].id)
+        now = self.env.now
+        req = rec[0]
+        self.signals.finished(now, rec[2] - req.arrival_time, now - req.arrival_time, req.num_prompt_tokens,
+                              output_tokens)
         if self._hook_finish:
             self.router.on_finish(rec[0], rec[1], self.env.now, output_tokens)

@@ -76,7 +76,10 @@ def summarize(result: SimResult) -> dict:
     hits = sum(s.prefix_cache_hits for s in stats)
     generated = sum(s.generated_tokens for s in stats)
     usable = result.instances[0].pool.num_usable_blocks if result.instances else 1
-    kv_mean = sum(s.kv_used_block_seconds for s in stats) / (usable * len(stats) * sim_t) if stats else 0.0
+    fleet = result.fleet
+    lifetimes = fleet.instance_seconds(result.sim_time_s) if fleet is not None else {}
+    inst_seconds = sum(lifetimes.values()) if lifetimes else len(stats) * sim_t
+    kv_mean = sum(s.kv_used_block_seconds for s in stats) / (usable * inst_seconds) if stats and inst_seconds else 0.0
     kv_peak = max((s.kv_peak_used_blocks for s in stats), default=0) / usable
     good = int(slo_mask(log, sc.slo).sum())
     prompt_computed = int((log.prompt_tokens[fin] - log.cached_tokens[fin]).sum())
@@ -117,6 +120,9 @@ def summarize(result: SimResult) -> dict:
         "physics_ok": bool(processed_rate <= ceiling * (1 + 1e-9)),
         "perf_model": result.perf.describe(),
         "router": result.router_info,
+        "gpu_seconds": fleet.gpu_seconds(result.sim_time_s) if fleet is not None
+        else len(result.instances) * sc.cluster.tensor_parallel * result.sim_time_s,
+        "fleet": fleet.summary(result.sim_time_s) if fleet is not None else None,
         "workload": result.stream_stats,
         "instances": [
             {"id": inst.id, "dispatched": inst.num_dispatched, "steps": inst.scheduler.stats.num_steps,
@@ -130,4 +136,8 @@ def summarize(result: SimResult) -> dict:
 
 def roofline_ceiling_tok_s(result: SimResult) -> float:
     """Tokens/s the cluster's GPUs could process at 100 % of peak FLOP/s (linear layers only: a hard bound)."""
+    fleet = result.fleet
+    if fleet is not None and result.sim_time_s > 0:  # a fleet that changed size: its mean instance count
+        mean_instances = sum(fleet.instance_seconds(result.sim_time_s).values()) / result.sim_time_s
+        return max(mean_instances, 1e-9) * result.perf.peak_tokens_per_s()
     return len(result.instances) * result.perf.peak_tokens_per_s()

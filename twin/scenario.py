@@ -54,7 +54,10 @@ class EngineSpec(_Spec):
 
 
 class ClusterSpec(_Spec):
-    num_instances: int = Field(gt=0)
+    num_instances: int = Field(gt=0, description="instances serving at the start")
+    min_instances: int = Field(1, ge=1, description="the scaler never goes below")
+    max_instances: int = Field(64, ge=1, description="the scaler never goes above")
+    startup_delay_s: float = Field(90.0, ge=0, description="ASSUMPTION: provisioning + model load of a new instance")
     hardware: str = "H100-SXM-80GB"
     model: str = "Llama-3-8B"
     dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
@@ -183,6 +186,23 @@ class RouterSpec(_Spec):
         return key
 
 
+class ScalerSpec(_Spec):
+    """How the fleet grows and shrinks (names and parameters as in the live launcher's config)."""
+
+    name: str = "none"
+    params: dict[str, Any] = {}
+    interval_s: float = Field(30.0, gt=0, description="decision period")
+
+    @field_validator("name")
+    @classmethod
+    def _known_scaler(cls, v: str) -> str:
+        from twin.policy.scalers import SCALERS
+
+        if v not in SCALERS:
+            raise ValueError(f"unknown scaler {v!r} (known: {', '.join(SCALERS)})")
+        return v
+
+
 class SLOSpec(_Spec):
     """A request meets the SLOs when every set bound holds; goodput counts such requests per second."""
 
@@ -204,9 +224,18 @@ class Scenario(_Spec):
     cluster: ClusterSpec
     workload: WorkloadSpec
     router: RouterSpec = RouterSpec()
+    scaler: ScalerSpec = ScalerSpec()
     slo: SLOSpec = SLOSpec()
     sim: SimSpec = SimSpec()
     base_dir: str = Field(".", exclude=True, description="where relative paths resolve (the file's folder)")
+
+    @model_validator(mode="after")
+    def _fleet_bounds(self) -> "Scenario":
+        c = self.cluster
+        if not c.min_instances <= c.num_instances <= c.max_instances:
+            raise ValueError(f"cluster: need min_instances ({c.min_instances}) <= num_instances ({c.num_instances}) "
+                             f"<= max_instances ({c.max_instances})")
+        return self
 
     def resolve_path(self, p: str) -> Path:
         path = Path(p)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence
 if TYPE_CHECKING:
     from twin.policy.bookkeeping import Bookkeeping, InstanceLoad
     from twin.policy.prefix_index import PrefixIndex
+    from twin.policy.signals import RecentWindow
 
 InstanceState = Literal["starting", "serving", "draining", "stopped"]
 ROUTABLE: tuple[str, ...] = ("serving",)
@@ -170,6 +171,7 @@ class FleetView:
     prefix_index: "PrefixIndex | None" = None
     forecaster: Forecaster | None = None
     all_instances: Sequence[InstanceView] = field(default=())
+    signals: "RecentWindow | None" = None  # recent arrivals and completed requests (scalers read it)
     extras: Mapping[str, Any] = field(default_factory=dict)
 
     def by_id(self, instance_id: str) -> InstanceView | None:

@@ -1,0 +1,143 @@
+"""The fleet over time: instances start (after a start-up delay), serve, drain and stop; GPU-seconds; the scaler.
+
+A drained instance takes no new requests and stops when its last request ends: nothing is lost or
+restarted. Every instance is billed from its start (start-up included) to its stop, times its GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twin.errors import TwinInputError
+from twin.policy.scalers import ACTIVE, ScaleAction, make_scaler
+
+
+@dataclass
+class ScaleEvent:
+    t: float
+    action: str  # start | serving | drain | stop
+    instance: str
+    fleet_active: int
+    reason: str = ""
+
+
+@dataclass
+class Lifetime:
+    created_s: float
+    serving_s: float | None = None
+    draining_s: float | None = None
+    stopped_s: float | None = None
+
+
+@dataclass
+class Fleet:
+    """Lifecycle bookkeeping for a cluster's instances; the cluster builds instances, the fleet schedules them."""
+
+    cluster: object
+    min_instances: int
+    max_instances: int
+    startup_delay_s: float
+    gpus_per_instance: int
+    lifetimes: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        sc = self.cluster.scenario.scaler
+        try:
+            self.scaler = make_scaler(sc.name, **sc.params)
+        except (TypeError, ValueError) as e:
+            raise TwinInputError(f"scaler.params: {e}") from None
+        self.interval_s = sc.interval_s
+        self.decisions = 0
+
+    @property
+    def env(self):
+        return self.cluster.env
+
+    def register_initial(self, inst) -> None:
+        self.lifetimes[inst.id] = Lifetime(0.0, 0.0)
+
+    def active(self) -> list:
+        return [i for i in self.cluster.instances if i.state in ACTIVE]
+
+    def start(self, reason: str = "") -> None:
+        """A new instance: billed from now, routable after the start-up delay."""
+        inst = self.cluster.new_instance(state="starting")
+        now = self.env.now
+        self.lifetimes[inst.id] = Lifetime(now)
+        self.events.append(ScaleEvent(now, "start", inst.id, len(self.active()), reason))
+        self.env.timeout(self.startup_delay_s).callbacks.append(lambda _e, inst=inst: self._ready(inst))
+
+    def _ready(self, inst) -> None:
+        if inst.state != "starting":
+            return  # drained (cancelled) while starting
+        now = self.env.now
+        inst.state = "serving"
+        inst.serving_since = now
+        self.lifetimes[inst.id].serving_s = now
+        self.events.append(ScaleEvent(now, "serving", inst.id, len(self.active())))
+        self.cluster.dispatcher.lifecycle_changed()
+
+    def drain(self, inst, reason: str = "") -> None:
+        """No new requests; stop once the last in-flight one ends (at once if none, or if still starting)."""
+        now = self.env.now
+        was_starting = inst.state == "starting"
+        inst.state = "draining"
+        self.lifetimes[inst.id].draining_s = now
+        self.events.append(ScaleEvent(now, "drain", inst.id, len(self.active()), reason))
+        self.cluster.dispatcher.lifecycle_changed()
+        if was_starting or not inst.scheduler.has_unfinished_requests():
+            self.stop(inst)
+
+    def maybe_stop(self, inst) -> None:
+        if inst.state == "draining" and not inst.scheduler.has_unfinished_requests():
+            self.stop(inst)
+
+    def stop(self, inst) -> None:
+        now = self.env.now
+        inst.state = "stopped"
+        self.lifetimes[inst.id].stopped_s = now
+        self.events.append(ScaleEvent(now, "stop", inst.id, len(self.active())))
+        self.cluster.dispatcher.lifecycle_changed()
+
+    def apply(self, action: ScaleAction) -> None:
+        if action.target is None:
+            return
+        target = min(max(action.target, self.min_instances), self.max_instances)
+        active = self.active()
+        for _ in range(target - len(active)):
+            self.start(action.reason)
+        if target < len(active):
+            books = self.cluster.dispatcher.bookkeeping
+            # cancel starting instances first (newest first), then drain the least loaded
+            order = sorted(active, key=lambda i: (i.state != "starting", books.load(i.id).requests, -i.index))
+            for inst in order[:len(active) - target]:
+                self.drain(inst, action.reason)
+
+    def scaler_process(self):
+        d = self.cluster.dispatcher
+        while True:
+            yield self.env.timeout(self.interval_s)
+            d.scrape()
+            d.fleet.now = self.env.now
+            self.decisions += 1
+            self.apply(self.scaler.decide(self.env.now, d.fleet, None))
+
+    def gpu_seconds(self, end: float) -> float:
+        total = 0.0
+        for lt in self.lifetimes.values():
+            stop = lt.stopped_s if lt.stopped_s is not None else end
+            total += max(0.0, stop - lt.created_s)
+        return total * self.gpus_per_instance
+
+    def instance_seconds(self, end: float) -> dict[str, float]:
+        return {k: max(0.0, (lt.stopped_s if lt.stopped_s is not None else end) - lt.created_s)
+                for k, lt in self.lifetimes.items()}
+
+    def summary(self, end: float) -> dict:
+        sizes = [e.fleet_active for e in self.events] or [len(self.lifetimes)]
+        return {"scaler": self.scaler.name, "initial_instances": self.cluster.scenario.cluster.num_instances,
+                "peak_active": max([self.cluster.scenario.cluster.num_instances] + sizes),
+                "final_active": len(self.active()), "instances_ever": len(self.lifetimes),
+                "scale_events": [vars(e) for e in self.events], "decisions": self.decisions,
+                "startup_delay_s": self.startup_delay_s}

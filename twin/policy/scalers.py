@@ -1,0 +1,202 @@
+"""Scalers: how many instances the fleet should run, decided every `interval_s` from views and signals.
+
+Pure policy objects shared with the live controller's launcher. `decide(now, fleet, forecast)` returns a
+`ScaleAction` with the wanted number of active (starting + serving) instances, or None for no change; the
+world clamps it to the fleet's min/max, starts instances (paying the start-up delay) or drains them (no
+new requests; they stop when their last request ends).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from twin.policy.forecast import make_load_predictor
+from twin.policy.views import FleetView
+
+ACTIVE = ("starting", "serving")
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleAction:
+    target: int | None = None  # wanted active instances; None = leave the fleet as it is
+    reason: str = ""
+
+
+NO_CHANGE = ScaleAction()
+
+
+class Scaler(Protocol):
+    name: str
+
+    def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction: ...
+
+
+def active_count(fleet: FleetView) -> int:
+    return sum(1 for v in fleet.all_instances if v.state in ACTIVE)
+
+
+class ScalerBase:
+    name: ClassVar[str] = "scaler"
+
+    def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
+        return NO_CHANGE
+
+
+SCALERS: dict[str, type] = {}
+
+
+def register_scaler(name: str):
+    def deco(cls: type) -> type:
+        SCALERS[name] = cls
+        return cls
+
+    return deco
+
+
+def make_scaler(name: str, **params) -> Scaler:
+    if name not in SCALERS:
+        raise KeyError(name)
+    return SCALERS[name](**params)
+
+
+@register_scaler("none")
+class NoScaler(ScalerBase):
+    """A fixed fleet: never changes the instance count."""
+
+    name = "none"
+
+
+@register_scaler("threshold")
+class ThresholdScaler(ScalerBase):
+    """Block's reactive autoscaler: scale up when the P99 latency over a window exceeds a threshold.
+
+    Up by at most `max_step_frac` of the fleet (at least one instance), then wait `cooldown_s`. OUR CHOICE
+    (the issue does not say how Block scales down): drain one instance when the P99 stays under
+    `scale_down_frac` x threshold and the cool-down has passed. With `early_periods > 0` and a forecast
+    (a callable `forecast(now + k * interval) -> predicted P99`, e.g. from Block's predicted completion
+    times), it triggers that many decision periods early.
+    """
+
+    name = "threshold"
+
+    def __init__(self, metric: str = "e2e_s", quantile: float = 0.99, threshold_s: float = 3.0,
+                 window_s: float = 60.0, cooldown_s: float = 300.0, max_step_frac: float = 0.2,
+                 scale_down_frac: float = 0.3, early_periods: int = 0, interval_s: float = 30.0) -> None:
+        if metric not in ("e2e_s", "ttft_s", "tpot_s"):
+            raise ValueError(f"metric must be e2e_s, ttft_s or tpot_s, got {metric!r}")
+        self.metric = metric
+        self.quantile = quantile
+        self.threshold_s = threshold_s
+        self.window_s = window_s
+        self.cooldown_s = cooldown_s
+        self.max_step_frac = max_step_frac
+        self.scale_down_frac = scale_down_frac
+        self.early_periods = early_periods
+        self.interval_s = interval_s
+        self._last_action = -math.inf
+
+    def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
+        sig = fleet.signals
+        if sig is None or now - self._last_action < self.cooldown_s:
+            return NO_CHANGE
+        n = active_count(fleet)
+        p = sig.quantile(now, self.metric, self.quantile, self.window_s)
+        if forecast is not None and self.early_periods > 0:
+            ahead = forecast(now + self.early_periods * self.interval_s)
+            if ahead is not None:
+                p = ahead if p is None else max(p, ahead)
+        if p is None:
+            return NO_CHANGE
+        if p > self.threshold_s:
+            self._last_action = now
+            step = max(1, math.floor(self.max_step_frac * n))
+            return ScaleAction(n + step, f"P{self.quantile * 100:g} {self.metric} {p:.2f} s > {self.threshold_s} s")
+        if p < self.scale_down_frac * self.threshold_s and n > 1:
+            self._last_action = now
+            return ScaleAction(n - 1, f"P{self.quantile * 100:g} {self.metric} {p:.2f} s < "
+                                      f"{self.scale_down_frac * self.threshold_s:.2f} s")
+        return NO_CHANGE
+
+
+@register_scaler("queue")
+class QueueScaler(ScalerBase):
+    """What users do with KEDA on `vllm:num_requests_waiting`: the HPA rule on waiting per instance.
+
+    desired = ceil(current x mean waiting per serving instance / target), unchanged within `tolerance`
+    (HPA's 10 %), and scale-down held back by a `stabilization_s` window (HPA's 300 s default: the highest
+    recommendation over the window wins).
+    """
+
+    name = "queue"
+
+    def __init__(self, target_waiting: float = 5.0, tolerance: float = 0.1, stabilization_s: float = 300.0) -> None:
+        if target_waiting <= 0:
+            raise ValueError("target_waiting must be > 0")
+        self.target_waiting = target_waiting
+        self.tolerance = tolerance
+        self.stabilization_s = stabilization_s
+        self._recs: deque[tuple[float, int]] = deque()
+
+    def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
+        serving = [v for v in fleet.all_instances if v.state == "serving"]
+        n = active_count(fleet)
+        if not serving:
+            return NO_CHANGE
+        waiting = sum(v.num_waiting for v in serving) / len(serving)
+        ratio = waiting / self.target_waiting
+        desired = n if abs(ratio - 1.0) <= self.tolerance else max(1, math.ceil(len(serving) * ratio))
+        self._recs.append((now, desired))
+        while self._recs and self._recs[0][0] < now - self.stabilization_s:
+            self._recs.popleft()
+        if desired < n:
+            desired = max(r for _, r in self._recs)
+        if desired == n:
+            return NO_CHANGE
+        return ScaleAction(desired, f"mean waiting {waiting:.1f} vs target {self.target_waiting}")
+
+
+@register_scaler("throughput")
+class ThroughputScaler(ScalerBase):
+    """Dynamo planner style: forecast the next interval's demand, divide by one instance's capacity at the SLO.
+
+    replicas = ceil(forecast req/s x (mean prompt + output tokens) / (capacity_req_s x capacity tokens per
+    request)). `capacity_req_s` is the rate one instance sustains within the SLO at `capacity_tokens`
+    tokens per request; when None the simulator measures it with the twin before the run
+    (`twin.capacity.measure_capacity`). `headroom` over-provisions by that fraction.
+    """
+
+    name = "throughput"
+
+    def __init__(self, predictor: str = "moving-average", predictor_params: dict | None = None,
+                 interval_s: float = 30.0, history: int = 20, capacity_req_s: float | None = None,
+                 capacity_tokens: float | None = None, headroom: float = 0.1, min_change_s: float = 0.0) -> None:
+        self.predictor = make_load_predictor(predictor, **(predictor_params or {}))
+        self.interval_s = interval_s
+        self.history = history
+        self.capacity_req_s = capacity_req_s
+        self.capacity_tokens = capacity_tokens
+        self.headroom = headroom
+        self.min_change_s = min_change_s
+        self._last = -math.inf
+        self.last_forecast_req_s: float | None = None
+
+    def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
+        sig = fleet.signals
+        if sig is None or not self.capacity_req_s or now - self._last < self.min_change_s:
+            return NO_CHANGE
+        series = sig.arrival_series(now, self.interval_s, self.history)
+        rate = self.predictor.predict(series)
+        self.last_forecast_req_s = rate
+        isl, osl = sig.mean_lengths(now, self.interval_s * self.history)
+        scale = 1.0
+        if self.capacity_tokens and isl is not None and osl is not None:
+            scale = (isl + osl) / self.capacity_tokens
+        want = max(1, math.ceil(rate * scale * (1 + self.headroom) / self.capacity_req_s))
+        n = active_count(fleet)
+        if want == n:
+            return NO_CHANGE
+        self._last = now
+        return ScaleAction(want, f"forecast {rate:.2f} req/s, capacity {self.capacity_req_s:.2f} req/s/instance")

@@ -1,0 +1,100 @@
+"""Recent traffic as the router side sees it: arrivals and completed requests over a sliding window.
+
+Both worlds feed it (the simulator's dispatcher, the live proxy) and scalers read it: P99 latency over the
+last minutes, the arrival rate, mean prompt and output lengths, binned arrival counts for forecasters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    t: float
+    ttft_s: float
+    e2e_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+class RecentWindow:
+    """Arrivals `(t, prompt_tokens)` and completions kept for `horizon_s` seconds (older ones are dropped)."""
+
+    def __init__(self, horizon_s: float = 3600.0) -> None:
+        self.horizon_s = horizon_s
+        self.arrivals: deque[tuple[float, int]] = deque()
+        self.completions: deque[Completion] = deque()
+        self.total_arrivals = 0
+        self.total_completions = 0
+
+    def _trim(self, now: float) -> None:
+        cut = now - self.horizon_s
+        a, c = self.arrivals, self.completions
+        while a and a[0][0] < cut:
+            a.popleft()
+        while c and c[0].t < cut:
+            c.popleft()
+
+    def arrived(self, t: float, prompt_tokens: int) -> None:
+        self.arrivals.append((t, prompt_tokens))
+        self.total_arrivals += 1
+        if len(self.arrivals) & 1023 == 0:
+            self._trim(t)
+
+    def finished(self, t: float, ttft_s: float, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        self.completions.append(Completion(t, ttft_s, e2e_s, prompt_tokens, output_tokens))
+        self.total_completions += 1
+        if len(self.completions) & 1023 == 0:
+            self._trim(t)
+
+    def recent(self, now: float, window_s: float) -> list[Completion]:
+        cut = now - window_s
+        out = []
+        for c in reversed(self.completions):
+            if c.t < cut:
+                break
+            out.append(c)
+        out.reverse()
+        return out
+
+    def quantile(self, now: float, metric: str, q: float, window_s: float) -> float | None:
+        """`metric` in ttft_s, e2e_s, tpot_s over completions in the window; None when there are none."""
+        vals = sorted(getattr(c, metric) for c in self.recent(now, window_s))
+        if not vals:
+            return None
+        return vals[min(len(vals) - 1, max(0, math.ceil(q * len(vals)) - 1))]
+
+    def rate(self, now: float, window_s: float) -> float:
+        """Arrivals per second over the last `window_s`."""
+        cut = now - window_s
+        n = 0
+        for t, _ in reversed(self.arrivals):
+            if t < cut:
+                break
+            n += 1
+        return n / window_s if window_s > 0 else 0.0
+
+    def mean_lengths(self, now: float, window_s: float) -> tuple[float | None, float | None]:
+        """Mean prompt and output tokens of the requests completed in the window."""
+        rec = self.recent(now, window_s)
+        if not rec:
+            return None, None
+        return (sum(c.prompt_tokens for c in rec) / len(rec), sum(c.output_tokens for c in rec) / len(rec))
+
+    def arrival_series(self, now: float, bin_s: float, bins: int) -> list[float]:
+        """Arrival rate (req/s) in each of the last `bins` bins of `bin_s` seconds, oldest first."""
+        counts = [0] * bins
+        start = now - bin_s * bins
+        for t, _ in reversed(self.arrivals):
+            if t < start:
+                break
+            k = min(int((t - start) // bin_s), bins - 1)
+            counts[k] += 1
+        return [c / bin_s for c in counts]
