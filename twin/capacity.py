@@ -21,54 +21,58 @@ class Capacity:
     probes: tuple  # (rate, attainment) pairs tried
 
 
-def _lengths(sc, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    from twin.workload import build_stream
+def measure_capacity(sc, prompt_tokens=None, output_tokens=None, attainment: float = 0.9, iterations: int = 7,
+                     probe_s: float = 30.0, min_requests: int = 200, max_requests: int = 2000) -> Capacity:
+    """Bisect the Poisson rate at which one instance meets the SLOs for `attainment` of requests.
 
-    stream = build_stream(sc)
-    k = len(stream)
-    if k == 0:
-        raise TwinInputError("capacity: the workload has no requests to measure on")
-    idx = rng.integers(0, k, n)
-    return stream.prompt_tokens[idx], stream.output_tokens[idx]
-
-
-def measure_capacity(sc, num_requests: int = 300, attainment: float = 0.9, iterations: int = 7) -> Capacity:
-    """Bisect the rate between a light and an overloaded one, on 1 instance, no scaler, no sessions."""
+    Request lengths are drawn from `prompt_tokens`/`output_tokens` (the run's own stream) or, without them,
+    from the scenario's workload. Each probe lasts about `probe_s` simulated seconds of arrivals, long enough
+    for an overloaded queue to show, within [min_requests, max_requests] requests.
+    """
     from twin.cluster import Cluster
     from twin.metrics import slo_mask
-    from twin.workload import RequestStream
+    from twin.workload import RequestStream, build_stream
 
     s = sc.slo
     if s.ttft_s is None and s.tpot_s is None and s.e2e_s is None:
         raise TwinInputError("capacity: set at least one SLO (slo.ttft_s, slo.tpot_s or slo.e2e_s) to measure "
                              "an instance's capacity at it, or give the scaler capacity_req_s")
     rng = np.random.default_rng(sc.seed)
-    prompt, output = _lengths(sc, num_requests, rng)
+    if prompt_tokens is None or output_tokens is None:
+        stream = build_stream(sc)
+        prompt_tokens, output_tokens = stream.prompt_tokens, stream.output_tokens
+    prompt_tokens = np.asarray(prompt_tokens)
+    output_tokens = np.asarray(output_tokens)
+    if len(prompt_tokens) == 0:
+        raise TwinInputError("capacity: the workload has no requests to measure on")
     one = sc.model_copy(update={
         "cluster": sc.cluster.model_copy(update={"num_instances": 1, "min_instances": 1, "max_instances": 1}),
-        "scaler": sc.scaler.model_copy(update={"name": "none"}),
+        "scaler": sc.scaler.model_copy(update={"name": "none", "params": {}}),
         "sim": sc.sim.model_copy(update={"timeline_interval_s": 0.0, "max_sim_time_s": None}),
     })
-    gaps = rng.exponential(1.0, num_requests)
     probes = []
+    mean_tokens = float(np.mean(prompt_tokens + output_tokens))
 
     def attained(rate: float) -> float:
-        stream = RequestStream(np.cumsum(gaps) / rate, prompt, output)
+        n = int(min(max(rate * probe_s, min_requests), max_requests))
+        idx = rng.integers(0, len(prompt_tokens), n)
+        stream = RequestStream(np.cumsum(rng.exponential(1.0 / rate, n)), prompt_tokens[idx], output_tokens[idx])
         res = Cluster(one, stream).run()
         got = float(slo_mask(res.log, s).mean())
         probes.append((rate, got))
         return got
 
-    lo, hi = 0.05, 1.0
-    while attained(hi) >= attainment and hi < 1e4:
+    lo, hi = 0.0, 1.0
+    while attained(hi) >= attainment and hi < 1e5:
         lo, hi = hi, hi * 4
-    if not probes or probes[0][1] < attainment and hi == 1.0:
+    if lo == 0.0:
+        lo = hi / 64
         if attained(lo) < attainment:
-            return Capacity(lo, float(np.mean(prompt + output)), attainment, tuple(probes))
+            return Capacity(lo, mean_tokens, attainment, tuple(probes))
     for _ in range(iterations):
         mid = (lo * hi) ** 0.5
         if attained(mid) >= attainment:
             lo = mid
         else:
             hi = mid
-    return Capacity(lo, float(np.mean(prompt + output)), attainment, tuple(probes))
+    return Capacity(lo, mean_tokens, attainment, tuple(probes))

@@ -387,6 +387,24 @@ def routers_cmd() -> None:
     Console(width=200).print(t)
 
 
+@app.command("scalers")
+def scalers_cmd() -> None:
+    """List the registered scalers and their parameters (scenario: scaler.name / scaler.params)."""
+    import inspect
+
+    from twin.policy import router_params
+    from twin.policy.scalers import SCALERS
+
+    t = Table(title="scalers (scenario: scaler.name / scaler.params / scaler.interval_s)")
+    for c in ("name", "parameters (defaults)", "what it does"):
+        t.add_column(c)
+    for name, cls in SCALERS.items():
+        params = router_params(cls)
+        ps = ", ".join(k if v is inspect.Parameter.empty else f"{k}={v!r}" for k, v in params.items())
+        t.add_row(name, ps or "-", (inspect.getdoc(cls) or "").split("\n")[0])
+    Console(width=200).print(t)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -64,7 +64,8 @@ class SimResult:
 class Cluster:
     """Instances and a router in one SimPy environment, fed by a request stream."""
 
-    def __init__(self, sc: Scenario, stream: RequestStream, router: Router | None = None) -> None:
+    def __init__(self, sc: Scenario, stream: RequestStream, router: Router | None = None,
+                 scaler: object | None = None) -> None:
         self.scenario = sc
         self.stream = stream
         self.env = simpy.Environment()
@@ -108,9 +109,11 @@ class Cluster:
 
         c = sc.cluster
         self.fleet = Fleet(self, c.min_instances, c.max_instances, c.startup_delay_s, c.tensor_parallel)
+        if scaler is not None:
+            self.fleet.scaler = scaler
         for inst in self.instances:
             self.fleet.register_initial(inst)
-        if sc.scaler.name != "none":
+        if getattr(self.fleet.scaler, "name", "") != "none":
             self._prepare_scaler()
             self.env.process(self.fleet.scaler_process())
         self.timeline = None
@@ -146,7 +149,7 @@ class Cluster:
         if getattr(scaler, "capacity_req_s", 0) is None:
             from twin.capacity import measure_capacity
 
-            cap = measure_capacity(self.scenario)
+            cap = measure_capacity(self.scenario, self.stream.prompt_tokens, self.stream.output_tokens)
             scaler.capacity_req_s = cap.req_s
             scaler.capacity_tokens = cap.tokens_per_request
             self.capacity = cap

@@ -1,0 +1,158 @@
+"""A fleet that grows and drains: start-up delay paid, drains lose nothing, scalers decide as their sources say."""
+
+import math
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from twin.cli import app
+from twin.cluster import Cluster
+from twin.policy.scalers import QueueScaler, ScaleAction, ThresholdScaler, ThroughputScaler, make_scaler
+from twin.policy.signals import RecentWindow
+
+from conftest import make_scenario, run_checked, stream_of
+from policy_fakes import fleet_of
+
+
+class Script:
+    """Test scaler: at given times ask for given targets."""
+
+    name = "script"
+
+    def __init__(self, plan):
+        self.plan = list(plan)
+
+    def decide(self, now, fleet, forecast=None):
+        if self.plan and now >= self.plan[0][0]:
+            return ScaleAction(self.plan.pop(0)[1], "scripted")
+        return ScaleAction()
+
+
+def run_with(sc, stream, scaler):
+    cl = Cluster(sc, stream, scaler=scaler)
+    res = cl.run()
+    return cl, res
+
+
+def steady(n=200, rate=20.0, prompt=200, out=100):
+    return stream_of(np.arange(n) / rate, [prompt] * n, [out] * n)
+
+
+def test_draining_loses_nothing_and_stops_after_its_last_request():
+    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.max_instances": 2, "scaler.interval_s": 1.0})
+    cl, res = run_with(sc, steady(200), Script([(2.0, 1)]))
+    log = res.log
+    assert (log.status == 4).all()  # every request finished: none lost, none restarted
+    assert int(log.preemptions.sum()) == 0
+    drained = [e for e in cl.fleet.events if e.action == "drain"]
+    stop = [e for e in cl.fleet.events if e.action == "stop"]
+    assert len(drained) == 1 and len(stop) == 1
+    gone = int(drained[0].instance.split("-")[1])
+    t_drain, t_stop = drained[0].t, stop[0].t
+    sent_after = (log.instance == gone) & (log.arrival_s > t_drain)
+    assert not sent_after.any()  # no new requests after the drain
+    on_it = log.instance == gone
+    assert t_stop == pytest.approx(log.finish_s[on_it].max())  # it stopped when its last request ended
+    assert t_drain < t_stop
+
+
+def test_a_new_instance_pays_the_start_up_delay_and_is_billed_for_it():
+    sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 3, "cluster.startup_delay_s": 5.0,
+                          "scaler.interval_s": 1.0})
+    cl, res = run_with(sc, steady(400, rate=40), Script([(1.0, 2)]))
+    start = next(e for e in cl.fleet.events if e.action == "start")
+    ready = next(e for e in cl.fleet.events if e.action == "serving")
+    assert ready.t - start.t == pytest.approx(5.0)
+    new = int(start.instance.split("-")[1])
+    log = res.log
+    assert (log.instance == new).any()
+    assert log.arrival_s[log.instance == new].min() >= ready.t  # nothing routed to it while starting
+    from twin.metrics import summarize
+
+    s = summarize(res)
+    assert s["gpu_seconds"] == pytest.approx(res.sim_time_s + (res.sim_time_s - start.t))
+    assert s["fleet"]["peak_active"] == 2 and s["fleet"]["instances_ever"] == 2
+
+
+def test_fleet_bounds_are_kept_and_checked():
+    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.min_instances": 2, "cluster.max_instances": 3,
+                          "scaler.interval_s": 1.0})
+    cl, _ = run_with(sc, steady(100), Script([(1.0, 10), (2.0, 0)]))
+    assert max(e.fleet_active for e in cl.fleet.events) <= 3
+    assert len(cl.fleet.active()) >= 2
+    from twin.errors import TwinInputError
+
+    with pytest.raises(TwinInputError, match="min_instances"):
+        make_scenario(**{"cluster.num_instances": 1, "cluster.min_instances": 2})
+
+
+def test_threshold_scaler_scales_up_after_the_burst_then_cools_down():
+    w = RecentWindow()
+    for k in range(50):
+        w.finished(100.0 + k * 0.1, 0.5, 5.0, 100, 50)  # P99 E2E 5 s > 3 s
+    fleet = fleet_of(*({"id": f"i{k}"} for k in range(10)), now=105.0)
+    fleet.signals = w
+    s = ThresholdScaler()
+    a = s.decide(105.0, fleet)
+    assert a.target == 12  # +20 % of 10
+    assert s.decide(200.0, fleet).target is None  # cool-down (300 s)
+    calm = RecentWindow()
+    for k in range(50):
+        calm.finished(500.0 + k * 0.1, 0.1, 0.5, 100, 50)
+    fleet.signals = calm
+    assert s.decide(506.0, fleet).target == 9
+
+
+def test_queue_scaler_follows_the_hpa_rule_with_tolerance_and_stabilisation():
+    s = QueueScaler(target_waiting=5, stabilization_s=300)
+    fleet = fleet_of(*({"id": f"i{k}", "waiting": 10} for k in range(4)))
+    assert s.decide(0.0, fleet).target == 8  # ceil(4 x 10 / 5)
+    near = fleet_of(*({"id": f"i{k}", "waiting": 5.2} for k in range(4)))
+    assert s.decide(10.0, near).target is None  # within 10 %
+    idle = fleet_of(*({"id": f"i{k}", "waiting": 0} for k in range(8)))
+    assert s.decide(20.0, idle).target is None  # the recent recommendation of 8 holds the fleet up
+    assert s.decide(400.0, idle).target == 1
+
+
+def test_throughput_scaler_divides_forecast_demand_by_capacity():
+    w = RecentWindow()
+    for k in range(600):
+        w.arrived(k * 0.1, 100)  # 10 req/s
+    s = ThroughputScaler(predictor="constant", capacity_req_s=3.0, headroom=0.0, interval_s=30.0)
+    fleet = fleet_of({"id": "a"}, now=60.0)
+    fleet.signals = w
+    assert s.decide(60.0, fleet).target == math.ceil(10 / 3)
+    with pytest.raises(KeyError):
+        make_scaler("magic")
+
+
+def test_threshold_scaler_in_the_simulator_scales_after_a_burst():
+    # calm, then a 10x burst: the reactive scaler acts only once latency has already degraded
+    calm = np.arange(0, 60, 0.5)
+    burst = 60 + np.arange(0, 60, 0.02)
+    arr = np.concatenate([calm, burst])
+    stream = stream_of(arr, [400] * len(arr), [200] * len(arr))
+    sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 4, "cluster.startup_delay_s": 10.0,
+                          "scaler.name": "threshold", "scaler.interval_s": 5.0,
+                          "scaler.params": {"threshold_s": 3.0, "window_s": 20.0, "cooldown_s": 20.0}})
+    cl, res = run_with(sc, stream, None)
+    starts = [e.t for e in cl.fleet.events if e.action == "start"]
+    assert starts and min(starts) > 60.0  # after the burst began, never before it
+    assert (res.log.status == 4).all()
+
+
+def test_throughput_scaler_measures_capacity_with_the_twin_when_not_given():
+    sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 8, "scaler.name": "throughput",
+                          "scaler.interval_s": 10.0, "slo.ttft_s": 0.5,
+                          "scaler.params": {"predictor": "constant", "interval_s": 10.0}})
+    cl, res = run_with(sc, steady(900, rate=30, prompt=1000, out=200), None)
+    assert cl.capacity.req_s > 0 and cl.fleet.scaler.capacity_req_s == cl.capacity.req_s
+    assert any(e.action == "start" for e in cl.fleet.events)
+
+
+def test_scalers_command_lists_them():
+    r = CliRunner().invoke(app, ["scalers"])
+    assert r.exit_code == 0
+    for name in ("none", "threshold", "queue", "throughput"):
+        assert name in r.output
