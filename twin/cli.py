@@ -348,7 +348,8 @@ def sweep(
                               _fmt(r.ttft_p99_s if r.ttft_p99_s == r.ttft_p99_s else None),
                               _fmt(r.tpot_p99_s if r.tpot_p99_s == r.tpot_p99_s else None))
             console.print(table)
-        console.print(f"{len(t):,} points: {int((t.status == 'ok').sum()):,} ok, {outcome.failed:,} failed"
+        console.print(f"{len(t):,} point{'s' if len(t) != 1 else ''}: {int((t.status == 'ok').sum()):,} ok, "
+                      f"{outcome.failed:,} failed"
                       + (f", {outcome.invalid:,} invalid" if outcome.invalid else "")
                       + f" ({outcome.ran:,} run now, {outcome.skipped:,} skipped as already finished)")
         console.print("wrote " + ", ".join(str(p) for p in outcome.files))
