@@ -405,6 +405,187 @@ def scalers_cmd() -> None:
     Console(width=200).print(t)
 
 
+@app.command()
+def sweep(
+    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    grid: List[str] = typer.Option([], "--grid", help="dotted.path=v1,v2,... (repeatable; the cross product runs)"),
+    routers: Optional[str] = typer.Option(None, "--routers", help="router names, comma-separated (router.name)"),
+    set_: List[str] = typer.Option([], "--set", help="override a field for every point: dotted.path=value"),
+    seeds: int = typer.Option(1, "--seeds", help="run each point with N seeds (the scenario's seed, +1, ...)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="parallel points (default: CPU count)"),
+    backend: str = typer.Option("local", "--backend", help="local (process pool) or ray"),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (ray://host:10001, auto)"),
+    out: Path = typer.Option(..., "--out", help="sweep folder: points/, results.parquet/.csv, Pareto PNGs"),
+    skip_invalid: bool = typer.Option(False, "--skip-invalid",
+                                      help="record points whose values clash as invalid and run the others"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
+) -> None:
+    """Run SCENARIO over the cross product of --grid values; resumable: points already in --out are skipped.
+
+    Exits 1 when a point failed (its error is in the results' error column), 2 on bad input.
+    """
+    from twin.scenario import apply_overrides, read_scenario_yaml
+    from twin.sweep import (STATUS_FAILED, build_grid, config_frame, describe_params, make_backend, pareto_mask,
+                            plan_sweep, run_sweep, short_name)
+
+    console = Console()
+    try:
+        raw = apply_overrides(read_scenario_yaml(scenario), set_)
+        base_seed = raw.get("seed", 0) if isinstance(raw.get("seed", 0), int) else 0
+        g = build_grid(grid, routers, seeds, base_seed)
+        plan = plan_sweep(raw, g, str(scenario), scenario.parent, skip_invalid)
+        runner_ = make_backend(backend, workers, address)
+    except TwinInputError as e:
+        _fail(str(e))
+    n = len(plan.points)
+
+    def started(to_run: int, skipped: int, retried: int) -> None:
+        if quiet:
+            return
+        keys = ", ".join(plan.param_keys) or "no grid keys"
+        err.print(f"sweep {scenario}: {n:,} point{'s' if n != 1 else ''} ({keys})", highlight=False)
+        if skipped:
+            err.print(f"skipped {skipped:,} point{'s' if skipped != 1 else ''} already finished in {out}",
+                      highlight=False)
+        if retried:
+            err.print(f"rerunning {retried:,} point{'s' if retried != 1 else ''} that failed before", highlight=False)
+        if to_run:
+            err.print(f"running {to_run:,} on {runner_.describe(to_run)}", highlight=False)
+
+    try:
+        if quiet:
+            outcome = run_sweep(plan, out, runner_, on_start=started)
+        else:
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+                          TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(), console=err,
+                          transient=True) as bar:
+                task = None
+
+                def on_start(to_run: int, skipped: int, retried: int) -> None:
+                    nonlocal task
+                    started(to_run, skipped, retried)
+                    task = bar.add_task("points", total=to_run, failed=0)
+
+                def on_point(rec: dict) -> None:
+                    f = bar.tasks[task].fields["failed"] + (rec["status"] == STATUS_FAILED)
+                    bar.update(task, advance=1, failed=f)
+                    if rec["status"] == STATUS_FAILED:
+                        err.print(f"[red]point failed[/] {describe_params(rec['params'])}: {rec['error']}",
+                                  highlight=False, soft_wrap=True)
+
+                outcome = run_sweep(plan, out, runner_, progress=on_point, on_start=on_start)
+    except TwinInputError as e:
+        _fail(str(e))
+    t = outcome.table
+    if not quiet:
+        conf = config_frame(t, plan.param_keys)
+        front = conf[pareto_mask(conf.gpu_seconds, conf.goodput_req_s)] if len(conf) else conf
+        keys = [k for k in plan.param_keys if k != "seed" or "seeds" not in conf]
+        if len(front):
+            seeds_note = f" (mean of {int(conf.seeds.iloc[0])} seeds)" if "seeds" in conf else ""
+            table = Table(title="Pareto front: goodput against GPU-seconds" + seeds_note)
+            heads = [short_name(k) for k in keys]
+            for c in [*heads, "GPU-s", "goodput req/s", "SLO att.", "TTFT p99", "TPOT p99"]:
+                table.add_column(c, justify="right")
+            for _, r in front.sort_values("gpu_seconds").iterrows():
+                att = r.slo_attainment
+                table.add_row(*(str(r[k]) for k in keys), f"{r.gpu_seconds:,.0f}",
+                              f"{r.goodput_req_s:.2f}", "-" if att != att else f"{att:.1%}",
+                              _fmt(r.ttft_p99_s if r.ttft_p99_s == r.ttft_p99_s else None),
+                              _fmt(r.tpot_p99_s if r.tpot_p99_s == r.tpot_p99_s else None))
+            console.print(table)
+        console.print(f"{len(t):,} point{'s' if len(t) != 1 else ''}: {int((t.status == 'ok').sum()):,} ok, "
+                      f"{outcome.failed:,} failed"
+                      + (f", {outcome.invalid:,} invalid" if outcome.invalid else "")
+                      + f" ({outcome.ran:,} run now, {outcome.skipped:,} skipped as already finished)")
+        console.print("wrote " + ", ".join(str(p) for p in outcome.files))
+    if outcome.failed:
+        raise typer.Exit(1)
+
+
+@app.command("plan-chunk")
+def plan_chunk(
+    scenario: Path = typer.Argument(..., help="scenario YAML file (its workload and SLOs)"),
+    candidates: Optional[str] = typer.Option(None, "--candidates",
+                                             help="max_num_batched_tokens values (default 256,512,...,16384)"),
+    max_num_seqs: Optional[str] = typer.Option(None, "--max-num-seqs", help="also try these max_num_seqs"),
+    long_prefill: Optional[str] = typer.Option(None, "--long-prefill-token-threshold",
+                                               help="also try these long_prefill_token_threshold values"),
+    tie_tolerance: float = typer.Option(0.01, "--tie-tolerance",
+                                        help="relative goodput within which settings tie (the smaller chunk wins)"),
+    set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value (repeatable)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for chunk_plan.csv and chunk_plan.png"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar; print only the choice"),
+) -> None:
+    """Choose max_num_batched_tokens (the prefill chunk) with the highest goodput under the scenario's SLOs."""
+    from twin.planning import TwinEvaluator, candidate_values, plan_frame, plot_plan, slo_of, window_of
+    from twin.policy.chunk import DEFAULT_CHUNKS, ChunkPlanner
+    from twin.scenario import load_scenario
+    from twin.workload import build_stream
+
+    console = Console()
+    try:
+        if tie_tolerance < 0:
+            raise TwinInputError(f"--tie-tolerance {tie_tolerance}: must be >= 0")
+        chunks = candidate_values(candidates, "--candidates") or list(DEFAULT_CHUNKS)
+        seqs = candidate_values(max_num_seqs, "--max-num-seqs")
+        if seqs is not None and 0 in seqs:
+            raise TwinInputError("--max-num-seqs: values must be > 0")
+        lpt = candidate_values(long_prefill, "--long-prefill-token-threshold")
+        sc = load_scenario(scenario, set_, seed)
+        slo = slo_of(sc)
+        if not slo.is_set():
+            raise TwinInputError(f"{scenario}: no SLOs to plan for: set slo.ttft_s and/or slo.tpot_s "
+                                 "(e.g. --set slo.ttft_s=1 --set slo.tpot_s=0.05)")
+        stream = build_stream(sc)
+    except TwinInputError as e:
+        _fail(str(e))
+    planner = ChunkPlanner(TwinEvaluator(sc), chunks, seqs or [None], lpt or [None], tie_tolerance)
+    n = len(planner.candidates())
+    if n == 0:
+        _fail("no candidate left: every max_num_batched_tokens is below its max_num_seqs, which vLLM refuses")
+    window = window_of(stream)
+    if quiet:
+        rows = planner.rank(window, slo)
+    else:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("candidates", total=n)
+            rows = planner.rank(window, slo, progress=lambda c: bar.update(task, advance=1))
+    chosen = next((c for c in rows if c.chosen), None)
+    if not quiet:
+        t = Table(title=f"{sc.name}: {len(stream):,} requests, SLO "
+                        + ", ".join(f"{k} {v:g} s" for k, v in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s),
+                                                                  ("E2E", slo.e2e_s)) if v is not None))
+        cols = ["max_num_batched_tokens"] + [c for c, vals in (("max_num_seqs", seqs),
+                                                               ("long_prefill_token_threshold", lpt)) if vals]
+        heads = {"max_num_batched_tokens": "chunk", "long_prefill_token_threshold": "long prefill"}
+        for c in [*(heads.get(c, c) for c in cols), "goodput req/s", "SLO att.", "TTFT p99", "TPOT p99", "ITL p99", ""]:
+            t.add_column(c, justify="right")
+        for c in rows:
+            args = c.knobs.as_engine_args()
+            if c.error:
+                t.add_row(*(str(args.get(k, "-")) for k in cols), f"[red]{c.error}[/]", "", "", "", "", "")
+                continue
+            att = "-" if c.slo_attainment is None else f"{c.slo_attainment:.1%}"
+            t.add_row(*(str(args.get(k, "-")) for k in cols), f"{c.goodput_req_s:.2f}", att, _fmt(c.ttft_p99_s),
+                      _fmt(c.tpot_p99_s), _fmt(c.itl_p99_s), "[bold green]chosen[/]" if c.chosen else "")
+        console.print(t)
+    if chosen is None:
+        first = next((c.error for c in rows if c.error), "no candidate produced a goodput")
+        _fail(f"no candidate could be evaluated: {first}")
+    console.print(f"chosen: {chosen.knobs.label()} (goodput {chosen.goodput_req_s:.2f} req/s"
+                  + (f", SLO attainment {chosen.slo_attainment:.1%}" if chosen.slo_attainment is not None else "")
+                  + f"; ties within {tie_tolerance:.0%} go to the smaller chunk)")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        plan_frame(rows).to_csv(out / "chunk_plan.csv", index=False)
+        png = plot_plan(rows, slo, out / "chunk_plan.png", f"{sc.name}: goodput and p99 latency by chunk size")
+        if not quiet:
+            console.print(f"wrote {out / 'chunk_plan.csv'} and {png}")
+
+
 def main() -> None:  # pragma: no cover
     app()
 
