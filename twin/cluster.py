@@ -274,7 +274,7 @@ class Cluster:
         horizon = self.scenario.sim.max_sim_time_s
         last_arrival = float(self.stream.arrival_s[-1]) if len(self.stream) else 0.0
         step = max((horizon or last_arrival) / slices, 1e-3)
-        t = 0.0
+        t = env.now  # a run may resume after env.run(until=...) (forks, tests)
         while not self.done():
             nxt = env.peek()
             if nxt == float("inf"):

@@ -83,6 +83,10 @@ class Instance:
         self._wakeup: simpy.Event | None = None
         self._run: list[float] | None = None  # end times of the steps of the decode run in progress
         self._interruptible = False
+        # work in progress, so a fork can finish it exactly as this loop will (twin.engine.fork)
+        self.pending_step: tuple | None = None  # (SchedulerOutput, t_end) of the step being computed
+        self.pending_run: tuple | None = None  # (k, durations, ends, t0) of the decode run in progress
+        self.pending_tail: tuple | None = None  # (j, durations, ends, t_resume): an interrupted run's last step
         self.num_dispatched = 0
         self.state = "serving"  # starting | serving | draining | stopped: the fleet's lifecycle
         self.serving_since = env.now
@@ -105,6 +109,7 @@ class Instance:
                 durations = sched.decode_run_durations(k)
                 ends = list(accumulate(durations, initial=t0))[1:]  # as the clock would add them
                 self._run = ends
+                self.pending_run = (k, durations, ends, t0)
                 self._interruptible = True
                 j = k
                 try:
@@ -114,9 +119,12 @@ class Instance:
                     j = min(bisect_left(ends, env.now) + 1, k)
                 self._interruptible = False
                 self._run = None
+                self.pending_run = None
                 self.num_wakeups += 1
                 if env.now < ends[j - 1]:
+                    self.pending_tail = (j, durations, ends, env.now)
                     yield env.timeout(ends[j - 1] - env.now)
+                    self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
                 continue
             self.num_wakeups += 1
@@ -125,7 +133,9 @@ class Instance:
                 # nothing fits even an empty pool: cannot happen for admitted requests (checked at dispatch)
                 raise RuntimeError(f"{self.id}: scheduler made no progress with {len(sched.waiting)} waiting")
             dt = self.perf.step_time(out.batch())
+            self.pending_step = (out, env.now + dt)
             yield env.timeout(dt)
+            self.pending_step = None
             sched.update_from_output(out, env.now)
 
     def add_request(self, r: Request) -> None:

@@ -150,11 +150,31 @@ class InstanceView:
                 f"kv={g.kv_usage:.2f}, inflight={self._load.requests}, as_of={g.as_of:.3f})")
 
 
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    """What running an instance's model forward predicts (seconds from now; None where not reached).
+
+    `censored` is True when the horizon ended the look-ahead before the asked-for event.
+    """
+
+    instance_id: str
+    ttft_s: float | None = None  # of the extra request
+    e2e_s: float | None = None  # of the extra request
+    drain_s: float | None = None  # until the instance has nothing left to do
+    kv_peak_blocks: int = 0
+    censored: bool = False
+    steps: int = 0
+
+
 class Forecaster(Protocol):
-    """Runs an instance's model forward without the policy importing the engine (Block-style routing)."""
+    """Runs an instance's model forward without the policy importing the engine (Block-style routing).
+
+    `until` says how far to look: "first_token" (of the extra request), "finish" (of the extra request)
+    or "drain" (until the instance is idle); `horizon_s` bounds it.
+    """
 
     def forecast(self, instance_id: str, extra_request: RequestView | None = None,
-                 horizon_s: float | None = None) -> Any: ...
+                 horizon_s: float | None = None, until: str = "finish") -> Forecast: ...
 
 
 @dataclass

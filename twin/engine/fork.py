@@ -1,0 +1,254 @@
+"""Fork an engine and run it forward without SimPy: the look-ahead behind Block routing and the twin scaler.
+
+`fork_instance(inst)` copies an instance's scheduler, block pool and requests (plain data: no SimPy, no
+shared log, no callbacks), together with the step or decode run it is in the middle of. `EngineFork.advance`
+then runs the same loop as `Instance.run` (twin/engine/instance.py), step for step and with the same clock
+arithmetic, so a fork advanced alone gives exactly what the original gives with no further arrivals, and a
+request added to the fork at its fork time is handled as an arrival at that time would be. The original is
+never touched. What the fork did is read from its own `ForkLog` (dicts keyed by request index).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import OrderedDict, deque
+from itertools import accumulate
+
+from twin.engine.block_pool import BlockPool, Run
+from twin.engine.request import Request
+from twin.engine.scheduler import EngineStats, Scheduler, SchedulerOutput
+from twin.records import RequestLog
+
+
+class ForkLog(RequestLog):
+    """A request log that records into dicts: a fork writes nowhere shared and reports what it did."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        for col in ("arrival_s", "scheduled_s", "first_token_s", "finish_s", "instance", "prompt_tokens",
+                    "max_tokens", "output_tokens", "cached_tokens", "preemptions", "status", "session_id"):
+            setattr(self, col, {})
+
+
+def _fork_pool(pool: BlockPool, runs: dict) -> BlockPool:
+    new = BlockPool(pool.num_gpu_blocks, pool.block_size, pool.enable_caching)
+    for name, value in vars_of(pool).items():
+        if name == "free_lru":
+            lru: OrderedDict = OrderedDict()
+            for entry in value:
+                if isinstance(entry, Run):
+                    r = runs.get(id(entry))
+                    if r is None:
+                        r = runs[id(entry)] = Run(entry.count)
+                    lru[r] = None
+                else:
+                    lru[entry] = None
+            setattr(new, name, lru)
+        elif name == "event_sink":
+            setattr(new, name, None)
+        elif isinstance(value, dict):
+            setattr(new, name, {k: (list(v) if isinstance(v, list) else v) for k, v in value.items()})
+        elif isinstance(value, list):
+            setattr(new, name, list(value))
+        else:
+            setattr(new, name, value)
+    return new
+
+
+def vars_of(obj) -> dict:
+    """Attributes of a plain, slotted or mypyc-compiled object."""
+    names = getattr(type(obj), "__mypyc_attrs__", None)
+    if names is None:
+        if hasattr(obj, "__dict__"):
+            return dict(vars(obj))
+        names = []
+        for cls in type(obj).__mro__:
+            names.extend(getattr(cls, "__slots__", ()))
+    out = {}
+    for n in names:
+        if n in ("__dict__", "__weakref__"):
+            continue
+        try:
+            out[n] = getattr(obj, n)
+        except AttributeError:
+            pass
+    return out
+
+
+def _fork_request(r: Request, runs: dict) -> Request:
+    new = Request(r.idx, r.arrival_time, r.num_prompt_tokens, r.max_tokens, r.block_keys, r.session_id)
+    for name, value in vars_of(r).items():
+        if name == "block_keys":
+            continue  # immutable after creation: shared
+        if name == "own_run":
+            if value is not None:
+                rr = runs.get(id(value))
+                if rr is None:
+                    rr = runs[id(value)] = Run(value.count)
+                value = rr
+        elif isinstance(value, list):
+            value = list(value)
+        setattr(new, name, value)
+    return new
+
+
+class EngineFork:
+    """A copied engine with its own clock; `advance` runs it forward, `add_request` gives it an arrival."""
+
+    def __init__(self, sched: Scheduler, perf, now: float, fast_forward: bool, max_run_steps: int,
+                 pending_step=None, pending_run=None, pending_tail=None) -> None:
+        self.scheduler = sched
+        self.perf = perf
+        self.now = now
+        self.fast_forward = fast_forward
+        self.max_run_steps = max_run_steps
+        self.pending_step = pending_step
+        self.pending_run = pending_run
+        self.pending_tail = pending_tail
+        self.log: ForkLog = sched.log  # type: ignore[assignment]
+        self.steps = 0
+
+    # -- arrivals --------------------------------------------------------------------------------------
+    def add_request(self, r: Request) -> None:
+        """`r` arrives at the fork's current time (an interruption of a decode run in progress, as in Instance)."""
+        self.scheduler.add_request(r)
+        if self.pending_run is not None:
+            k, durations, ends, _t0 = self.pending_run
+            now = self.now
+            j = min(bisect_left(ends, now) + 1, k)
+            self.pending_run = None
+            if now < ends[j - 1]:
+                self.pending_tail = (j, durations, ends, now)
+            else:
+                self.scheduler.commit_decode_run(j, durations, ends)
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def _finish_pending(self, until: float) -> bool:
+        """Complete work in progress if it ends by `until`; False if it would end later."""
+        sched = self.scheduler
+        if self.pending_step is not None:
+            out, t_end = self.pending_step
+            if t_end > until:
+                return False
+            self.pending_step = None
+            self.now = t_end
+            sched.update_from_output(out, t_end)
+        if self.pending_tail is not None:
+            j, durations, ends, t_resume = self.pending_tail
+            t = t_resume + (ends[j - 1] - t_resume)
+            if t > until:
+                return False
+            self.pending_tail = None
+            self.now = t
+            sched.commit_decode_run(j, durations, ends)
+        if self.pending_run is not None:
+            k, durations, ends, t0 = self.pending_run
+            t = t0 + (ends[-1] - t0)
+            if t > until:
+                return False
+            self.pending_run = None
+            self.now = t
+            sched.commit_decode_run(k, durations, ends)
+        return True
+
+    def advance(self, until: float = math.inf, stop=None) -> float:
+        """Run until `until` (steps that would end after it are not taken), until idle, or until `stop()`."""
+        sched = self.scheduler
+        if not self._finish_pending(until):
+            return self.now
+        while sched.has_unfinished_requests():
+            if stop is not None and stop():
+                break
+            now = self.now
+            k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
+            if k >= 2:
+                durations = sched.decode_run_durations(k)
+                ends = list(accumulate(durations, initial=now))[1:]
+                t = now + (ends[-1] - now)
+                if t > until:
+                    j = bisect_left(ends, until)  # whole steps that end by `until`
+                    while j > 0 and ends[j - 1] > until:
+                        j -= 1
+                    if j >= 1:
+                        self.now = now + (ends[j - 1] - now)
+                        sched.commit_decode_run(j, durations, ends)
+                        self.steps += j
+                    break
+                self.now = t
+                sched.commit_decode_run(k, durations, ends)
+                self.steps += k
+                continue
+            out = sched.schedule(now)
+            if out.is_empty:
+                raise RuntimeError(f"fork: scheduler made no progress with {len(sched.waiting)} waiting")
+            t = now + self.perf.step_time(out.batch())
+            if t > until:
+                self.pending_step = (out, t)
+                break
+            self.now = t
+            sched.update_from_output(out, t)
+            self.steps += 1
+        return self.now
+
+
+def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Scheduler, dict]:
+    """A deep copy of a scheduler's state (requests, pool, decode group) with a ForkLog and no callbacks."""
+    runs = {} if runs is None else runs
+    pool = _fork_pool(sched.pool, runs)
+    new = Scheduler(sched.config, pool, sched.perf, ForkLog())
+    reqs: dict[int, Request] = {}
+
+    def R(r: Request) -> Request:
+        c = reqs.get(id(r))
+        if c is None:
+            c = reqs[id(r)] = _fork_request(r, runs)
+        return c
+
+    for name, value in vars_of(sched).items():
+        if name in ("config", "pool", "perf", "log", "on_finish", "on_first_token"):
+            continue
+        if name in ("running", "prefilling"):
+            value = [R(r) for r in value]
+        elif name == "waiting":
+            value = deque(R(r) for r in value)
+        elif name == "finish_heap":
+            value = [(d, seq, R(r)) for d, seq, r in value]
+        elif name == "stale":
+            value = {R(r): t for r, t in value.items()}
+        elif name == "phase_count":
+            value = list(value)
+        elif name == "stats":
+            value = EngineStats()
+        elif name == "_blocked":
+            value = None if value is None else (R(value[0]), *value[1:])
+        elif isinstance(value, (list, dict, deque)):
+            raise TypeError(f"fork: Scheduler.{name} ({type(value).__name__}) needs an explicit copy rule")
+        setattr(new, name, value)
+    return new, reqs
+
+
+def _fork_out(out: SchedulerOutput, reqs: dict, sched: Scheduler) -> SchedulerOutput:
+    def R(r):
+        c = reqs.get(id(r))
+        if c is None:  # a request scheduled this step that has since left (cannot happen mid-step)
+            c = reqs[id(r)] = _fork_request(r, {})
+        return c
+
+    new = SchedulerOutput(out.t_start, [(R(r), n, c) for r, n, c in out.prefills], out.num_decode,
+                          out.decode_context, [R(r) for r in out.skipped], [R(r) for r in out.preempted])
+    for name, value in vars_of(out).items():
+        if name not in ("t_start", "prefills", "num_decode", "decode_context", "skipped", "preempted"):
+            setattr(new, name, value)
+    return new
+
+
+def fork_instance(inst, now: float) -> EngineFork:
+    """Fork `inst` at simulated time `now` (its current time), with the work it has in progress."""
+    sched, reqs = fork_scheduler(inst.scheduler)
+    step = None
+    if inst.pending_step is not None:
+        out, t_end = inst.pending_step
+        step = (_fork_out(out, reqs, sched), t_end)
+    return EngineFork(sched, inst.perf, now, inst.fast_forward, inst.max_run_steps, step,
+                      inst.pending_run, inst.pending_tail)
