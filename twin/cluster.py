@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import time
 from functools import partial
 from dataclasses import dataclass, field
@@ -40,6 +41,19 @@ def engine_config(sc: Scenario) -> EngineConfig:
     if cfg.max_model_len is None:
         cfg.max_model_len = get_model(sc.cluster.model).max_model_len
     return cfg
+
+
+def router_params_line(name: str) -> str:
+    """Which parameters a router takes, read from its constructor's signature (for a router.params error)."""
+    from twin.policy.routers import ALIASES, ROUTERS
+
+    key = ALIASES.get(name, name)
+    params = [p for p in inspect.signature(ROUTERS[key]).parameters.values()
+              if p.name != "name" and not p.name.startswith("_") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not params:
+        return f"router {key} takes no parameters"
+    return f"router {key} takes: " + ", ".join(
+        p.name + ("" if p.default is p.empty else f" (default {p.default!r})") for p in params)
 
 
 @dataclass
@@ -86,7 +100,7 @@ class Cluster:
             try:
                 router = make_router(sc.router.name, **sc.router.params)
             except TypeError as e:
-                raise TwinInputError(f"router.params: {e}") from None
+                raise TwinInputError(f"router.params: {e}; {router_params_line(sc.router.name)}") from None
         self.router: Router = router
         assert self.engine_config.max_model_len is not None  # engine_config() fills it in
         self.max_model_len: int = self.engine_config.max_model_len

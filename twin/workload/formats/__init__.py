@@ -174,6 +174,8 @@ def _untimed(fmt: str, path: Path, bad: BadRows, c: ReplayControls, opts: dict) 
     if think < 0:
         raise TwinInputError(f"think_time_s must be >= 0 (got {think})")
     arrival = session_arrivals(session_sel, starts, think, step_rng(c.seed, "think"))
+    if len(arrival):
+        arrival = arrival - arrival.min()  # the clock starts at the first request, as for timed traces
     unit = "conversations/s (turn 1)" if fmt == "sharegpt" else "req/s"
     stats.notes.append(f"arrivals: {proc.process} at {proc.rate:g} {unit}"
                        + (f", cv {proc.cv:g}" if proc.process == "gamma" else "")

@@ -210,7 +210,10 @@ def _window_arrivals(pattern, shape, scale, rate, length, rng) -> np.ndarray:
 def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, clients=(), start_s: float = 0.0,
                       duration_s: float | None = None, max_requests: int | None = None,
                       length_pool: tuple[np.ndarray, np.ndarray] | None = None) -> RequestStream:
-    """Requests of the chosen clients inside [start_s, start_s + duration_s), times relative to start_s."""
+    """Requests of the chosen clients inside [start_s, start_s + duration_s), times relative to start_s.
+
+    start_s counts from the start of the chosen clients' first active window (rate > 0), where the trace's
+    first request falls, as `--start` counts from the first request in every format."""
     cl = find_clients(path, list(clients))
     stats = TraceStats(source=f"servegen {path} clients {[c.id for c in cl]}")
     for c in cl:
@@ -219,16 +222,21 @@ def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, client
     stats.notes += bad.note()
     steps = [np.diff(c.start) for c in cl if len(c.start) > 1]
     win = float(np.median(np.concatenate(steps))) if steps else 600.0
+    active = np.concatenate([c.start[c.rate > 0] for c in cl]) if cl else np.zeros(0)
+    if not len(active):
+        raise TwinInputError(f"{path}: clients {[c.id for c in cl]} have no active window (every rate is 0): "
+                             "no requests to generate")
+    t0 = float(active.min())
+    stats.span_s = float(active.max()) + win - t0
+    if t0 > 0:
+        stats.notes.append(f"times counted from the first active window (window_start_s {t0:g})")
+    rel_start, rel_end = start_s, (math.inf if duration_s is None else start_s + duration_s)
+    start_s = t0 + start_s  # from here on, the file's own clock
     end = math.inf if duration_s is None else start_s + duration_s
     jobs = []  # (window start, client, row)
     expected = 0.0
     for c in cl:
         over = (c.start + win > start_s) & (c.start < end)
-        busy = over & (c.rate * win > MAX_GENERATED)
-        if busy.any():
-            i = int(np.flatnonzero(busy)[0])
-            raise TwinInputError(f"{c.trace}: window {c.start[i]:g} s: rate {c.rate[i]:g} req/s implies more than "
-                                 f"{MAX_GENERATED:,} requests in one {win:g} s window")
         stats.rows_used += int(over.sum())
         stats.rows_filtered += int((~over).sum())
         for i in np.flatnonzero(over & (c.rate > 0)):
@@ -250,6 +258,9 @@ def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, client
             break
         last_start = ws
         lo, hi = max(ws, start_s), min(ws + win, end)
+        if c.rate[i] * win > MAX_GENERATED:
+            raise TwinInputError(f"{c.trace}: window {ws:g} s: rate {c.rate[i]:g} req/s implies more than "
+                                 f"{MAX_GENERATED:,} requests in one {win:g} s window")
         try:
             t = ws + _window_arrivals(c.pattern[i], c.shape[i], c.scale[i], c.rate[i], win, rng)
         except DegenerateGaps:
@@ -289,6 +300,9 @@ def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, client
                            "used the nearest 6-h window that has one")
     note_count(stats.notes, pooled, "requests took lengths from the length CSV (no distribution in the dataset)")
     if not len(a):
-        raise TwinInputError(f"{path}: the chosen clients have no requests in the window "
-                             f"[{start_s:g}, {end:g}) s (all idle)")
+        from twin.workload import seconds
+
+        win = f"starting {seconds(rel_start)}" if math.isinf(rel_end) else f"{seconds(rel_start)} to {seconds(rel_end)}"
+        raise TwinInputError(f"{path}: no requests left: the chosen clients are idle in the window {win} after "
+                             f"the first request; their active windows span {seconds(stats.span_s)} from it")
     return RequestStream(a, np.maximum(p, 1), np.maximum(o, 1), stats=stats)
