@@ -98,7 +98,8 @@ def corpus(text: str) -> dict[str, bytes]:
         "duplicated header": (text.split("\n")[0] + "\n" + text).encode(),
         "only header": (text.split("\n")[0] + "\n").encode(),
         "very long line": b + b"1" * 20_000 + b"\n",
-        "deep nesting": b"[" * 1500 + b"]" * 1500,
+        "deep nesting": b"[" * 1100 + b"]" * 1100,  # past the JSON decoder's recursion limit
+        "deep YAML nesting": b"a: " + b"[" * 600 + b"]" * 600,  # past PyYAML's (and quicker than the above)
     }
 
 
@@ -174,6 +175,8 @@ def test_mangled_servegen_dataset(tmp_path):
 
 def test_mangled_corpus_scenario(tmp_path):
     for kind, data in corpus(SCENARIO).items():
+        if kind == "deep nesting":  # JSON-deep: seconds in PyYAML; "deep YAML nesting" covers its limit
+            continue
         try:
             load(tmp_path, data)
         except AssertionError:

@@ -48,7 +48,11 @@ def router_params_line(name: str) -> str:
     from twin.policy.routers import ALIASES, ROUTERS
 
     key = ALIASES.get(name, name)
-    params = [p for p in inspect.signature(ROUTERS[key]).parameters.values()
+    try:
+        sig = inspect.signature(ROUTERS[key])
+    except (TypeError, ValueError):  # a compiled class may carry no signature
+        return f"see the {key} router's class in twin/policy/routers.py for its parameters"
+    params = [p for p in sig.parameters.values()
               if p.name != "name" and not p.name.startswith("_") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not params:
         return f"router {key} takes no parameters"

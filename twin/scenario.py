@@ -96,7 +96,7 @@ class ClusterSpec(_Spec):
             raise ValueError(f"@tensor_parallel: vLLM requires the total number of attention heads "
                              f"({m.num_heads} in {m.name}) to be divisible by the tensor parallel size ({tp})")
         kv = m.num_kv_heads
-        if (tp >= kv and tp % kv) or (tp < kv and kv % tp):
+        if kv > 0 and ((tp >= kv and tp % kv) or (tp < kv and kv % tp)):
             # QKVParallelLinear.__init__ (vllm/model_executor/layers/linear.py): KV heads are split when
             # tp < kv heads (divide(kv, tp)), replicated when tp >= kv heads (divide(tp, kv))
             raise ValueError(f"@tensor_parallel: vLLM splits or replicates the {kv} KV heads of {m.name} "
@@ -150,7 +150,7 @@ class TraceSpec(_Spec):
     path: str
     format: Literal["auto", "sharegpt", "burstgpt", "azure", "mooncake", "servegen", "lengths"] = "auto"
     skip_bad_rows: bool = False
-    start_s: float = Field(0.0, ge=0, description="window start on the trace's own clock")
+    start_s: float = Field(0.0, ge=0, description="window start: seconds after the trace's first request")
     duration_s: Optional[float] = Field(None, gt=0)
     rate_scale: Optional[float] = Field(None, gt=0, description="replay k times as fast")
     target_rate: Optional[float] = Field(None, gt=0, description="or: scale to this mean req/s")
