@@ -181,7 +181,7 @@ def test_burstgpt_both_schemas():
 
 
 def test_servegen_sample_window():
-    s = load_trace(TRACES / "servegen_m-large", clients=[28], start_s=742800, duration_s=600, seed=3)
+    s = load_trace(TRACES / "servegen_m-large", clients=[28], start_s=693000, duration_s=600, seed=3)
     assert s.stats.rows_read == 2016 and s.stats.rows_used == 1
     assert s.stats.rows_read == s.stats.rows_used + s.stats.rows_filtered
     # the window's measured rate is 89.73 req/s (53,836 requests in 600 s)

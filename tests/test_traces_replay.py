@@ -96,12 +96,12 @@ def test_untimed_sample_cap_before_arrivals_and_seed():
 
 
 def test_servegen_cap_and_guard(monkeypatch):
-    s = load_trace(TRACES / "servegen_m-large", start_s=742800, duration_s=1200, max_requests=1000, seed=2)
+    s = load_trace(TRACES / "servegen_m-large", start_s=693000, duration_s=1200, max_requests=1000, seed=2)
     assert len(s) == 1000
     assert s.stats.rows_read == s.stats.rows_used + s.stats.rows_filtered
     assert any("generation stopped" in n for n in s.stats.notes)
-    a = load_trace(TRACES / "servegen_m-large", start_s=742800, duration_s=60, seed=5)
-    b = load_trace(TRACES / "servegen_m-large", start_s=742800, duration_s=60, seed=5)
+    a = load_trace(TRACES / "servegen_m-large", start_s=693000, duration_s=60, seed=5)
+    b = load_trace(TRACES / "servegen_m-large", start_s=693000, duration_s=60, seed=5)
     assert same(a, b)
     from twin.workload.formats import servegen
 

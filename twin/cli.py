@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -31,6 +33,24 @@ def _router_failed(e: BaseException) -> None:
     err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
     err.print("(set router.on_error: reject to count such requests as rejected and go on)", highlight=False)
     raise typer.Exit(1)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("llmtwin")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            v = "unknown (not installed)"
+        typer.echo(f"llmtwin {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the installed llmtwin version and exit")) -> None:
+    """llmtwin: a digital twin of a vLLM serving cluster."""
 
 
 def _fail(msg: str) -> None:
@@ -75,8 +95,19 @@ def print_summary(s: dict, console: Console) -> None:
         console.print("[bold red]WARNING: processed tokens/s exceed the hardware's roofline ceiling: a model bug[/]")
 
 
+def default_out(name: str, root: Path = Path("runs")) -> Path:
+    """runs/<scenario name>-<local time>, a new folder (a suffix when one of that second exists)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"
+    base = root / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, k = base, 2
+    while out.exists():
+        out, k = Path(f"{base}-{k}"), k + 1
+    return out
+
+
 def run_and_report(sc, stream, out: Optional[Path], quiet: bool, console: Console) -> dict:
-    """Simulate with a live progress bar, print the summary, write the output files."""
+    """Simulate with a live progress bar, print the summary, write the output files (to `default_out` when
+    no folder is given; that folder is always printed, even with --quiet)."""
     from twin.cluster import Cluster
     from twin.dispatcher import RouterError
 
@@ -105,7 +136,10 @@ def _report(sc, result, out: Optional[Path], quiet: bool, console: Console) -> d
     summary = summarize(result)
     if not quiet:
         print_summary(summary, console)
-    if out is not None:
+    chosen = out is None
+    if chosen:
+        out = default_out(sc.name)
+    try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
         names = [inst.id for inst in result.instances]
@@ -114,8 +148,13 @@ def _report(sc, result, out: Optional[Path], quiet: bool, console: Console) -> d
         if result.timeline is not None:
             result.timeline.to_frame().to_parquet(out / "timeline.parquet", index=False)
             written.append("timeline.parquet")
-        if not quiet:
-            console.print(f"wrote {', '.join(written)} to {out} (figures: twin plot {out})")
+    except OSError as e:
+        raise TwinInputError(f"{'--out ' if not chosen else ''}{out}: cannot write the run's files: "
+                             f"{e.strerror or e}") from None
+    if not quiet or chosen:
+        console.print(f"wrote {out / written[0]} and {', '.join(written[1:])} beside it"
+                      + (" (no --out given)" if chosen else "") + f"; figures: twin plot {out}",
+                      highlight=False, soft_wrap=True)
     return summary
 
 
@@ -123,7 +162,8 @@ def _report(sc, result, out: Optional[Path], quiet: bool, console: Console) -> d
 def simulate(
     scenario: Path = typer.Argument(..., help="scenario YAML file"),
     set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value (repeatable)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="folder for summary.json and requests.parquet"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for summary.json and requests.parquet "
+                                                            "(default: a new runs/<name>-<time>)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
 ) -> None:
@@ -181,21 +221,38 @@ def specs() -> None:
     console.print(t)
 
 
+# replay flags by the workload.trace (or workload.arrival) field they set, so an error names the flag
+TRACE_FLAGS = {
+    "format": "--format", "start_s": "--start", "duration_s": "--duration", "rate_scale": "--rate-scale",
+    "target_rate": "--target-rate", "sample": "--sample", "max_requests": "--max-requests",
+    "max_prompt_tokens": "--max-prompt-tokens", "max_total_tokens": "--max-total-tokens",
+    "skip_bad_rows": "--skip-bad-rows", "shuffle": "--no-shuffle", "think_time_s": "--think-time",
+    "tokenizer": "--tokenizer", "output_lengths": "--output-lengths", "chars_per_token": "--chars-per-token",
+    "models": "--trace-model", "log_types": "--log-type", "keep_failed": "--keep-failed", "clients": "--client",
+    "lengths": "--lengths",
+}
+ARRIVAL_FLAGS = {"process": "--arrival", "rate": "--rate", "cv": "--cv"}
+
+
 def _replay_scenario(scenario: Path, set_: List[str], seed: Optional[int], trace: dict, keep_arrival: bool):
     """The scenario's cluster, router and SLOs with `trace` as its workload (its other workload keys dropped,
     except on_too_long, and arrival when `keep_arrival`: for traces without timestamps)."""
     from twin.scenario import apply_overrides, parse_scenario, read_scenario_yaml
 
-    raw = apply_overrides(read_scenario_yaml(scenario), set_)
+    flags: dict[str, str] = {}
+    raw = apply_overrides(read_scenario_yaml(scenario), set_, flags)
     old = raw.get("workload") if isinstance(raw.get("workload"), dict) else {}
     workload = {k: old[k] for k in ("on_too_long", "arrival") if k in old and (k != "arrival" or keep_arrival)}
     if "arrival" in trace:
         workload["arrival"] = trace.pop("arrival")
+        flags.update({f"workload.arrival.{k}": f for k, f in ARRIVAL_FLAGS.items() if k in workload["arrival"]})
     workload["trace"] = trace
+    flags.update({f"workload.trace.{k}": f for k, f in TRACE_FLAGS.items() if k in trace})
     raw["workload"] = workload
     if seed is not None:
         raw["seed"] = seed
-    return parse_scenario(raw, str(scenario), scenario.parent)
+        flags["seed"] = "--seed"
+    return parse_scenario(raw, str(scenario), scenario.parent, flags)
 
 
 @app.command()
@@ -205,10 +262,12 @@ def replay(
     scenario: Path = typer.Option(..., "--scenario",
                                   help="scenario YAML: cluster, router, SLOs (its workload is replaced)"),
     set_: List[str] = typer.Option([], "--set", help="override a scenario field: dotted.path=value (repeatable)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="folder for summary.json and requests.parquet"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for summary.json and requests.parquet "
+                                                            "(default: a new runs/<name>-<time>)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed (sampling, arrivals)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
-    start: Optional[float] = typer.Option(None, "--start", help="window start, s on the trace's own clock"),
+    start: Optional[float] = typer.Option(None, "--start",
+                                          help="window start: seconds after the trace's first request"),
     duration: Optional[float] = typer.Option(None, "--duration", help="window length, s"),
     rate_scale: Optional[float] = typer.Option(None, "--rate-scale", help="replay k times as fast"),
     target_rate: Optional[float] = typer.Option(None, "--target-rate", help="or: scale to this mean req/s"),
@@ -236,7 +295,8 @@ def replay(
     """Replay TRACE on the cluster of SCENARIO: the same report and files as `simulate`."""
     from twin.models import get_model
     from twin.workload import build_stream
-    from twin.workload.formats import MOONCAKE_BLOCK, UNTIMED, detect_format, ideal_block_reuse
+    from twin.workload.formats import (FORMATS, MOONCAKE_BLOCK, OPTIONS, UNTIMED, detect_format,
+                                       ideal_block_reuse)
     from twin.workload.formats.common import check_file
 
     given = {
@@ -259,6 +319,13 @@ def replay(
         fmt = detect_format(check_file(trace, "trace")) if format_ == "auto" else format_
     except TwinInputError as e:
         _fail(str(e))
+    if fmt not in FORMATS:
+        _fail(f"--format {format_!r}: not a trace format (known: auto, {', '.join(FORMATS)})")
+    own = set().union(*OPTIONS.values())  # format-specific options (the replay controls apply to all)
+    foreign = [TRACE_FLAGS[k] for k in spec if k in TRACE_FLAGS and k in own and k not in OPTIONS[fmt]]
+    if foreign:
+        _fail(f"{', '.join(foreign)}: not an option of {fmt} traces "
+              f"({fmt} takes: {', '.join(sorted(TRACE_FLAGS[k] for k in OPTIONS[fmt] if k in TRACE_FLAGS)) or 'none'})")
     if rate is not None or arrival is not None or cv is not None:
         if rate is None:
             _fail("--arrival/--cv need --rate (requests/s)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import time
 from functools import partial
 from dataclasses import dataclass, field

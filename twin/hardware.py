@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from twin import specs
-from twin.errors import TwinInputError
+from twin.errors import TwinInputError, spec_entry_errors
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ def known_gpus() -> list[str]:
     return list(specs.load("hardware.yaml"))
 
 
+@spec_entry_errors("hardware.yaml")
 def get_gpu(name: str) -> GPUSpec:
     """Look a GPU up by name or alias."""
     found = specs.resolve(specs.load("hardware.yaml"), name)

@@ -97,7 +97,7 @@ def summarize(result: SimResult) -> dict:
         "reject_reasons": dict(log.reject_counts),
         "sim_time_s": result.sim_time_s,
         "wall_time_s": result.wall_time_s,
-        "requests_per_wall_s": log.n / result.wall_time_s if result.wall_time_s > 0 else None,
+        "requests_per_wall_s": (log.n - counts["pending"]) / result.wall_time_s if result.wall_time_s > 0 else None,
         "sim_speedup": result.sim_time_s / result.wall_time_s if result.wall_time_s > 0 else None,
         "ttft_s": describe(ttft),
         "tpot_s": describe(tpot),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from twin import specs
-from twin.errors import TwinInputError
+from twin.errors import TwinInputError, spec_entry_errors
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -61,6 +61,7 @@ def known_models() -> list[str]:
     return list(specs.load("models.yaml"))
 
 
+@spec_entry_errors("models.yaml")
 def get_model(name: str) -> ModelSpec:
     """Look a model up by name or alias (e.g. a Hugging Face id)."""
     found = specs.resolve(specs.load("models.yaml"), name)

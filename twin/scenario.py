@@ -12,6 +12,18 @@ from twin.errors import TwinInputError
 from twin.hardware import get_gpu
 from twin.models import get_model
 
+# GPUs one tensor-parallel group may span: vLLM's default multiprocessing executor runs a TP group inside one
+# node and refuses a world size above the node's GPU count (`ParallelConfig.__post_init__` in
+# vllm/config/parallel.py: "World size (...) is larger than the number of available GPUs (...) in this node").
+# Used when the GPU spec names no `gpus_per_node`; 8 is the HGX/DGX H100, H200 and A100 baseboard.
+DEFAULT_GPUS_PER_NODE = 8
+# vLLM 0.32's CacheConfig takes any block_size > 0, but every CUDA attention backend it can pick for a dense
+# decoder (FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION) supports only multiples of 16
+# (`get_supported_kernel_block_sizes` -> MultipleOf(16) / [16, 32, 64], checked by
+# `AttentionBackend.supports_block_size` in vllm/v1/attention/backend.py); with none left,
+# `CudaPlatform.get_attn_backend_cls` (vllm/platforms/cuda.py) raises "No valid attention backend found".
+KERNEL_BLOCK_MULTIPLE = 16
+
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -76,6 +88,35 @@ class ClusterSpec(_Spec):
     def _known_model(cls, v: str) -> str:
         return get_model(v).name
 
+    @model_validator(mode="after")
+    def _vllm_would_start(self) -> "ClusterSpec":
+        """Refuse what `vllm serve` refuses at startup, with vLLM's reason (its source named beside each check).
+
+        A message starting "@field:" names the field it refuses (see `_format_error`)."""
+        m, tp, bs = get_model(self.model), self.tensor_parallel, self.engine.block_size
+        if m.num_heads % tp:
+            # ModelConfig.verify_with_parallel_config (vllm/config/model.py)
+            raise ValueError(f"@tensor_parallel: vLLM requires the total number of attention heads "
+                             f"({m.num_heads} in {m.name}) to be divisible by the tensor parallel size ({tp})")
+        kv = m.num_kv_heads
+        if kv > 0 and ((tp >= kv and tp % kv) or (tp < kv and kv % tp)):
+            # QKVParallelLinear.__init__ (vllm/model_executor/layers/linear.py): KV heads are split when
+            # tp < kv heads (divide(kv, tp)), replicated when tp >= kv heads (divide(tp, kv))
+            raise ValueError(f"@tensor_parallel: vLLM splits or replicates the {kv} KV heads of {m.name} "
+                             f"evenly across the GPUs, so the tensor parallel size ({tp}) must divide {kv} or "
+                             f"be a multiple of it")
+        gpu = get_gpu(self.hardware)
+        per_node = int(getattr(gpu, "gpus_per_node", 0) or DEFAULT_GPUS_PER_NODE)
+        if tp > per_node:
+            raise ValueError(f"@tensor_parallel: a vLLM tensor-parallel group runs inside one node, and a node "
+                             f"of {gpu.name} GPUs has {per_node}; got tensor parallel size {tp} (vLLM: world "
+                             "size larger than the number of available GPUs in this node)")
+        if bs % KERNEL_BLOCK_MULTIPLE:
+            raise ValueError(f"@engine.block_size: vLLM's CUDA attention backends (FlashAttention, FlashInfer, "
+                             f"Triton) take only multiples of {KERNEL_BLOCK_MULTIPLE}, got {bs} (vLLM: no valid "
+                             "attention backend found, block_size not supported)")
+        return self
+
 
 class ArrivalSpec(_Spec):
     process: Literal["poisson", "gamma"] = "poisson"
@@ -112,7 +153,7 @@ class TraceSpec(_Spec):
     path: str
     format: Literal["auto", "sharegpt", "burstgpt", "azure", "mooncake", "servegen", "lengths"] = "auto"
     skip_bad_rows: bool = False
-    start_s: float = Field(0.0, ge=0, description="window start on the trace's own clock")
+    start_s: float = Field(0.0, ge=0, description="window start: seconds after the trace's first request")
     duration_s: Optional[float] = Field(None, gt=0)
     rate_scale: Optional[float] = Field(None, gt=0, description="replay k times as fast")
     target_rate: Optional[float] = Field(None, gt=0, description="or: scale to this mean req/s")
@@ -220,7 +261,7 @@ class SimSpec(_Spec):
 class Scenario(_Spec):
     name: str = "scenario"
     description: str = ""
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="numpy's generators take seeds >= 0")
     cluster: ClusterSpec
     workload: WorkloadSpec
     router: RouterSpec = RouterSpec()
@@ -242,7 +283,11 @@ class Scenario(_Spec):
         return path if path.is_absolute() else Path(self.base_dir) / path
 
 
-def _format_error(e: ValidationError, source: str) -> str:
+Flags = dict[str, str]  # dotted scenario path -> the command-line flag that set it (e.g. "--rate-scale")
+
+
+def _format_error(e: ValidationError, source: str, flags: Flags | None = None) -> str:
+    """One line per problem, naming the scenario field, or the command-line flag when a flag set that field."""
     lines = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
@@ -253,12 +298,18 @@ def _format_error(e: ValidationError, source: str) -> str:
             msg = msg[len("Value error, "):]
         got = err.get("input")
         tail = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"{source}: {loc}: {msg}{tail}")
+        if msg.startswith("@"):  # a model validator naming the field it refuses: "@sub.field: why"
+            sub, msg = msg[1:].split(": ", 1)
+            loc = f"{loc}.{sub}" if loc != "(top level)" else sub
+        flag = next((f for path, f in (flags or {}).items() if loc == path or loc.startswith(path + ".")), None)
+        lines.append(f"{flag}: {msg}{tail}" if flag else f"{source}: {loc}: {msg}{tail}")
     return "\n".join(lines)
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """`--set a.b.c=value` edits of the raw YAML; the value is parsed as YAML (numbers, bools, lists)."""
+def apply_overrides(raw: dict, overrides: list[str], flags: Flags | None = None) -> dict:
+    """`--set a.b.c=value` edits of the raw YAML; the value is parsed as YAML (numbers, bools, lists).
+
+    With `flags` given, each edited path is recorded there, so a validation error names the `--set` flag."""
     for item in overrides:
         if "=" not in item:
             raise TwinInputError(f"--set {item!r}: expected dotted.path=value")
@@ -275,16 +326,19 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node[keys[-1]] = yaml.safe_load(value)
         except yaml.YAMLError:
             node[keys[-1]] = value
+        if flags is not None:
+            flags[".".join(keys)] = f"--set {item}"
     return raw
 
 
-def parse_scenario(raw: Any, source: str = "scenario", base_dir: str | Path = ".") -> Scenario:
+def parse_scenario(raw: Any, source: str = "scenario", base_dir: str | Path = ".",
+                   flags: Flags | None = None) -> Scenario:
     if not isinstance(raw, dict):
         raise TwinInputError(f"{source}: a scenario must be a YAML mapping, got {type(raw).__name__}")
     try:
         sc = Scenario.model_validate({**raw, "base_dir": str(base_dir)})
     except ValidationError as e:
-        raise TwinInputError(_format_error(e, source)) from None
+        raise TwinInputError(_format_error(e, source, flags)) from None
     return sc
 
 
@@ -293,21 +347,40 @@ def read_scenario_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise TwinInputError(f"scenario file {path} does not exist")
+    if path.is_dir():
+        raise TwinInputError(f"{path}: is a folder; give a scenario YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        data = path.read_bytes()
+    except OSError as e:
+        raise TwinInputError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise TwinInputError(f"{path}: line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset "
+                             f"{e.start}); a scenario is a YAML file") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise TwinInputError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        where = f" line {mark.line + 1}:" if mark else ""
+        problem = getattr(e, "problem", None) or getattr(e, "reason", None) or str(e).splitlines()[0]
+        raise TwinInputError(f"{path}:{where} not valid YAML ({problem})") from None
+    except RecursionError:
+        raise TwinInputError(f"{path}: not valid YAML (nested too deeply)") from None
     if not isinstance(raw, dict):
         raise TwinInputError(f"{path}: a scenario must be a YAML mapping, got {type(raw).__name__}")
     return raw
 
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None, seed: int | None = None) -> Scenario:
-    """Read, override and validate a scenario file; bad input raises TwinInputError with one line per problem."""
+    """Read, override and validate a scenario file; bad input raises TwinInputError with one line per problem.
+
+    Errors in a field that `--set` or `--seed` gave name that flag, not the file."""
     path = Path(path)
-    raw = apply_overrides(read_scenario_yaml(path), overrides or [])
+    flags: Flags = {}
+    raw = apply_overrides(read_scenario_yaml(path), overrides or [], flags)
     if seed is not None:
         raw["seed"] = seed
-    return parse_scenario(raw, str(path), path.parent)
+        flags["seed"] = "--seed"
+    return parse_scenario(raw, str(path), path.parent, flags)

@@ -62,14 +62,32 @@ def apply_context_limit(stream: RequestStream, max_model_len: int, policy: str, 
     return stream
 
 
+def seconds(x: float) -> str:
+    """1,000,000 s, 521.589 s: times in messages, without exponents."""
+    return f"{x:,.3f}".rstrip("0").rstrip(".") + " s"
+
+
+def empty_reason(t, stats: TraceStats) -> str:
+    """Why a replay came out empty: the window against the trace's time span, or the filters."""
+    rows = f"{stats.rows_read:,} rows read, {stats.rows_filtered:,} filtered, {stats.rows_skipped:,} skipped"
+    if stats.span_s is None:
+        return f"no row became a request ({rows})"
+    span = f"the trace's requests span {seconds(stats.span_s)} from its first request"
+    if t.start_s > 0 or t.duration_s is not None:
+        win = (f"starting {seconds(t.start_s)}" if t.duration_s is None
+               else f"{seconds(t.start_s)} to {seconds(t.start_s + t.duration_s)}")
+        return f"the window {win} after the first request holds none; {span} ({rows})"
+    return f"the filters left none; {span} ({rows})"
+
+
 def build_stream(sc) -> RequestStream:
     """The request stream a scenario's `workload` section describes."""
     w = sc.workload
     if w.trace is not None:
         stream = trace_stream(sc)
         if not len(stream):
-            raise TwinInputError(f"workload.trace {w.trace.path}: no requests left to replay "
-                                 f"(see the window and filters; {stream.stats.rows_read:,} rows read)")
+            raise TwinInputError(f"workload.trace {w.trace.path}: no requests left to replay: "
+                                 + empty_reason(w.trace, stream.stats))
         max_len = sc.cluster.engine.max_model_len or get_model(sc.cluster.model).max_model_len
         return apply_context_limit(stream, max_len, w.on_too_long, f"workload.trace {w.trace.path}")
     rng = np.random.default_rng(sc.seed)

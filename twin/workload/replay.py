@@ -17,9 +17,14 @@ from twin.workload.synthetic import gamma_arrivals, poisson_arrivals
 
 @dataclass
 class ReplayControls:
-    """Which part of a trace to replay and how fast; times are on the trace's own clock."""
+    """Which part of a trace to replay and how fast.
 
-    start_s: float = 0.0  # window start (trace clock)
+    Times are on the trace's clock, which in every format starts at the trace's first request: each reader
+    shifts its timestamps so (Azure, BurstGPT, Mooncake: the first readable row; ShareGPT and length CSVs:
+    the first drawn arrival; ServeGen: the start of the chosen clients' first active window, in which the
+    first request falls). So `start_s` (`--start`) is seconds after the trace's first request everywhere."""
+
+    start_s: float = 0.0  # window start: seconds after the trace's first request
     duration_s: float | None = None  # window length; None: to the end
     rate_scale: float | None = None  # replay k times as fast (arrival times divided by k)
     target_rate: float | None = None  # or: scale so the mean rate is this many requests/s
@@ -165,6 +170,8 @@ def apply_controls(stream: RequestStream, c: ReplayControls, *, timed: bool = Tr
     (ServeGen rows are window statistics, so there removals go to the notes only). `windowed`: the
     reader already cut the time window (ServeGen generates only inside it).
     """
+    if len(stream) and stream.stats.span_s is None:  # before any control: what the trace itself spans
+        stream.stats.span_s = float(stream.arrival_s[-1] - min(stream.arrival_s[0], 0.0))
     stream = filter_lengths(stream, c, per_request)
     if not windowed:
         stream = window(stream, c, per_request)

@@ -17,10 +17,12 @@ class TraceStats:
     rows_filtered: int = 0  # removed on purpose (a filter, a window, sampling, a cap)
     rows_skipped: int = 0  # malformed rows skipped because the user asked to skip bad rows
     notes: list[str] = field(default_factory=list)
+    span_s: float | None = None  # a trace's requests: seconds from its first to its last, before any window
 
     def to_dict(self) -> dict:
         return {"source": self.source, "rows_read": self.rows_read, "rows_used": self.rows_used,
-                "rows_filtered": self.rows_filtered, "rows_skipped": self.rows_skipped, "notes": self.notes}
+                "rows_filtered": self.rows_filtered, "rows_skipped": self.rows_skipped, "span_s": self.span_s,
+                "notes": self.notes}
 
 
 @dataclass

@@ -27,24 +27,31 @@ LENGTH_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 
 def read_length_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """Prompt and output lengths from a Vidur-style CSV (`num_prefill_tokens`, `num_decode_tokens`)."""
+    from twin.workload.formats.common import MAX_TOKENS, shown
+
     path = Path(path)
     if not path.exists():
         raise TwinInputError(f"length trace {path} does not exist")
+    if path.is_dir():
+        raise TwinInputError(f"length trace {path} is a folder, not a CSV file")
     try:
-        df = pd.read_csv(path)
+        df = pd.read_csv(path, encoding="utf-8-sig")
     except Exception as e:  # pandas raises many kinds; the user needs the file and the reason
-        raise TwinInputError(f"{path}: cannot read as CSV: {e}") from None
+        raise TwinInputError(f"{path}: cannot read as CSV: {' '.join(str(e).split())}") from None
     missing = [c for c in LENGTH_COLUMNS if c not in df.columns]
     if missing:
-        raise TwinInputError(f"{path}: missing column(s) {', '.join(missing)} (have: {', '.join(df.columns)})")
+        have = ", ".join(shown(c) if not str(c).isprintable() else str(c) for c in df.columns)
+        raise TwinInputError(f"{path}: missing column(s) {', '.join(missing)} (have: {have[:300]})")
     out = []
     for col in LENGTH_COLUMNS:
-        v = pd.to_numeric(df[col], errors="coerce")
-        bad = v.isna() | (v < 0)
+        v = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(v) | (v < 0) | (v > MAX_TOKENS) | (v != np.floor(v))
         if bad.any():
-            i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise TwinInputError(f"{path}: line {i + 2}: field {col}: {df[col].iloc[i]!r} is not a length >= 0")
-        out.append(v.to_numpy(dtype=np.int64))
+            i = int(np.flatnonzero(bad)[0])
+            raise TwinInputError(f"{path}: line {i + 2}: field {col}: {shown(df[col].iloc[i])} is not a "
+                                 "token count >= 0")
+        out.append(v.astype(np.int64))
     return out[0], out[1]
 
 

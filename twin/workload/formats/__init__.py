@@ -15,7 +15,7 @@ import numpy as np
 
 from twin.errors import TwinInputError
 from twin.workload.formats.burstgpt import BurstGPTSynthetic, read_burstgpt
-from twin.workload.formats.common import BadRows, check_file
+from twin.workload.formats.common import BadRows, check_file, shown
 from twin.workload.formats.mooncake import MOONCAKE_BLOCK, IdealReuse, ideal_block_reuse, read_mooncake
 from twin.workload.replay import (ArrivalProcess, ReplayControls, apply_controls, select_rows, session_arrivals,
                                   step_rng)
@@ -46,8 +46,11 @@ def detect_format(path: str | Path) -> str:
         raise TwinInputError(f"{path}: a folder is a trace only as a ServeGen model folder (chunk-<id>-trace.csv)")
     if path.name.startswith("chunk-") and path.name.endswith(("-trace.csv", "-dataset.json")):
         return "servegen"
-    with open(path, "rb") as f:
-        head = f.read(4096).decode("utf-8", errors="replace")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace")
+    except OSError as e:
+        raise TwinInputError(f"{path}: cannot read: {e.strerror or e}") from None
     text = head.lstrip("\ufeff \t\r\n")
     if text.startswith("["):
         return "sharegpt"
@@ -55,7 +58,7 @@ def detect_format(path: str | Path) -> str:
         first = text.splitlines()[0]
         try:
             keys = set(json.loads(first))
-        except ValueError:
+        except (ValueError, RecursionError):
             keys = set()
         if {"hash_ids", "input_length"} & keys or '"hash_ids"' in first:
             return "mooncake"
@@ -72,7 +75,7 @@ def detect_format(path: str | Path) -> str:
     fields = header.split(",")
     if len(fields) == 6 and (fields[3] in ("Gamma", "Weibull", "")):
         return "servegen"
-    raise TwinInputError(f"{path}: cannot tell the trace format from its first line {header[:80]!r}; "
+    raise TwinInputError(f"{path}: cannot tell the trace format from its first line {shown(header, 80)}; "
                          f"give --format ({'|'.join(FORMATS)})")
 
 
@@ -171,6 +174,8 @@ def _untimed(fmt: str, path: Path, bad: BadRows, c: ReplayControls, opts: dict) 
     if think < 0:
         raise TwinInputError(f"think_time_s must be >= 0 (got {think})")
     arrival = session_arrivals(session_sel, starts, think, step_rng(c.seed, "think"))
+    if len(arrival):
+        arrival = arrival - arrival.min()  # the clock starts at the first request, as for timed traces
     unit = "conversations/s (turn 1)" if fmt == "sharegpt" else "req/s"
     stats.notes.append(f"arrivals: {proc.process} at {proc.rate:g} {unit}"
                        + (f", cv {proc.cv:g}" if proc.process == "gamma" else "")

@@ -28,7 +28,8 @@ def _log_type(name: str) -> str:
 
 
 def read_burstgpt(path: Path, bad: BadRows, models=(), log_types=(), keep_failed: bool = False) -> RequestStream:
-    """One row per request; filters by `Model` and `Log Type`; failed rows dropped unless keep_failed."""
+    """One row per request, times from the first row; filters by `Model` and `Log Type`; failed rows dropped
+    unless keep_failed."""
     rows = read_csv(path, bad, REQUIRED)
     n_read = len(rows) + bad.skipped
     ts, ok = numbers(rows, "Timestamp", bad, integer=False, what="a time in seconds >= 0")
@@ -37,9 +38,13 @@ def read_burstgpt(path: Path, bad: BadRows, models=(), log_types=(), keep_failed
     ok &= ok_r & ok_s
     bad.drop(rows, ok)
     ts, req, resp = ts[ok], req[ok].astype(np.int64), resp[ok].astype(np.int64)
+    t0 = float(ts.min()) if len(ts) else 0.0
+    ts = ts - t0  # the trace's clock starts at its first request (see ReplayControls)
     model = np.array([m.strip() for m in rows.column("Model")], dtype=object)
     logt = np.array([t.strip() for t in rows.column("Log Type")], dtype=object)
     stats = TraceStats(source=f"burstgpt {path}", rows_read=n_read, rows_skipped=bad.skipped, notes=bad.note())
+    if t0 > 0:
+        stats.notes.append(f"times counted from the first request (Timestamp {t0:g} s)")
     keep = np.ones(len(ts), dtype=bool)
 
     def drop(mask: np.ndarray, why: str) -> None:

@@ -117,7 +117,8 @@ def _read_csv(path: Path, bad: BadRows, required: tuple[str, ...], header: list[
         rows, lines = rows[1:], lines[1:]
         missing = [c for c in required if c not in header]
         if missing:
-            raise TwinInputError(f"{path}: line 1: missing column(s) {', '.join(missing)} (have: {', '.join(header)})")
+            have = ", ".join(h if h.isprintable() else shown(h) for h in header)
+            raise TwinInputError(f"{path}: line 1: missing column(s) {', '.join(missing)} (have: {have[:300]})")
     n = len(header)
     lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     ok = lens == n
@@ -132,22 +133,37 @@ def _read_csv(path: Path, bad: BadRows, required: tuple[str, ...], header: list[
     return CsvRows(Path(path), header, columns, lines)
 
 
+MAX_TOKENS = 2**31 - 1  # a token count above this fits no model's context (vLLM keeps positions in int32)
+MAX_TIME_S = 1e12  # ~31,700 years: a time beyond this is a broken cell, not a trace
+
+
 def numbers(rows: CsvRows, column: str, bad: BadRows, *, integer: bool = True, minimum: float = 0.0,
             what: str = "a token count >= 0") -> tuple[np.ndarray, np.ndarray]:
-    """A numeric column, checked; returns (values, ok): ok is False on bad rows (drop them with BadRows.drop)."""
+    """A numeric column, checked; returns (values, ok): ok is False on bad rows (drop them with BadRows.drop).
+
+    Infinite, NaN and absurdly large values are bad rows too (token counts above MAX_TOKENS, other values
+    above MAX_TIME_S), so every value that passes is safe as int64 and as a float time."""
     raw = rows.column(column)
     try:
         v = raw.astype(np.float64)
-    except ValueError:  # some cell is not a number: find which, one by one
+    except (ValueError, OverflowError):  # some cell is not a number: find which, one by one
         v = pd.to_numeric(pd.Series(raw, dtype=object).str.strip(), errors="coerce").to_numpy(
             dtype=np.float64, copy=True)
-    badm = np.isnan(v) | (v < minimum)
-    if integer:
-        badm |= np.where(np.isfinite(v), v != np.floor(v), True)
+    with np.errstate(invalid="ignore"):
+        badm = ~np.isfinite(v) | (v < minimum) | (v > (MAX_TOKENS if integer else MAX_TIME_S))
+        if integer:
+            badm |= np.where(np.isfinite(v), v != np.floor(v), True)
     for i in np.flatnonzero(badm):
-        bad.flag(f"line {rows.lines[i]}", column, f"{raw[i]!r} is not {what}")
+        big = np.isfinite(v[i]) and v[i] > (MAX_TOKENS if integer else MAX_TIME_S)
+        bad.flag(f"line {rows.lines[i]}", column, f"{shown(raw[i])} is not {what}" + (" (too large)" if big else ""))
     v[badm] = 0
     return v, ~badm
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """A cell as a message shows it: repr (so control characters stay visible), cut to `limit` characters."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def stable_id(*parts: object) -> int:

@@ -7,13 +7,14 @@ Each line: `timestamp` (ms from trace start), `input_length`, `output_length` (t
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from twin.errors import TwinInputError
-from twin.workload.formats.common import BadRows, note_count
+from twin.workload.formats.common import MAX_TIME_S, MAX_TOKENS, BadRows, note_count, shown
 from twin.workload.stream import RequestStream, TraceStats
 
 MOONCAKE_BLOCK = 512
@@ -21,19 +22,39 @@ FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
 def _count(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and float(v) == int(v)
+    """A token count: a whole JSON number >= 0 that fits a context (Python ints may be any size)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return 0 <= v <= MAX_TOKENS and float(v).is_integer()
+
+
+def _time_ms(v: object) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return 0 <= v <= MAX_TIME_S * 1000 and math.isfinite(v)
+
+
+def _hash_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and -(2**63) <= x < 2**63
 
 
 def read_mooncake(path: Path, bad: BadRows) -> RequestStream:
-    """Every line is one request; arrival = timestamp / 1000 s."""
+    """Every line is one request; arrival = timestamp / 1000 s, shifted so the first request is at 0 s."""
     arr, inp, out, hashes = [], [], [], []
     rows = 0
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise TwinInputError(f"{path}: cannot open: {e.strerror}") from None
     with f:
-        for line_no, line in enumerate(f, 1):
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                rows += 1
+                bad.bad(f"line {line_no}", None, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                        "a Mooncake trace is JSON Lines")
+                continue
             if not line.strip():
                 continue
             rows += 1
@@ -43,6 +64,9 @@ def read_mooncake(path: Path, bad: BadRows) -> RequestStream:
             except json.JSONDecodeError as e:
                 bad.bad(where, None, f"not valid JSON ({e.msg} at column {e.colno})")
                 continue
+            except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
+                bad.bad(where, None, f"not valid JSON ({str(e).split(';')[0] or type(e).__name__})")
+                continue
             if not isinstance(rec, dict):
                 bad.bad(where, None, f"expected a JSON object, got {type(rec).__name__}")
                 continue
@@ -51,22 +75,24 @@ def read_mooncake(path: Path, bad: BadRows) -> RequestStream:
                 bad.bad(where, missing[0], "missing")
                 continue
             ts = rec["timestamp"]
-            if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not np.isfinite(ts) or ts < 0:
-                bad.bad(where, "timestamp", f"{ts!r} is not a time in ms >= 0")
+            if not _time_ms(ts):
+                bad.bad(where, "timestamp", f"{shown(ts)} is not a time in ms >= 0")
                 continue
             problem = next((k for k in ("input_length", "output_length") if not _count(rec[k])), None)
             if problem:
-                bad.bad(where, problem, f"{rec[problem]!r} is not a token count >= 0")
+                bad.bad(where, problem, f"{shown(rec[problem])} is not a token count >= 0")
                 continue
             h = rec["hash_ids"]
-            if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in h):
-                bad.bad(where, "hash_ids", "not a list of integers")
+            if not isinstance(h, list) or not all(_hash_id(x) for x in h):
+                bad.bad(where, "hash_ids", "not a list of 64-bit integers")
                 continue
             arr.append(ts / 1000.0)
             inp.append(int(rec["input_length"]))
             out.append(int(rec["output_length"]))
             hashes.append(h)
     arr_a, inp_a, out_a = np.asarray(arr, float), np.asarray(inp, np.int64), np.asarray(out, np.int64)
+    if len(arr_a):
+        arr_a = arr_a - arr_a.min()  # the trace's clock starts at its first request (see replay.window)
     stats = TraceStats(source=f"mooncake {path}", rows_read=rows, rows_skipped=bad.skipped, notes=bad.note())
     keep = inp_a > 0
     stats.rows_filtered = int((~keep).sum())

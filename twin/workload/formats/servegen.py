@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from twin.errors import TwinInputError
-from twin.workload.formats.common import BadRows, note_count, numbers, read_csv
+from twin.workload.formats.common import MAX_TOKENS, BadRows, note_count, numbers, read_csv
 from twin.workload.stream import RequestStream, TraceStats
 
 TRACE_COLUMNS = ["window_start_s", "rate", "cv", "pattern", "shape", "scale"]
@@ -59,9 +59,12 @@ class Client:
             return None
         if self._raw is None:
             try:
-                self._raw = {int(k): v for k, v in json.loads(self.dataset.read_text()).items()}
-            except (OSError, ValueError, AttributeError) as e:
-                raise TwinInputError(f"{self.dataset}: not a ServeGen dataset JSON ({e})") from None
+                raw = json.loads(self.dataset.read_text(encoding="utf-8-sig"))
+                self._raw = {int(k): v for k, v in raw.items()}
+            except (OSError, ValueError, AttributeError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+                why = " ".join(str(e).split(";")[0].split())[:200] or type(e).__name__
+                raise TwinInputError(f"{self.dataset}: not a ServeGen dataset JSON (an object of window start "
+                                     f"-> distributions): {why}") from None
         key = window // DATASET_WINDOW_S * DATASET_WINDOW_S
         for k in sorted(self._raw, key=lambda k: (abs(k - key), k)):
             d = self._parsed(k)
@@ -72,11 +75,17 @@ class Client:
     def _parsed(self, k: int):
         if k not in self._dist:
             entry = self._raw[k]
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise TwinInputError(f"{self.dataset}: window {k}: expected an object of distributions, each a "
+                                     "string like \"{100: 0.5, 200: 0.5}\"")
             try:
                 dists = {f: ast.literal_eval(s) for f, s in entry.items()}
-            except (ValueError, SyntaxError, TypeError) as e:
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as e:
                 raise TwinInputError(f"{self.dataset}: window {k}: a distribution is not a python dict literal "
-                                     f"({e})") from None
+                                     f"({' '.join(str(e).split())[:200] or type(e).__name__})") from None
+            if not all(isinstance(d, dict) for d in dists.values()):
+                raise TwinInputError(f"{self.dataset}: window {k}: a distribution is not a dict {{value: "
+                                     "probability}}")
             out = dists.get("output_tokens") or {}
             if "input_tokens" in dists:
                 inp = [dists["input_tokens"]]
@@ -88,10 +97,18 @@ class Client:
 
 
 def _dist(d: dict, path: Path, k: int) -> tuple[np.ndarray, np.ndarray]:
-    v = np.array(list(d.keys()), dtype=np.float64)
-    p = np.array(list(d.values()), dtype=np.float64)
-    if np.any(v < 0) or np.any(p < 0) or p.sum() <= 0:
-        raise TwinInputError(f"{path}: window {k}: a length distribution has negative values or no mass")
+    """(token counts, probabilities) of one {count: probability} literal, checked."""
+    try:
+        v = np.array(list(d.keys()), dtype=np.float64)
+        p = np.array(list(d.values()), dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        raise TwinInputError(f"{path}: window {k}: a length distribution is not {{number: number}}") from None
+    with np.errstate(invalid="ignore", over="ignore"):
+        ok = (np.all(np.isfinite(v)) and np.all(np.isfinite(p)) and np.all(v >= 0) and np.all(v <= MAX_TOKENS)
+              and np.all(p >= 0) and np.isfinite(p.sum()) and p.sum() > 0)
+    if not ok:
+        raise TwinInputError(f"{path}: window {k}: a length distribution has negative, non-finite or too large "
+                             "values, or no mass")
     return v, p / p.sum()
 
 
@@ -169,7 +186,13 @@ def _gaps(pattern: str, shape: float, scale: float, rate: float, n: int, rng: np
         g = rng.weibull(shape, size=n) * scale
         lg = math.lgamma(1.0 + 1.0 / shape)
         mean = scale * math.exp(lg) if lg < 700 else float(np.mean(g)) or scale
+    if not (math.isfinite(mean) and mean > 0):
+        raise DegenerateGaps
     return g * ((1.0 / rate) / mean)
+
+
+class DegenerateGaps(Exception):
+    """The window's fitted shape/scale give gaps with no usable mean (e.g. shape 1e-300): no arrivals follow."""
 
 
 def _window_arrivals(pattern, shape, scale, rate, length, rng) -> np.ndarray:
@@ -178,6 +201,8 @@ def _window_arrivals(pattern, shape, scale, rate, length, rng) -> np.ndarray:
     n = int(expect + 5 * math.sqrt(expect) + 10)
     t = np.cumsum(_gaps(pattern, shape, scale, rate, n, rng))
     while t[-1] < length:
+        if len(t) > 4 * n + MAX_GENERATED:  # gaps that (almost) never add up: a degenerate fit
+            raise DegenerateGaps
         t = np.concatenate([t, t[-1] + np.cumsum(_gaps(pattern, shape, scale, rate, n, rng))])
     return t[t < length]
 
@@ -185,7 +210,10 @@ def _window_arrivals(pattern, shape, scale, rate, length, rng) -> np.ndarray:
 def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, clients=(), start_s: float = 0.0,
                       duration_s: float | None = None, max_requests: int | None = None,
                       length_pool: tuple[np.ndarray, np.ndarray] | None = None) -> RequestStream:
-    """Requests of the chosen clients inside [start_s, start_s + duration_s), times relative to start_s."""
+    """Requests of the chosen clients inside [start_s, start_s + duration_s), times relative to start_s.
+
+    start_s counts from the start of the chosen clients' first active window (rate > 0), where the trace's
+    first request falls, as `--start` counts from the first request in every format."""
     cl = find_clients(path, list(clients))
     stats = TraceStats(source=f"servegen {path} clients {[c.id for c in cl]}")
     for c in cl:
@@ -194,6 +222,16 @@ def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, client
     stats.notes += bad.note()
     steps = [np.diff(c.start) for c in cl if len(c.start) > 1]
     win = float(np.median(np.concatenate(steps))) if steps else 600.0
+    active = np.concatenate([c.start[c.rate > 0] for c in cl]) if cl else np.zeros(0)
+    if not len(active):
+        raise TwinInputError(f"{path}: clients {[c.id for c in cl]} have no active window (every rate is 0): "
+                             "no requests to generate")
+    t0 = float(active.min())
+    stats.span_s = float(active.max()) + win - t0
+    if t0 > 0:
+        stats.notes.append(f"times counted from the first active window (window_start_s {t0:g})")
+    rel_start, rel_end = start_s, (math.inf if duration_s is None else start_s + duration_s)
+    start_s = t0 + start_s  # from here on, the file's own clock
     end = math.inf if duration_s is None else start_s + duration_s
     jobs = []  # (window start, client, row)
     expected = 0.0
@@ -220,7 +258,14 @@ def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, client
             break
         last_start = ws
         lo, hi = max(ws, start_s), min(ws + win, end)
-        t = ws + _window_arrivals(c.pattern[i], c.shape[i], c.scale[i], c.rate[i], win, rng)
+        if c.rate[i] * win > MAX_GENERATED:
+            raise TwinInputError(f"{c.trace}: window {ws:g} s: rate {c.rate[i]:g} req/s implies more than "
+                                 f"{MAX_GENERATED:,} requests in one {win:g} s window")
+        try:
+            t = ws + _window_arrivals(c.pattern[i], c.shape[i], c.scale[i], c.rate[i], win, rng)
+        except DegenerateGaps:
+            raise TwinInputError(f"{c.trace}: window {ws:g} s: the fitted {c.pattern[i]} (shape {c.shape[i]:g}, "
+                                 f"scale {c.scale[i]:g}) gives no usable inter-arrival gaps") from None
         t = t[(t >= lo) & (t < hi)]
         if len(t) == 0:
             continue
@@ -255,6 +300,9 @@ def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, client
                            "used the nearest 6-h window that has one")
     note_count(stats.notes, pooled, "requests took lengths from the length CSV (no distribution in the dataset)")
     if not len(a):
-        raise TwinInputError(f"{path}: the chosen clients have no requests in the window "
-                             f"[{start_s:g}, {end:g}) s (all idle)")
+        from twin.workload import seconds
+
+        win = f"starting {seconds(rel_start)}" if math.isinf(rel_end) else f"{seconds(rel_start)} to {seconds(rel_end)}"
+        raise TwinInputError(f"{path}: no requests left: the chosen clients are idle in the window {win} after "
+                             f"the first request; their active windows span {seconds(stats.span_s)} from it")
     return RequestStream(a, np.maximum(p, 1), np.maximum(o, 1), stats=stats)

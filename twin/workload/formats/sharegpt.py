@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from twin.errors import TwinInputError
-from twin.workload.formats.common import BadRows, stable_id
+from twin.workload.formats.common import BadRows, shown, stable_id
 from twin.workload.stream import TraceStats
 from twin.workload.synthetic import read_length_trace
 
@@ -82,7 +82,7 @@ def default_output_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
 def _records(path: Path, bad: BadRows) -> list[tuple[str, object]]:
     """(where, record) pairs from a JSON array (where = record index) or JSON Lines (where = line)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise TwinInputError(f"{path}: cannot read: {e}") from None
     if text.lstrip().startswith("["):
@@ -90,6 +90,10 @@ def _records(path: Path, bad: BadRows) -> list[tuple[str, object]]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise TwinInputError(f"{path}: line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
+            raise TwinInputError(f"{path}: not valid JSON ({str(e).split(';')[0] or type(e).__name__})") from None
+        if not isinstance(data, list):
+            raise TwinInputError(f"{path}: expected a JSON array of conversations, got {type(data).__name__}")
         return [(f"record {i}", r) for i, r in enumerate(data)]
     out = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -99,6 +103,8 @@ def _records(path: Path, bad: BadRows) -> list[tuple[str, object]]:
             out.append((f"line {n}", json.loads(line)))
         except json.JSONDecodeError as e:
             bad.bad(f"line {n}", None, f"not valid JSON ({e.msg} at column {e.colno})")
+        except (ValueError, RecursionError) as e:
+            bad.bad(f"line {n}", None, f"not valid JSON ({str(e).split(';')[0] or type(e).__name__})")
     return out
 
 
@@ -108,7 +114,7 @@ def _turns(where: str, rec: object, bad: BadRows) -> list[tuple[str, str]] | Non
         bad.bad(where, None, f"expected a JSON object, got {type(rec).__name__}")
         return None
     if isinstance(rec.get("id"), str):
-        where = f"{where} (id {rec['id']!r})"
+        where = f"{where} (id {shown(rec['id'])})"
     conv = rec.get("conversations")
     if not isinstance(conv, list):
         bad.bad(where, "conversations", "missing" if conv is None else "not a list")
@@ -126,7 +132,7 @@ def _turns(where: str, rec: object, bad: BadRows) -> list[tuple[str, str]] | Non
         elif role in SYSTEM_ROLES:
             turns.append(("system", t["value"]))
         else:
-            bad.bad(where, f"conversations[{j}].from", f"unknown role {t['from']!r}")
+            bad.bad(where, f"conversations[{j}].from", f"unknown role {shown(t['from'])}")
             return None
     return turns
 

@@ -1,0 +1,67 @@
+"""Configurations `vllm serve` refuses at startup are refused by the scenario validation, with vLLM's reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import make_scenario
+from twin.cli import app
+from twin.errors import TwinInputError
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "scenarios" / "quickstart.yaml"
+
+
+def refused(**kw) -> str:
+    with pytest.raises(TwinInputError) as e:
+        make_scenario(**kw)
+    return str(e.value)
+
+
+def test_tp_must_divide_the_attention_heads():
+    # vLLM: ModelConfig.verify_with_parallel_config, "Total number of attention heads (32) must be divisible
+    # by tensor parallel size (3)"
+    msg = refused(**{"cluster.tensor_parallel": 3})
+    assert "cluster.tensor_parallel" in msg and "attention heads (32 in Llama-3-8B)" in msg and "(3)" in msg
+    for tp in (1, 2, 4, 8):
+        make_scenario(**{"cluster.tensor_parallel": tp})
+
+
+def test_tp_must_divide_the_kv_heads_or_be_a_multiple_of_them():
+    # Qwen2.5-32B: 40 attention heads, 8 KV heads; TP 5 divides 40 but neither divides nor is divided by 8
+    # (QKVParallelLinear: divide(8, 5) fails)
+    msg = refused(**{"cluster.model": "Qwen2.5-32B", "cluster.tensor_parallel": 5})
+    assert "cluster.tensor_parallel" in msg and "8 KV heads" in msg and "(5)" in msg
+    assert "splits or replicates" in msg  # the KV-head rule, not the attention-head one
+    for tp in (1, 2, 4, 8):  # 8 divides 40 and equals the KV heads
+        make_scenario(**{"cluster.model": "Qwen2.5-32B", "cluster.tensor_parallel": tp})
+
+
+def test_tp_above_the_gpus_of_one_node_is_refused():
+    msg = refused(**{"cluster.model": "Llama-3-70B", "cluster.tensor_parallel": 16})
+    assert "cluster.tensor_parallel" in msg and "has 8" in msg and "16" in msg
+    make_scenario(**{"cluster.model": "Llama-3-70B", "cluster.tensor_parallel": 8})
+
+
+@pytest.mark.parametrize("bs", [1, 8, 24, 100])
+def test_block_sizes_the_cuda_attention_backends_reject(bs):
+    msg = refused(**{"cluster.engine.block_size": bs})
+    assert "cluster.engine.block_size" in msg and "multiples of 16" in msg and f"got {bs}" in msg
+
+
+@pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
+def test_block_sizes_vllm_accepts(bs):
+    assert make_scenario(**{"cluster.engine.block_size": bs}).cluster.engine.block_size == bs
+
+
+def test_validate_catches_them_naming_the_flag_or_the_field(tmp_path):
+    r = CliRunner().invoke(app, ["validate", str(QUICKSTART), "--set", "cluster.tensor_parallel=3"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --set cluster.tensor_parallel=3: ")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(QUICKSTART.read_text().replace("block_size: 16", "block_size: 24"))
+    r = CliRunner().invoke(app, ["validate", str(bad)])
+    assert r.exit_code == 2 and f"error: {bad}: cluster.engine.block_size: " in r.output
