@@ -100,6 +100,10 @@ class Cluster:
             prefix_index=prefix_index_kind(router, rs.prefix_index),
             prefix_index_capacity_blocks=rs.prefix_index_capacity_blocks, kv_event_delay_s=rs.kv_event_delay_s,
             on_error=rs.on_error)
+        if getattr(router, "needs_forecaster", False):
+            from twin.forecaster import SimForecaster
+
+            self.dispatcher.fleet.forecaster = SimForecaster(self)
         self.num_arrived = 0
         self._next_turn: np.ndarray | None = None
         if stream.after is not None:

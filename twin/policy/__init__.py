@@ -4,17 +4,18 @@ Nothing here imports from `twin.cluster`, `twin.engine`, `live` or simpy: polici
 (`twin.policy.views`) and return decisions.
 """
 
+from twin.policy import block as _block  # noqa: F401  (registers the look-ahead router)
 from twin.policy import routers as _routers  # noqa: F401  (registers the built-in routers)
 from twin.policy.base import ALIASES, ROUTERS, Router, RouterBase, make_router, register_router, router_params
 from twin.policy.bookkeeping import Bookkeeping, InstanceLoad
 from twin.policy.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex, PrefixIndex, make_prefix_index
 from twin.policy.routers import LeastKV, LeastOutstanding, PowerOfTwo, Random, RoundRobin
-from twin.policy.views import FleetView, Gauges, InstanceConfig, InstanceView, Reject, RequestView
+from twin.policy.views import FleetView, Forecast, Gauges, InstanceConfig, InstanceView, Reject, RequestView
 
 __all__ = [
     "ALIASES", "AllBlocksCleared", "ApproxPrefixIndex", "BlockRemoved", "BlockStored", "Bookkeeping",
-    "FleetView", "Gauges", "InstanceConfig", "InstanceLoad", "InstanceView", "KVEventBatch", "LeastKV",
+    "FleetView", "Forecast", "Gauges", "InstanceConfig", "InstanceLoad", "InstanceView", "KVEventBatch", "LeastKV",
     "LeastOutstanding", "PowerOfTwo", "PreciseIndex", "PrefixIndex", "ROUTERS", "Random", "Reject",
     "RequestView", "RoundRobin", "Router", "RouterBase", "make_prefix_index", "make_router", "register_router",
     "router_params",

@@ -1,0 +1,77 @@
+"""Block-style routing: the look-ahead sends a request away from an instance whose batch will be busy longer."""
+
+import numpy as np
+import pytest
+
+from twin.cluster import Cluster
+from twin.policy import make_router
+from twin.policy.block import Block
+
+from conftest import make_scenario, run_checked, stream_of
+from policy_fakes import fleet_of, req
+
+
+def test_block_avoids_the_instance_with_a_long_prefill_backlog():
+    # instance-0 gets three 6000-token prompts (a long prefill backlog under a 512-token budget),
+    # instance-1 five short requests: least-outstanding (3 < 5) picks instance-0, the look-ahead does not
+    arrivals = [0.0, 0.0, 0.0, 0.001, 0.001, 0.001, 0.001, 0.001, 0.01]
+    prompts = [6000, 6000, 6000, 50, 50, 50, 50, 50, 100]
+    outs = [20] * 9
+
+    class Scripted(Block):
+        def choose(self, r, fleet):
+            if int(r.id) < 3:
+                return "instance-0"
+            if int(r.id) < 8:
+                return "instance-1"
+            choice = super().choose(r, fleet)
+            self.final = (choice, dict(self.last_scores))
+            return choice
+
+    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.engine.max_num_batched_tokens": 512,
+                          "workload.max_tokens": 20, "router.scrape_interval_s": 0.0})
+    router = Scripted(objective="ttft")
+    res = run_checked(sc, stream_of(arrivals, prompts, outs), router=router)
+    choice, scores = router.final
+    assert choice == "instance-1"
+    assert scores["instance-0"] > 5 * scores["instance-1"]
+    assert res.log.instance[8] == 1
+    lor = make_router("least-outstanding")
+    fleet = fleet_of({"id": "instance-0", "inflight": 3}, {"id": "instance-1", "inflight": 5})
+    assert lor.choose(req(), fleet) == "instance-0"
+
+
+@pytest.mark.parametrize("objective", ["ttft", "e2e"])
+def test_the_forecast_is_exact_when_lengths_are_known_and_nothing_else_arrives(objective):
+    # every request's length is its cap (known), the last request arrives alone: its forecast is its fate
+    rng = np.random.default_rng(4)
+    n = 25
+    arr = np.sort(rng.uniform(0, 1.0, n))
+    arr[-1] = 1.3
+    sc = make_scenario(**{"cluster.num_instances": 3, "workload.max_tokens": 40,
+                          "cluster.engine.num_gpu_blocks_override": 300, "router.scrape_interval_s": 0.0})
+    router = Block(objective=objective, horizon_s=100.0)
+    res = run_checked(sc, stream_of(arr, rng.integers(100, 1500, n), [40] * n), router=router)
+    last = n - 1
+    chosen = f"instance-{res.log.instance[last]}"
+    want = res.log.first_token_s[last] if objective == "ttft" else res.log.finish_s[last]
+    assert router.last_scores[chosen] == pytest.approx(want - res.log.arrival_s[last], rel=1e-9, abs=1e-12)
+    assert router.last_scores[chosen] == min(router.last_scores.values())
+
+
+def test_block_runs_with_a_bounded_candidate_set_and_accounts_for_everything():
+    rng = np.random.default_rng(0)
+    n = 200
+    sc = make_scenario(**{"cluster.num_instances": 4, "router.name": "block",
+                          "router.params": {"max_candidates": 2, "horizon_s": 5.0}})
+    res = run_checked(sc, stream_of(np.cumsum(rng.exponential(0.02, n)), rng.integers(50, 800, n),
+                                    rng.integers(5, 100, n)))
+    assert (res.log.status == 4).all()
+    assert res.router_info["name"] == "block"
+
+
+def test_block_without_a_forecaster_is_a_loud_error_and_bad_params_are_refused():
+    with pytest.raises(RuntimeError, match="needs a forecaster"):
+        Block().choose(req(), fleet_of({"id": "a"}))
+    with pytest.raises(ValueError):
+        Block(objective="fastest")
