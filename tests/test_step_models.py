@@ -100,6 +100,12 @@ def test_bad_coefficient_files_get_one_clear_line(tmp_path, edit, message):
         build_perf(fitted_scenario(p))
 
 
+def test_fit_for_the_same_hardware_and_model_by_alias_is_accepted(tmp_path):
+    fm = build_perf(fitted_scenario(write_fit(tmp_path, hardware="h100", model="meta-llama/Meta-Llama-3-8B",
+                                              dtype="bf16", tensor_parallel=1)))
+    assert isinstance(fm, FittedModel)
+
+
 def test_fitted_needs_a_readable_file(tmp_path):
     with pytest.raises(TwinInputError, match="needs fit_path"):
         make_scenario(**{"cluster.perf": {"kind": "fitted"}})

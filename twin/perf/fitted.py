@@ -40,6 +40,8 @@ from typing import Any
 import yaml
 
 from twin.errors import TwinInputError
+from twin.hardware import get_gpu
+from twin.models import get_model
 from twin.perf.base import StepBatch
 from twin.perf.roofline import GROUPS, RooflineModel
 
@@ -55,7 +57,7 @@ def read_fit(path: str | Path) -> dict:
     try:
         text = path.read_text()
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
         raise TwinInputError(f"{path}: not a valid YAML/JSON coefficients file ({type(e).__name__})") from None
     if not isinstance(raw, dict):
         raise TwinInputError(f"{path}: a coefficients file must be a mapping")
@@ -96,9 +98,10 @@ class FittedModel:
     @classmethod
     def from_file(cls, roofline: RooflineModel, path: str | Path) -> "FittedModel":
         raw = read_fit(path)
+        canonical = {"hardware": lambda v: get_gpu(str(v)).name, "model": lambda v: get_model(str(v)).name}
         for key, want in (("hardware", roofline.gpu.name), ("model", roofline.model.name),
                           ("dtype", roofline.dtype), ("tensor_parallel", roofline.tensor_parallel)):
-            if key in raw and raw[key] != want:
+            if key in raw and canonical.get(key, lambda v: v)(raw[key]) != want:
                 raise TwinInputError(f"{path}: fitted for {key} {raw[key]!r}, but the scenario has {want!r}")
         return cls(roofline, raw["coefficients"], raw.get("fit"), str(path))
 
