@@ -12,7 +12,7 @@ from conftest import make_scenario, run_checked, stream_of
 
 def prefill_batch(n, c=0, sampled=1):
     return StepBatch(num_prefill_tokens=n, prefill_attn_tokens=n * c + n * (n + 1) / 2,
-                     prefill_kv_read_tokens=c + n, num_prefill_sampled=sampled)
+                     prefill_kv_read_tokens=c + n, num_prefill_sampled=sampled, num_prefill_reqs=1)
 
 
 def test_lone_request_ttft_is_the_step_models_prefill_time():

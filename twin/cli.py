@@ -186,13 +186,15 @@ def validate(
     set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value"),
 ) -> None:
     """Check a scenario without running it; print the fully resolved scenario."""
+    from twin.metrics import resolved_engine
     from twin.scenario import load_scenario
 
     try:
         sc = load_scenario(scenario, set_)
+        out = {**sc.model_dump(), "resolved": {"engine": resolved_engine(sc)}}  # vLLM's defaults filled in
     except TwinInputError as e:
         _fail(str(e))
-    typer.echo(json.dumps(sc.model_dump(), indent=2))
+    typer.echo(json.dumps(out, indent=2))
 
 
 @app.command()

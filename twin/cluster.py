@@ -12,13 +12,15 @@ from typing import Callable
 import numpy as np
 import simpy
 
+from twin.engine.defaults import resolve_batch_limits
 from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
 from twin.engine.request import Request, RequestStatus, engine_block_keys
 from twin.errors import TwinInputError
 from twin.hardware import get_gpu
 from twin.models import get_model
-from twin.perf.roofline import RooflineModel
 from twin.dispatcher import Dispatcher, RouterError
+from twin.perf.base import StepTimeModel
+from twin.perf.registry import build_perf
 from twin.policy import make_router
 from twin.policy.base import Router
 from twin.policy.views import Reject, RequestView
@@ -27,22 +29,16 @@ from twin.scenario import Scenario
 from twin.workload.stream import RequestStream
 
 
-def build_perf(sc: Scenario) -> RooflineModel:
-    c = sc.cluster
-    return RooflineModel(
-        get_gpu(c.hardware), get_model(c.model), dtype=c.dtype, kv_cache_dtype=c.kv_cache_dtype,
-        tensor_parallel=c.tensor_parallel, compute_efficiency=c.perf.compute_efficiency,
-        memory_efficiency=c.perf.memory_efficiency, step_overhead_s=c.perf.step_overhead_s,
-        allreduce_latency_s=c.perf.allreduce_latency_s,
-    )
-
-
 def engine_config(sc: Scenario) -> EngineConfig:
+    """The engine's knobs with vLLM's per-GPU defaults filled in where the scenario leaves them unset."""
     e = sc.cluster.engine
-    cfg = EngineConfig(**e.model_dump())
-    if cfg.max_model_len is None:
-        cfg.max_model_len = get_model(sc.cluster.model).max_model_len
-    return cfg
+    d = e.model_dump()
+    if d["max_model_len"] is None:
+        d["max_model_len"] = get_model(sc.cluster.model).max_model_len
+    d["max_num_batched_tokens"], d["max_num_seqs"] = resolve_batch_limits(
+        get_gpu(sc.cluster.hardware), e.max_num_batched_tokens, e.max_num_seqs, d["max_model_len"],
+        e.enable_chunked_prefill)
+    return EngineConfig(**d)
 
 
 @dataclass
@@ -55,7 +51,7 @@ class SimResult:
     sim_time_s: float
     wall_time_s: float
     num_gpu_blocks: int
-    perf: RooflineModel
+    perf: StepTimeModel
     stream_stats: dict = field(default_factory=dict)
     router_info: dict = field(default_factory=dict)
     timeline: object | None = None  # twin.timeline.Timeline when sim.timeline_interval_s > 0
@@ -66,14 +62,14 @@ class Cluster:
     """Instances and a router in one SimPy environment, fed by a request stream."""
 
     def __init__(self, sc: Scenario, stream: RequestStream, router: Router | None = None,
-                 scaler: object | None = None) -> None:
+                 scaler: object | None = None, perf: StepTimeModel | None = None) -> None:
         self.scenario = sc
         self.stream = stream
         self.env = simpy.Environment()
-        self.perf = build_perf(sc)
+        self.perf: StepTimeModel = build_perf(sc) if perf is None else perf
         self.engine_config = engine_config(sc)
         self.num_blocks = num_gpu_blocks(
-            self.engine_config, self.perf.gpu.hbm_bytes, self.perf.weight_bytes_per_gpu,
+            self.engine_config, self.perf.gpu.device_memory, self.perf.weight_bytes_per_gpu,
             self.perf.kv_bytes_per_token_per_gpu,
         )
         self.log = RequestLog(len(stream))

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from twin import specs
 from twin.errors import TwinInputError, spec_entry_errors
 
+GiB = 1 << 30
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -20,6 +22,14 @@ class GPUSpec:
     num_sms: int = 0
     source: str = ""
     aliases: tuple[str, ...] = field(default=())
+    device_memory_bytes: float = 0.0  # what the driver reports to the framework; 0: take hbm_bytes
+    device_memory_source: str = ""
+    device_name: str = ""  # as torch.cuda.get_device_name() returns it
+
+    @property
+    def device_memory(self) -> float:
+        """Bytes the framework sees (torch.cuda.mem_get_info total): what vLLM sizes the KV cache from."""
+        return self.device_memory_bytes if self.device_memory_bytes > 0 else self.hbm_bytes
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype`; a clear error if the GPU has no such tensor-core path."""
@@ -51,4 +61,7 @@ def get_gpu(name: str) -> GPUSpec:
         num_sms=int(e.get("num_sms", 0)),
         source=e.get("source", ""),
         aliases=tuple(e.get("aliases", [])),
+        device_memory_bytes=float(e.get("device_memory_gib", 0.0)) * GiB,
+        device_memory_source=e.get("device_memory_source", ""),
+        device_name=e.get("device_name", key),
     )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from twin.cluster import SimResult, account
+from twin.cluster import SimResult, account, build_perf, engine_config
+from twin.engine.instance import EngineConfig, num_gpu_blocks
+from twin.perf.base import StepTimeModel
 from twin.records import RequestLog
 
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p99": 0.99}
@@ -118,6 +120,8 @@ def summarize(result: SimResult) -> dict:
         "engine_steps": sum(s.num_steps for s in stats),
         "roofline_ceiling_tok_s": ceiling,
         "physics_ok": bool(processed_rate <= ceiling * (1 + 1e-9)),
+        "engine": engine_summary(sc, result.instances[0].config if result.instances else engine_config(sc),
+                                 result.num_gpu_blocks, result.perf),
         "perf_model": result.perf.describe(),
         "router": result.router_info,
         "gpu_seconds": fleet.gpu_seconds(result.sim_time_s) if fleet is not None
@@ -141,3 +145,33 @@ def roofline_ceiling_tok_s(result: SimResult) -> float:
         mean_instances = sum(fleet.instance_seconds(result.sim_time_s).values()) / result.sim_time_s
         return max(mean_instances, 1e-9) * result.perf.peak_tokens_per_s()
     return len(result.instances) * result.perf.peak_tokens_per_s()
+
+
+def engine_summary(sc, cfg: EngineConfig, num_blocks: int, perf: StepTimeModel) -> dict:
+    """The engine limits and KV sizing a run used, resolved (vLLM's per-GPU defaults filled in)."""
+    gib = float(1 << 30)
+    e = sc.cluster.engine
+    defaulted = [k for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len") if getattr(e, k) is None]
+    return {
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_model_len": cfg.max_model_len,
+        "defaults_applied": defaulted,
+        "block_size": cfg.block_size,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "device_memory_gib": perf.gpu.device_memory / gib,
+        "weights_gib_per_gpu": perf.weight_bytes_per_gpu / gib,
+        "activation_reserve_gb": cfg.activation_reserve_gb,
+        "num_gpu_blocks": num_blocks,
+        "num_gpu_blocks_overridden": bool(cfg.num_gpu_blocks_override),
+        "kv_cache_tokens": num_blocks * cfg.block_size,
+        "kv_cache_gib_per_gpu": num_blocks * cfg.block_size * perf.kv_bytes_per_token_per_gpu / gib,
+    }
+
+
+def resolved_engine(sc) -> dict:
+    """`engine_summary` for a scenario before running it (for `twin validate`)."""
+    perf = build_perf(sc)
+    cfg = engine_config(sc)
+    n = num_gpu_blocks(cfg, perf.gpu.device_memory, perf.weight_bytes_per_gpu, perf.kv_bytes_per_token_per_gpu)
+    return engine_summary(sc, cfg, n, perf)

@@ -1,4 +1,10 @@
-"""Model specs: the shapes from which FLOPs per token, weight bytes and KV bytes per token follow."""
+"""Model specs: the shapes from which FLOPs per token, weight bytes and KV bytes per token follow.
+
+Dense and mixture-of-experts (MoE) decoder-only transformers. For an MoE model every layer's MLP is
+`num_experts` gated experts of width `moe_intermediate_size`, of which a router picks `num_experts_per_tok`
+per token (Mixtral, Qwen3-MoE; no shared experts). Counts below say whether they are *stored* (what the
+weights occupy) or *active* (what one token's forward pass multiplies).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A dense decoder-only transformer's config (as in its config.json)."""
+    """A decoder-only transformer's config (as in its config.json)."""
 
     name: str
     num_layers: int
@@ -26,13 +32,24 @@ class ModelSpec:
     max_model_len: int
     source: str = ""
     aliases: tuple[str, ...] = field(default=())
+    tie_word_embeddings: bool = False  # config.json: one matrix is both the embedding and the LM head
+    num_experts: int = 0  # 0: dense MLP of `intermediate_size`
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_active_params: float = 0.0  # model card's active parameter count (MoE); 0: dense
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V for every layer: 2 x layers x KV heads x head dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def weight_bytes(self, dtype_bytes: int = 2) -> float:
-        return self.num_params * dtype_bytes
+    def weight_bytes(self, dtype_bytes: int = 2, embedding_bytes: int = 2) -> float:
+        """Bytes of all stored weights: matmuls at `dtype_bytes`, embedding and LM head at 16 bits
+        (vLLM's FP8 quantisation leaves both in the model dtype)."""
+        return self.linear_params * dtype_bytes + self.vocab_params * embedding_bytes
 
     @property
     def embedding_params(self) -> int:
@@ -40,21 +57,59 @@ class ModelSpec:
 
     @property
     def lm_head_params(self) -> int:
+        """Weights the LM head multiplies per sampled token (the embedding matrix itself when tied)."""
         return self.vocab_size * self.hidden_size
 
     @property
-    def layer_linear_params(self) -> int:
-        """Weights of one layer's matmuls: QKV, output projection and the gated MLP."""
+    def vocab_params(self) -> int:
+        """Stored embedding + LM head weights: one matrix when tied, two when not."""
+        return self.embedding_params * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def layer_attn_params(self) -> int:
+        """One layer's attention projections: QKV and output."""
         q = self.hidden_size * self.num_heads * self.head_dim
         kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
         o = self.num_heads * self.head_dim * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return q + kv + o + mlp
+        return q + kv + o
+
+    @property
+    def expert_params(self) -> int:
+        """One gated MLP of the experts' width (gate, up, down projections); the dense MLP when not MoE."""
+        width = self.moe_intermediate_size if self.is_moe else self.intermediate_size
+        return 3 * self.hidden_size * width
+
+    @property
+    def router_params(self) -> int:
+        """One layer's router (gate) matrix: hidden x experts."""
+        return self.hidden_size * self.num_experts
+
+    @property
+    def layer_linear_params(self) -> int:
+        """Stored matmul weights of one layer: attention projections, every expert (or the MLP), router."""
+        experts = self.num_experts if self.is_moe else 1
+        return self.layer_attn_params + experts * self.expert_params + self.router_params
+
+    @property
+    def layer_active_linear_params(self) -> int:
+        """Matmul weights one token multiplies in one layer: attention, its top-k experts, the router."""
+        experts = self.num_experts_per_tok if self.is_moe else 1
+        return self.layer_attn_params + experts * self.expert_params + self.router_params
 
     @property
     def linear_params(self) -> int:
-        """Matmul weights touched by every token (all layers; no embedding lookup, no LM head)."""
+        """Stored matmul weights of all layers (no embedding, no LM head)."""
         return self.num_layers * self.layer_linear_params
+
+    @property
+    def active_linear_params(self) -> int:
+        """Matmul weights one token multiplies across all layers (no LM head): FLOPs/token = 2x this."""
+        return self.num_layers * self.layer_active_linear_params
+
+    @property
+    def total_params(self) -> int:
+        """Every stored parameter the shapes imply (norms excluded: under 0.01 %)."""
+        return self.linear_params + self.vocab_params
 
 
 def known_models() -> list[str]:
@@ -81,4 +136,9 @@ def get_model(name: str) -> ModelSpec:
         max_model_len=int(e["max_model_len"]),
         source=e.get("source", ""),
         aliases=tuple(e.get("aliases", [])),
+        tie_word_embeddings=bool(e.get("tie_word_embeddings", False)),
+        num_experts=int(e.get("num_experts", 0)),
+        num_experts_per_tok=int(e.get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(e.get("moe_intermediate_size", 0)),
+        num_active_params=float(e.get("num_active_params", 0.0)),
     )

@@ -30,34 +30,54 @@ class _Spec(BaseModel):
 
 
 class PerfSpec(_Spec):
-    """Step-time model and its corrections (see twin.perf.roofline for which values are assumptions)."""
+    """Step-time model and its corrections (twin.perf.roofline says which values are assumptions).
 
-    kind: Literal["roofline"] = "roofline"
+    `kind: roofline` prices a step per operator group from the specs; `kind: fitted` reads coefficients
+    over the same groups from `fit_path` (format in twin.perf.fitted). The `api_*` times are the API
+    server's, outside the engine step (ASSUMPTIONS until calibrated)."""
+
+    kind: Literal["roofline", "fitted"] = "roofline"
+    fit_path: Optional[str] = None  # kind fitted: the coefficients file (YAML or JSON), relative to the scenario
     compute_efficiency: float = Field(0.75, gt=0, le=1)
     memory_efficiency: float = Field(0.9, gt=0, le=1)
     step_overhead_s: float = Field(0.002, ge=0)
+    per_request_overhead_s: float = Field(4e-6, ge=0)
     allreduce_latency_s: float = Field(10e-6, ge=0)
+    api_request_overhead_s: float = Field(0.003, ge=0)
+    api_prompt_token_s: float = Field(1e-6, ge=0)
+    api_output_token_s: float = Field(46e-6, ge=0)
+
+    @model_validator(mode="after")
+    def _fit_path_for_fitted(self) -> "PerfSpec":
+        if self.kind == "fitted" and not self.fit_path:
+            raise ValueError("kind 'fitted' needs fit_path (a YAML/JSON file of coefficients)")
+        return self
 
 
 class EngineSpec(_Spec):
-    """vLLM engine arguments, by their vLLM names."""
+    """vLLM engine arguments, by their vLLM names. `max_num_batched_tokens` / `max_num_seqs` unset (null)
+    take vLLM's defaults for the GPU (twin.engine.defaults); `gpu_memory_utilization` defaults to 0.92 as
+    in vLLM 0.32 (`vllm/config/cache.py: CacheConfig`)."""
 
     block_size: int = Field(16, gt=0)
-    max_num_batched_tokens: int = Field(8192, gt=0)
-    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: Optional[int] = Field(None, gt=0)
+    max_num_seqs: Optional[int] = Field(None, gt=0)
     long_prefill_token_threshold: int = Field(0, ge=0)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduler_reserve_full_isl: bool = True
     watermark: float = Field(0.0, ge=0, lt=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    activation_reserve_gb: float = Field(2.0, ge=0)
+    gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
+    activation_reserve_gb: float = Field(3.3, ge=0)  # ASSUMPTION, GB (1e9 bytes); see EngineConfig
     num_gpu_blocks_override: Optional[int] = Field(None, ge=2)
     max_model_len: Optional[int] = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _budget_covers_seqs(self) -> "EngineSpec":
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        # both set here; with one left to vLLM's default the check runs on the resolved values
+        # (twin.engine.defaults.resolve_batch_limits)
+        if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}), as vLLM requires"

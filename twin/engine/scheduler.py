@@ -52,7 +52,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     def batch(self) -> StepBatch:
-        b = StepBatch(num_decode_tokens=self.num_decode, decode_context_tokens=self.decode_context)
+        b = StepBatch(num_decode_tokens=self.num_decode, decode_context_tokens=self.decode_context,
+                      num_prefill_reqs=len(self.prefills))
         for r, n, c in self.prefills:
             b.num_prefill_tokens += n
             b.prefill_attn_tokens += n * c + n * (n + 1) / 2

@@ -1,9 +1,12 @@
-"""The step-time interface every latency model implements (roofline now, calibrated later)."""
+"""The step-time interface every latency model implements (roofline, fitted), and what the engine,
+the KV sizing and the metrics read from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+from twin.hardware import GPUSpec
 
 
 @dataclass(slots=True)
@@ -16,19 +19,61 @@ class StepBatch:
     num_prefill_sampled: int = 0  # chunks that end a prompt, so sample a token (LM head)
     num_decode_tokens: int = 0  # one per decoding request
     decode_context_tokens: int = 0  # sum over decodes of the tokens attended (incl. the new one)
+    num_prefill_reqs: int = 0  # requests with a prefill chunk this step
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
+    @property
+    def num_requests(self) -> int:
+        """Requests scheduled this step: every decode (one token each) and every prefill chunk."""
+        return self.num_decode_tokens + self.num_prefill_reqs
+
 
 class StepTimeModel(Protocol):
-    """`step_time(batch) -> seconds`; `decode_run_times` is the same for k homogeneous decode steps."""
+    """A step-time model: `step_time(batch) -> seconds`, and the sizes and bounds the twin reads from it.
+
+    `decode_run_times` must equal `step_time` step by step (see `decode_run_times_by_steps`); `ideal()` is
+    the physical floor the model is checked against; `peak_tokens_per_s` bounds any run's throughput.
+    """
+
+    gpu: GPUSpec
 
     def step_time(self, batch: StepBatch) -> float: ...
 
     def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
         """Durations of k decode-only steps of `num_decode` requests, step s attending context0 + s*num_decode."""
+        ...
+
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        """Stored weights on one GPU (all of them, embedding included): KV sizing subtracts this."""
+        ...
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> float:
+        """KV-cache bytes one token takes on one GPU."""
+        ...
+
+    def peak_tokens_per_s(self) -> float:
+        """Tokens/s one instance could compute at 100 % of peak FLOP/s: a hard ceiling."""
+        ...
+
+    def ideal(self) -> "StepTimeModel":
+        """The same hardware and model at the physical floor (100 % efficiency, no overheads)."""
+        ...
+
+    def describe(self) -> dict:
+        """Parameters, and which are assumptions, for summary.json."""
+        ...
+
+    def api_request_s(self, prompt_tokens: int) -> float:
+        """API-server time before the engine sees a request of this many prompt tokens."""
+        ...
+
+    def api_token_s(self) -> float:
+        """API-server time per streamed output token."""
         ...
 
 

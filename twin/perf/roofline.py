@@ -1,4 +1,35 @@
-"""Analytical step time: max(FLOPs / peak, bytes / bandwidth) + fixed overhead, per GPU, with TP."""
+"""Analytical step time, priced per operator group: each group's own max(compute, memory), summed.
+
+A step runs its kernels one after another, so a single max(FLOPs / peak, bytes / bandwidth) over the whole
+mixed batch hides the memory-bound decode attention under the compute-bound matmuls. Here each group is
+its own roofline, on one GPU's share of the work (tensor parallel degree `tp`):
+
+- `linear`: every matmul of the layers (QKV, output, MLP or the touched experts, router), over all T tokens
+  of the step. FLOPs 2 x active params x T at the weights' dtype peak; bytes: the weights read once (MoE:
+  only the experts the batch touches, see below) plus the embedding rows gathered.
+- `prefill_attn`: attention of the prefill chunks: 4 x layers x heads x head_dim FLOPs per (query, key)
+  pair at the 16-bit peak; bytes: the KV the chunks read and write.
+- `decode_attn`: the same for the decoding requests: memory-bound, it reads every request's whole context.
+- `lm_head`: the vocabulary projection for the sampled tokens (chunks that end a prompt, and decodes) at the
+  16-bit peak, reading the 16-bit LM head once; nothing when no token is sampled.
+- `allreduce`: tensor parallelism's two all-reduces per layer (after attention and after the MLP), a ring
+  over NVLink: 2 (tp - 1) / tp x hidden x 2 bytes per token at the per-direction bandwidth, plus a fixed
+  latency each.
+- CPU: `step_overhead_s` per step plus `per_request_overhead_s` per scheduled request (input preparation,
+  sampling and output handling grow with the batch).
+
+Attention and the LM head stay 16-bit when the weights are FP8 (vLLM's FP8 quantisation covers the linear
+layers only; the KV cache is FP8 only with `kv_cache_dtype: fp8`, which halves the KV bytes).
+
+MoE: FLOPs follow the active parameters (top-k experts per token). Weight bytes follow the experts a step
+actually touches: with T tokens each routed to k of E experts, ASSUMING uniform independent routing, a layer
+touches E (1 - (1 - k/E)^T) experts in expectation; a single decode reads k experts per layer, a large
+prefill reads them all.
+
+With efficiencies 1.0 and no overheads (`ideal()`) each group is its physical floor. Measured kernels are
+slower: `compute_efficiency` and `memory_efficiency` are measured corrections; the overheads and the
+all-reduce latency are ASSUMPTIONS (see `describe`).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +40,12 @@ from twin.hardware import GPUSpec
 from twin.models import DTYPE_BYTES, ModelSpec
 from twin.perf.base import StepBatch
 
+GROUPS = ("linear", "prefill_attn", "decode_attn", "lm_head", "allreduce")
+
 
 @dataclass
 class RooflineModel:
-    """Roofline step time with efficiency factors.
-
-    With both efficiencies at 1.0 and no overhead this is the physical lower bound on a step: no real
-    engine step can be faster. The defaults are measured or assumed corrections (see `describe`).
-    """
+    """Per-group roofline step time with efficiency factors and CPU overheads."""
 
     gpu: GPUSpec
     model: ModelSpec
@@ -26,7 +55,11 @@ class RooflineModel:
     compute_efficiency: float = 0.75  # measured: Vidur's H100 MLP profile reaches ~75 % of peak at 4k tokens
     memory_efficiency: float = 0.9  # measured: an H200 device copy moved ~4.3 of 4.8 TB/s
     step_overhead_s: float = 0.002  # ASSUMPTION: scheduler + launch + sampling per step; calibrate it
+    per_request_overhead_s: float = 4e-6  # ASSUMPTION: CPU work per scheduled request per step
     allreduce_latency_s: float = 10e-6  # ASSUMPTION: fixed cost of one NVLink all-reduce
+    api_request_overhead_s: float = 0.003  # ASSUMPTION: API server per request before the engine
+    api_prompt_token_s: float = 1e-6  # ASSUMPTION: tokenization per prompt token
+    api_output_token_s: float = 46e-6  # ASSUMPTION: detokenize + stream per output token
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -42,72 +75,148 @@ class RooflineModel:
             raise TwinInputError("tensor_parallel must be >= 1")
         m, tp = self.model, self.tensor_parallel
         wb = DTYPE_BYTES[self.dtype]
-        self._flops_peak = self.gpu.flops(self.dtype) * self.compute_efficiency
-        self._bw = self.gpu.hbm_bandwidth * self.memory_efficiency
-        # per-token and per-step constants, already divided by the TP degree
-        self._flops_per_token = 2.0 * m.linear_params / tp
-        self._flops_per_sample = 2.0 * m.lm_head_params / tp
-        self._flops_per_attn = 4.0 * m.num_layers * m.num_heads * m.head_dim / tp
-        self._weight_bytes = (m.linear_params + m.lm_head_params) * wb / tp
-        self._act_bytes_per_token = 2.0 * m.hidden_size  # embedding row read
-        self._kv_bytes_per_token = m.kv_bytes_per_token(DTYPE_BYTES[kv]) / tp
+        attn_dtype = "fp16" if self.dtype == "fp16" else "bf16"  # attention and LM head: 16-bit
+        peak = self.gpu.flops(self.dtype) * self.compute_efficiency
+        peak16 = self.gpu.flops(attn_dtype) * self.compute_efficiency
+        bw = self.gpu.hbm_bandwidth * self.memory_efficiency
+        # per-GPU sizes (divided by the TP degree); KV heads are replicated when tp exceeds them (vLLM)
+        kv_heads = m.num_kv_heads / tp if m.num_kv_heads >= tp else 1.0
+        self._kv_bytes_per_token = 2.0 * m.num_layers * kv_heads * m.head_dim * DTYPE_BYTES[kv]
+        self._weight_bytes = (m.linear_params * wb + m.vocab_params * 2.0) / tp
+        self._flops_per_token = 2.0 * m.active_linear_params / tp  # linear layers
+        # seconds per unit, per group (compute side, memory side)
+        self._lin_s = self._flops_per_token / peak  # per token
+        self._act_s = 2.0 * m.hidden_size / bw  # embedding row gathered, per token
+        self._moe = m.is_moe
+        if m.is_moe:
+            dense = m.num_layers * (m.layer_attn_params + m.router_params) * wb / tp
+            self._lin_w = dense / bw  # always read
+            self._expert_w = m.num_layers * m.num_experts * m.expert_params * wb / tp / bw  # all experts
+            self._keep = 1.0 - m.num_experts_per_tok / m.num_experts  # P(an expert skips one token)
+        else:
+            self._lin_w = m.linear_params * wb / tp / bw
+            self._expert_w = 0.0
+            self._keep = 0.0
+        self._attn_s = 4.0 * m.num_layers * m.num_heads * m.head_dim / tp / peak16  # per (query, key) pair
+        self._kv_s = self._kv_bytes_per_token / bw  # per KV token read or written
+        self._lm_s = 2.0 * m.lm_head_params / tp / peak16  # per sampled token
+        self._lm_w = m.lm_head_params * 2.0 / tp / bw  # 16-bit LM head read once
         if tp > 1:
             per_dir = self.gpu.nvlink_bandwidth / 2
-            self._ar_bytes_per_token = 2 * m.num_layers * 2.0 * (tp - 1) / tp * m.hidden_size * 2 / per_dir
+            self._ar_s = 2 * m.num_layers * 2.0 * (tp - 1) / tp * m.hidden_size * 2 / per_dir
             self._ar_fixed = 2 * m.num_layers * self.allreduce_latency_s
         else:
-            self._ar_bytes_per_token = 0.0
+            self._ar_s = 0.0
             self._ar_fixed = 0.0
 
+    # -- sizes the engine and metrics use -------------------------------------------------------------
     @property
     def kv_bytes_per_token_per_gpu(self) -> float:
         return self._kv_bytes_per_token
 
     @property
     def weight_bytes_per_gpu(self) -> float:
+        """Every stored weight on one GPU, embedding and LM head included (what vLLM's sizing subtracts)."""
         return self._weight_bytes
 
     def ideal(self) -> "RooflineModel":
         """The physical floor: same hardware and model at 100 % efficiency and no overhead."""
         return RooflineModel(
             self.gpu, self.model, self.dtype, self.kv_cache_dtype, self.tensor_parallel,
-            compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_s=0.0, allreduce_latency_s=0.0,
+            compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_s=0.0, per_request_overhead_s=0.0,
+            allreduce_latency_s=0.0, api_request_overhead_s=0.0, api_prompt_token_s=0.0, api_output_token_s=0.0,
         )
 
     def peak_tokens_per_s(self) -> float:
         """Tokens/s one instance (all its TP GPUs) could compute at peak FLOP/s, linear layers only."""
         return self.gpu.flops(self.dtype) / self._flops_per_token
 
-    def step_time(self, b: StepBatch) -> float:
+    # -- time outside the engine step (the API server) ------------------------------------------------
+    def api_request_s(self, prompt_tokens: int) -> float:
+        """API-server time before a request reaches the engine: HTTP, chat template, tokenization."""
+        return self.api_request_overhead_s + self.api_prompt_token_s * prompt_tokens
+
+    def api_token_s(self) -> float:
+        """API-server time per output token: incremental detokenization and the streamed chunk."""
+        return self.api_output_token_s
+
+    # -- step time --------------------------------------------------------------------------------------
+    def _linear(self, t: int) -> float:
+        """Linear-layer group time for t tokens."""
+        c = self._lin_s * t
+        w = self._lin_w
+        if self._moe:
+            w += self._expert_w * (1.0 - self._keep ** t)  # expected fraction of experts touched
+        m = w + self._act_s * t
+        return c if c > m else m
+
+    def _rest(self, t: int, sampled: int, reqs: int) -> float:
+        """Everything but attention: linear + LM head + all-reduce + CPU, in one fixed order."""
+        x = self._linear(t)
+        if sampled > 0:
+            c = self._lm_s * sampled
+            x += c if c > self._lm_w else self._lm_w
+        if self._ar_fixed > 0.0 or self._ar_s > 0.0:
+            x += self._ar_fixed + self._ar_s * t
+        return x + (self.step_overhead_s + self.per_request_overhead_s * reqs)
+
+    def group_times(self, b: StepBatch) -> dict[str, float]:
+        """Each operator group's time (s) for this batch, and the CPU overhead: what `step_time` sums."""
         t = b.num_prefill_tokens + b.num_decode_tokens
+        sampled = b.num_decode_tokens + b.num_prefill_sampled
+        out = {g: 0.0 for g in GROUPS}
+        out["cpu"] = 0.0
+        if t == 0:
+            return out
+        out["linear"] = self._linear(t)
+        if b.num_prefill_tokens > 0:
+            out["prefill_attn"] = max(self._attn_s * b.prefill_attn_tokens,
+                                      self._kv_s * (b.prefill_kv_read_tokens + b.num_prefill_tokens))
+        if b.num_decode_tokens > 0:
+            out["decode_attn"] = max(self._attn_s * b.decode_context_tokens,
+                                     self._kv_s * (b.decode_context_tokens + b.num_decode_tokens))
+        if sampled > 0:
+            out["lm_head"] = max(self._lm_s * sampled, self._lm_w)
+        out["allreduce"] = self._ar_fixed + self._ar_s * t
+        out["cpu"] = self.step_overhead_s + self.per_request_overhead_s * b.num_requests
+        return out
+
+    def step_time(self, b: StepBatch) -> float:
+        nd = b.num_decode_tokens
+        t = b.num_prefill_tokens + nd
         if t == 0:
             return 0.0
-        flops = (
-            self._flops_per_token * t
-            + self._flops_per_sample * (b.num_decode_tokens + b.num_prefill_sampled)
-            + self._flops_per_attn * (b.prefill_attn_tokens + b.decode_context_tokens)
-        )
-        nbytes = (
-            self._weight_bytes
-            + self._act_bytes_per_token * t
-            + self._kv_bytes_per_token * (b.prefill_kv_read_tokens + b.decode_context_tokens + t)
-        )
-        comm = self._ar_fixed + self._ar_bytes_per_token * t
-        return max(flops / self._flops_peak, nbytes / self._bw) + comm + self.step_overhead_s
+        pre = 0.0
+        if b.num_prefill_tokens > 0:
+            a = self._attn_s * b.prefill_attn_tokens
+            c = self._kv_s * (b.prefill_kv_read_tokens + b.num_prefill_tokens)
+            pre = a if a > c else c
+        dec = 0.0
+        if nd > 0:
+            ctx = b.decode_context_tokens
+            a = self._attn_s * ctx
+            c = self._kv_s * (ctx + nd)
+            dec = a if a > c else c
+        return (pre + dec) + self._rest(t, nd + b.num_prefill_sampled, nd + b.num_prefill_reqs)
 
     def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
-        """k decode-only steps: each a max of two lines in the step index (compute, memory) + constants.
+        """k decode-only steps: the constant groups once, then decode attention per step, as `step_time`
+        computes it (same operations in the same order, so the results are equal to the bit).
 
         Plain Python: runs are a handful of steps between events, where numpy's set-up costs more.
         """
         nd = num_decode
-        f0 = (self._flops_per_token + self._flops_per_sample) * nd + self._flops_per_attn * context0
-        b0 = self._weight_bytes + (self._act_bytes_per_token + self._kv_bytes_per_token) * nd \
-            + self._kv_bytes_per_token * context0
-        a, da = f0 / self._flops_peak, self._flops_per_attn * nd / self._flops_peak
-        c, dc = b0 / self._bw, self._kv_bytes_per_token * nd / self._bw
-        e = self._ar_fixed + self._ar_bytes_per_token * nd + self.step_overhead_s
-        return [(a + da * s if a + da * s > c + dc * s else c + dc * s) + e for s in range(k)]
+        if nd <= 0:
+            return [0.0] * k
+        rest = self._rest(nd, nd, nd)
+        attn_s, kv_s = self._attn_s, self._kv_s
+        out = []
+        for s in range(k):
+            ctx = context0 + s * nd
+            a = attn_s * ctx
+            c = kv_s * (ctx + nd)
+            out.append((0.0 + (a if a > c else c)) + rest)
+        return out
 
     def describe(self) -> dict:
         """Parameters and which of them are assumptions, for reports."""
@@ -116,9 +225,19 @@ class RooflineModel:
             "gpu": self.gpu.name,
             "model": self.model.name,
             "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "tensor_parallel": self.tensor_parallel,
+            "groups": list(GROUPS),
             "compute_efficiency": self.compute_efficiency,
             "memory_efficiency": self.memory_efficiency,
             "step_overhead_s": self.step_overhead_s,
-            "assumptions": ["step_overhead_s", "allreduce_latency_s"],
+            "per_request_overhead_s": self.per_request_overhead_s,
+            "allreduce_latency_s": self.allreduce_latency_s,
+            "api_request_overhead_s": self.api_request_overhead_s,
+            "api_prompt_token_s": self.api_prompt_token_s,
+            "api_output_token_s": self.api_output_token_s,
+            "moe_routing": "uniform (ASSUMPTION)" if self.model.is_moe else None,
+            "assumptions": ["step_overhead_s", "per_request_overhead_s", "allreduce_latency_s",
+                            "api_request_overhead_s", "api_prompt_token_s", "api_output_token_s"]
+                           + (["moe_routing"] if self.model.is_moe else []),
         }

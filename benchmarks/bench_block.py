@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""Decision latency of the Block router (fork + look-ahead per candidate) on a loaded 16-instance fleet.
+
+Runs the ShareGPT-length bench scenario with the Block router and times every `choose` call with
+perf_counter_ns. Prints p50/p99 per objective and per candidate bound. No assertions: figures only.
+
+  .venv/bin/python benchmarks/bench_block.py [--instances 16] [--requests 3000] [--rate 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--instances", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--rate", type=float, default=120.0)
+    ap.add_argument("--objectives", default="ttft,e2e")
+    ap.add_argument("--candidates", default="0,4")
+    args = ap.parse_args()
+
+    from twin.cluster import Cluster
+    from twin.policy.block import Block
+    from twin.scenario import load_scenario
+    from twin.workload import build_stream
+
+    print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}")
+    print(f"{'objective':10s} {'cands':>5s} {'decisions':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'mean ms':>8s} "
+          f"{'fork steps p50':>14s} {'run wall s':>10s}")
+    for objective in args.objectives.split(","):
+        for cands in (int(c) for c in args.candidates.split(",")):
+            sc = load_scenario(ROOT / "scenarios" / "bench-16xh100.yaml", [
+                f"cluster.num_instances={args.instances}", f"workload.num_requests={args.requests}",
+                f"workload.arrival.rate={args.rate}", "sim.timeline_interval_s=0"])
+            stream = build_stream(sc)
+            times: list[int] = []
+            steps: list[int] = []
+
+            class Timed(Block):
+                def choose(self, req, fleet):
+                    t0 = time.perf_counter_ns()
+                    out = super().choose(req, fleet)
+                    times.append(time.perf_counter_ns() - t0)
+                    return out
+
+            router = Timed(objective=objective, max_candidates=cands)
+            cl = Cluster(sc, stream, router=router)
+            orig = cl.dispatcher.fleet.forecaster.forecast
+
+            def counted(*a, **k):
+                fc = orig(*a, **k)
+                steps.append(fc.steps)
+                return fc
+
+            cl.dispatcher.fleet.forecaster.forecast = counted
+            t0 = time.perf_counter()
+            cl.run()
+            wall = time.perf_counter() - t0
+            t = np.array(times) / 1e6
+            print(f"{objective:10s} {cands or args.instances:5d} {len(t):9d} {np.percentile(t, 50):8.2f} "
+                  f"{np.percentile(t, 99):8.2f} {t.mean():8.2f} {int(np.median(steps)):14d} {wall:10.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""vLLM's per-GPU defaults for `max_num_batched_tokens` and `max_num_seqs`, resolved as the API server does.
+
+Follows `vllm/engine/arg_utils.py`: `EngineArgs.get_batch_defaults` (the table) and
+`EngineArgs._set_default_max_num_seqs_and_batched_tokens_args` (the clamps), for the OpenAI API server
+usage context (`vllm serve`), vLLM 0.32:
+
+| device memory (as the platform reports it)  | max_num_batched_tokens | max_num_seqs |
+| --- | ---: | ---: |
+| >= 160 GiB (B200/B300; tier added in 0.28)  | 16384 | 1024 |
+| >= 70 GiB and the device name lacks "a100" (H100, H200) | 8192 | 1024 |
+| otherwise (A100, smaller GPUs)              | 2048 | 256 |
+
+Then, only for values the user left unset: with chunked prefill off the token default is raised to at least
+`max_model_len`; the token default is capped at `max_num_seqs x max_model_len`; the seqs default is capped
+at the token budget. Finally vLLM's `SchedulerConfig` requires max_num_batched_tokens >= max_num_seqs.
+"""
+
+from __future__ import annotations
+
+from twin.errors import TwinInputError
+from twin.hardware import GiB, GPUSpec
+
+
+def batch_defaults(gpu: GPUSpec) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM's API server picks for this GPU."""
+    mem = gpu.device_memory
+    if mem >= 160 * GiB:
+        return 16384, 1024
+    if mem >= 70 * GiB and "a100" not in (gpu.device_name or gpu.name).lower():
+        return 8192, 1024
+    return 2048, 256
+
+
+def resolve_batch_limits(gpu: GPUSpec, max_num_batched_tokens: int | None, max_num_seqs: int | None,
+                         max_model_len: int, enable_chunked_prefill: bool = True) -> tuple[int, int]:
+    """The values an engine runs with: the user's where set, vLLM's defaults (and clamps) where not."""
+    d_tokens, d_seqs = batch_defaults(gpu)
+    seqs = d_seqs if max_num_seqs is None else max_num_seqs
+    if max_num_batched_tokens is None:
+        tokens = d_tokens
+        if not enable_chunked_prefill:
+            tokens = max(max_model_len, tokens)
+        tokens = min(seqs * max_model_len, tokens)
+    else:
+        tokens = max_num_batched_tokens
+    if max_num_seqs is None:
+        seqs = min(seqs, tokens)
+    if tokens < seqs:
+        raise TwinInputError(
+            f"cluster.engine: max_num_batched_tokens ({tokens}{'' if max_num_batched_tokens else ', the default'}) "
+            f"must be >= max_num_seqs ({seqs}{'' if max_num_seqs else ', the default'}), as vLLM requires"
+        )
+    return tokens, seqs

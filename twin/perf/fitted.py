@@ -1,0 +1,183 @@
+"""A fitted step model: seconds = a linear combination of the roofline's per-group floors, plus CPU terms.
+
+    step_time = c_prefill_attn * T_prefill_attn + c_decode_attn * T_decode_attn
+              + c_linear * T_linear + c_lm_head * T_lm_head + c_allreduce * T_allreduce
+              + step_s + per_request_s * n_requests                  (for a step with work; 0 otherwise)
+
+Each T_g is the ideal roofline time of operator group g for the step's batch (`RooflineModel.ideal()`:
+100 % of peak FLOP/s and bandwidth, no overheads; the groups are described in twin.perf.roofline), and
+n_requests is the number of requests scheduled in the step. A coefficient c_g is then the measured slowdown
+of that group against its physical floor (1 / efficiency), and `step_s`, `per_request_s` the CPU time per
+step and per scheduled request. The calibration work fits these by least squares on measured step times.
+
+File format (YAML or JSON; `perf.kind: fitted`, `perf.fit_path: FILE`, relative to the scenario file):
+
+    basis: roofline-groups/1        # required: this basis, versioned
+    hardware: H100-SXM-80GB         # optional: if given, must match the scenario's cluster
+    model: Llama-3-8B               # optional, same
+    dtype: bf16                     # optional, same
+    tensor_parallel: 1              # optional, same
+    coefficients:                   # required, every key below, numbers >= 0
+      linear: 1.33
+      prefill_attn: 1.4
+      decode_attn: 1.9
+      lm_head: 1.2
+      allreduce: 1.0
+      step_s: 0.0012
+      per_request_s: 4.0e-6
+    fit: {data: ..., date: ..., mape: ...}   # optional, free-form provenance, shown in describe()
+
+The API-server times (`api_request_s`, `api_token_s`) are not part of the fit; they come from `perf:` in the
+scenario as for the roofline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from twin.errors import TwinInputError
+from twin.hardware import get_gpu
+from twin.models import get_model
+from twin.perf.base import StepBatch
+from twin.perf.roofline import GROUPS, RooflineModel
+
+BASIS = "roofline-groups/1"
+COEFFICIENTS = (*GROUPS, "step_s", "per_request_s")
+
+
+def read_fit(path: str | Path) -> dict:
+    """A coefficients file as a mapping, or one TwinInputError line naming the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise TwinInputError(f"perf.fit_path: {path} is not a file")
+    try:
+        text = path.read_text()
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        raise TwinInputError(f"{path}: not a valid YAML/JSON coefficients file ({type(e).__name__})") from None
+    if not isinstance(raw, dict):
+        raise TwinInputError(f"{path}: a coefficients file must be a mapping")
+    if raw.get("basis") != BASIS:
+        raise TwinInputError(f"{path}: basis must be {BASIS!r}, got {raw.get('basis')!r}")
+    coef = raw.get("coefficients")
+    if not isinstance(coef, dict):
+        raise TwinInputError(f"{path}: coefficients: missing (a mapping of {', '.join(COEFFICIENTS)})")
+    missing = [k for k in COEFFICIENTS if k not in coef]
+    unknown = [k for k in coef if k not in COEFFICIENTS]
+    if missing or unknown:
+        what = (f"missing {', '.join(missing)}" if missing else "") + ("; " if missing and unknown else "") \
+            + (f"unknown {', '.join(map(str, unknown))}" if unknown else "")
+        raise TwinInputError(f"{path}: coefficients: {what}")
+    for k in COEFFICIENTS:
+        v = coef[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise TwinInputError(f"{path}: coefficients.{k} must be a number >= 0, got {v!r}")
+    return raw
+
+
+class FittedModel:
+    """Fitted coefficients over an ideal roofline's group times; satisfies `StepTimeModel`."""
+
+    def __init__(self, roofline: RooflineModel, coefficients: dict[str, float], fit: Any = None,
+                 source: str = "") -> None:
+        self.roofline = roofline  # gives the sizes, the API-server times and the ideal floor
+        self.basis = roofline.ideal()
+        self.gpu = roofline.gpu
+        self.coefficients = {k: float(coefficients[k]) for k in COEFFICIENTS}
+        self.fit = fit
+        self.source = source
+        c = self.coefficients
+        self._c_lin, self._c_pre, self._c_dec = c["linear"], c["prefill_attn"], c["decode_attn"]
+        self._c_lm, self._c_ar = c["lm_head"], c["allreduce"]
+        self._step_s, self._req_s = c["step_s"], c["per_request_s"]
+
+    @classmethod
+    def from_file(cls, roofline: RooflineModel, path: str | Path) -> "FittedModel":
+        raw = read_fit(path)
+        canonical = {"hardware": lambda v: get_gpu(str(v)).name, "model": lambda v: get_model(str(v)).name}
+        for key, want in (("hardware", roofline.gpu.name), ("model", roofline.model.name),
+                          ("dtype", roofline.dtype), ("tensor_parallel", roofline.tensor_parallel)):
+            if key in raw and canonical.get(key, lambda v: v)(raw[key]) != want:
+                raise TwinInputError(f"{path}: fitted for {key} {raw[key]!r}, but the scenario has {want!r}")
+        return cls(roofline, raw["coefficients"], raw.get("fit"), str(path))
+
+    # -- sizes, bounds and API-server time: those of the roofline it is fitted over ---------------------
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        return self.roofline.weight_bytes_per_gpu
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> float:
+        return self.roofline.kv_bytes_per_token_per_gpu
+
+    def peak_tokens_per_s(self) -> float:
+        return self.roofline.peak_tokens_per_s()
+
+    def ideal(self) -> RooflineModel:
+        return self.basis
+
+    def api_request_s(self, prompt_tokens: int) -> float:
+        return self.roofline.api_request_s(prompt_tokens)
+
+    def api_token_s(self) -> float:
+        return self.roofline.api_token_s()
+
+    # -- step time ------------------------------------------------------------------------------------------
+    def _rest(self, t: int, sampled: int, reqs: int) -> float:
+        g = self.basis
+        x = self._c_lin * g._linear(t)
+        if sampled > 0:
+            c = g._lm_s * sampled
+            x += self._c_lm * (c if c > g._lm_w else g._lm_w)
+        x += self._c_ar * (g._ar_s * t)
+        return x + (self._step_s + self._req_s * reqs)
+
+    def _dec(self, ctx: int, nd: int) -> float:
+        g = self.basis
+        a = g._attn_s * ctx
+        c = g._kv_s * (ctx + nd)
+        return self._c_dec * (a if a > c else c)
+
+    def step_time(self, b: StepBatch) -> float:
+        nd = b.num_decode_tokens
+        t = b.num_prefill_tokens + nd
+        if t == 0:
+            return 0.0
+        g = self.basis
+        pre = 0.0
+        if b.num_prefill_tokens > 0:
+            a = g._attn_s * b.prefill_attn_tokens
+            c = g._kv_s * (b.prefill_kv_read_tokens + b.num_prefill_tokens)
+            pre = self._c_pre * (a if a > c else c)
+        dec = self._dec(b.decode_context_tokens, nd) if nd > 0 else 0.0
+        return (pre + dec) + self._rest(t, nd + b.num_prefill_sampled, nd + b.num_prefill_reqs)
+
+    def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
+        """k decode-only steps, each exactly as `step_time` computes it."""
+        nd = num_decode
+        if nd <= 0:
+            return [0.0] * k
+        rest = self._rest(nd, nd, nd)
+        return [(0.0 + self._dec(context0 + s * nd, nd)) + rest for s in range(k)]
+
+    def describe(self) -> dict:
+        return {
+            "kind": "fitted",
+            "basis": BASIS,
+            "source": self.source,
+            "gpu": self.gpu.name,
+            "model": self.roofline.model.name,
+            "dtype": self.roofline.dtype,
+            "tensor_parallel": self.roofline.tensor_parallel,
+            "coefficients": dict(self.coefficients),
+            "fit": self.fit,
+            "api_request_overhead_s": self.roofline.api_request_overhead_s,
+            "api_prompt_token_s": self.roofline.api_prompt_token_s,
+            "api_output_token_s": self.roofline.api_output_token_s,
+            "assumptions": ["api_request_overhead_s", "api_prompt_token_s", "api_output_token_s"]
+                           + (["moe_routing"] if self.roofline.model.is_moe else []),
+        }

@@ -1,0 +1,42 @@
+"""Step models by name: `perf.kind` in a scenario picks the builder; any `StepTimeModel` will do."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from twin.hardware import get_gpu
+from twin.models import get_model
+from twin.perf.base import StepTimeModel
+from twin.perf.fitted import FittedModel
+from twin.perf.roofline import RooflineModel
+
+if TYPE_CHECKING:
+    from twin.scenario import Scenario
+
+
+def roofline(sc: "Scenario") -> RooflineModel:
+    """The per-group roofline with the scenario's corrections and assumptions."""
+    c, p = sc.cluster, sc.cluster.perf
+    return RooflineModel(
+        get_gpu(c.hardware), get_model(c.model), dtype=c.dtype, kv_cache_dtype=c.kv_cache_dtype,
+        tensor_parallel=c.tensor_parallel, compute_efficiency=p.compute_efficiency,
+        memory_efficiency=p.memory_efficiency, step_overhead_s=p.step_overhead_s,
+        per_request_overhead_s=p.per_request_overhead_s, allreduce_latency_s=p.allreduce_latency_s,
+        api_request_overhead_s=p.api_request_overhead_s, api_prompt_token_s=p.api_prompt_token_s,
+        api_output_token_s=p.api_output_token_s,
+    )
+
+
+def fitted(sc: "Scenario") -> FittedModel:
+    """Coefficients from `perf.fit_path` (twin.perf.fitted) over the scenario's roofline groups."""
+    path = sc.cluster.perf.fit_path
+    assert path is not None  # PerfSpec requires it for kind fitted
+    return FittedModel.from_file(roofline(sc), sc.resolve_path(path))
+
+
+STEP_MODELS: dict[str, Callable[["Scenario"], StepTimeModel]] = {"roofline": roofline, "fitted": fitted}
+
+
+def build_perf(sc: "Scenario") -> StepTimeModel:
+    """The step model the scenario names (`cluster.perf.kind`)."""
+    return STEP_MODELS[sc.cluster.perf.kind](sc)
