@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from twin.cluster import Cluster
-from twin.engine.fork import fork_instance
+from twin.engine.fork import _fork_request, fork_instance
 from twin.engine.request import Request
 
 from conftest import make_scenario, stream_of
@@ -52,12 +52,13 @@ def test_fork_advanced_alone_equals_the_original_with_no_more_arrivals(mode, blo
     ref = Cluster(sc, stream).run()
     for col in ("first_token_s", "finish_s", "output_tokens", "preemptions", "cached_tokens"):
         np.testing.assert_array_equal(getattr(res.log, col), getattr(ref.log, col))
+    shift = cl.api_token_s()  # the fork logs engine times; the run's log has the client's
     for f, idxs in zip(forks, live):
         for i in idxs:
-            assert f.log.finish_s[i] == res.log.finish_s[i], i
+            assert f.log.finish_s[i] + shift == res.log.finish_s[i], i
             assert f.log.output_tokens[i] == res.log.output_tokens[i]
             if i in f.log.first_token_s:
-                assert f.log.first_token_s[i] == res.log.first_token_s[i]
+                assert f.log.first_token_s[i] + shift == res.log.first_token_s[i]
         assert not f.scheduler.has_unfinished_requests()
         f.scheduler.pool.check()
         assert f.scheduler.pool.get_num_free_blocks() == f.scheduler.pool.num_usable_blocks
@@ -86,12 +87,15 @@ def test_a_request_added_to_a_fork_is_served_as_the_original_serves_an_arrival(m
     t = float(a.arrival_s[x])
     cl.env.run(until=t)
     f = fork_instance(cl.instances[0], cl.env.now)
-    f.add_request(Request(x, t, px, ox, keys_engine(cl, keys, px), -1))
+    for r, t_in in sorted(cl.in_transit.get("instance-0", {}).values(), key=lambda v: v[1]):
+        f.arrive(_fork_request(r, {}), t_in)  # routed before t, still in the API server
+    f.arrive(Request(x, t, px, ox, keys_engine(cl, keys, px), -1), t + cl._api_request_s(px))
     f.advance()
-    assert f.log.finish_s[x] == res_a.log.finish_s[x]
-    assert f.log.first_token_s[x] == res_a.log.first_token_s[x]
+    shift = cl.api_token_s()
+    assert f.log.finish_s[x] + shift == res_a.log.finish_s[x]
+    assert f.log.first_token_s[x] + shift == res_a.log.first_token_s[x]
     for i in f.log.finish_s:
-        assert f.log.finish_s[i] == res_a.log.finish_s[i], i
+        assert f.log.finish_s[i] + shift == res_a.log.finish_s[i], i
 
 
 def keys_engine(cl, hash_ids, prompt):

@@ -33,7 +33,8 @@ def write_fit(tmp_path, coefficients=None, name="fit.yaml", **extra):
 
 
 def fitted_scenario(path, **kw):
-    return make_scenario(**{"cluster.perf": {"kind": "fitted", "fit_path": str(path)}, **kw})
+    return make_scenario(**{"cluster.perf": {"kind": "fitted", "fit_path": str(path), "api_request_overhead_s": 0.0,
+                                             "api_prompt_token_s": 0.0, "api_output_token_s": 0.0}, **kw})
 
 
 def test_registry_covers_every_perf_kind():

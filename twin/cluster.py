@@ -23,6 +23,7 @@ from twin.perf.base import StepTimeModel
 from twin.perf.registry import build_perf
 from twin.policy import make_router
 from twin.policy.base import Router
+from twin.policy.scalers import Scaler
 from twin.policy.views import Reject, RequestView
 from twin.records import RequestLog
 from twin.scenario import Scenario
@@ -62,7 +63,7 @@ class Cluster:
     """Instances and a router in one SimPy environment, fed by a request stream."""
 
     def __init__(self, sc: Scenario, stream: RequestStream, router: Router | None = None,
-                 scaler: object | None = None, perf: StepTimeModel | None = None) -> None:
+                 scaler: Scaler | None = None, perf: StepTimeModel | None = None) -> None:
         self.scenario = sc
         self.stream = stream
         self.env = simpy.Environment()
@@ -100,6 +101,7 @@ class Cluster:
             from twin.forecaster import SimForecaster
 
             self.dispatcher.fleet.forecaster = SimForecaster(self)
+        self.in_transit: dict[str, dict[int, tuple[Request, float]]] = {}  # routed, not yet in the engine
         self.num_arrived = 0
         self._next_turn: np.ndarray | None = None
         if stream.after is not None:
@@ -151,8 +153,8 @@ class Cluster:
             from twin.capacity import measure_capacity
 
             cap = measure_capacity(self.scenario, self.stream.prompt_tokens, self.stream.output_tokens)
-            scaler.capacity_req_s = cap.req_s
-            scaler.capacity_tokens = cap.tokens_per_request
+            setattr(scaler, "capacity_req_s", cap.req_s)
+            setattr(scaler, "capacity_tokens", cap.tokens_per_request)
             self.capacity = cap
 
     def make_request(self, i: int) -> Request:
@@ -220,7 +222,26 @@ class Cluster:
             self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
             return
         self.dispatcher.dispatched(i, view, inst.id)
+        delay = self._api_request_s(r.num_prompt_tokens)
+        if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
+            self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env.now + delay)
+            self.log.status[i] = RequestStatus.WAITING  # arrived: queued in the API server
+            self.env.timeout(delay).callbacks.append(partial(self._to_engine, inst, r))
+        else:
+            inst.add_request(r)
+
+    def _to_engine(self, inst: Instance, r: Request, _event: object) -> None:
+        self.in_transit[inst.id].pop(r.idx, None)
         inst.add_request(r)
+
+    def _api_request_s(self, prompt_tokens: int) -> float:
+        fn = getattr(self.perf, "api_request_s", None)
+        return float(fn(prompt_tokens)) if fn is not None else 0.0
+
+    def api_token_s(self) -> float:
+        """The API server's per-output-token time (detokenize, stream): each token reaches the client this late."""
+        fn = getattr(self.perf, "api_token_s", None)
+        return float(fn()) if fn is not None else 0.0
 
     def _reject(self, i: int, reason: str, detail: str) -> None:
         self.log.reject(i, reason, detail)
@@ -242,6 +263,8 @@ class Cluster:
         think_s = self.stream.think_s
         assert think_s is not None  # set together with `after`
         think = float(think_s[j])
+        if self.log.status[i] == 4:  # the client sees the last token after the API server streamed it
+            think += self.api_token_s()
         if think > 0:
             self.env.timeout(think).callbacks.append(partial(self._dispatch_later, j))
         else:
@@ -252,7 +275,7 @@ class Cluster:
 
     def done(self) -> bool:
         """Every request has arrived and no instance has work left."""
-        return self.num_arrived == len(self.stream) and not any(
+        return self.num_arrived == len(self.stream) and not any(self.in_transit.values()) and not any(
             inst.scheduler.has_unfinished_requests() for inst in self.instances)
 
     def run(self, progress: Callable[[float, int], None] | None = None, slices: int = 200) -> SimResult:
@@ -288,6 +311,11 @@ class Cluster:
             if progress is not None:
                 progress(env.now, self.num_arrived)
         wall = time.perf_counter() - t_wall
+        # client-side times: every token, the first and the last included, reaches the client api_token_s late
+        shift = self.api_token_s()
+        if shift > 0:
+            self.log.first_token_s += shift
+            self.log.finish_s += shift
         if progress is not None:
             progress(env.now, self.num_arrived)
         return SimResult(self.scenario, self.log, self.instances, float(env.now), wall, self.num_blocks,

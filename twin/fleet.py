@@ -86,11 +86,16 @@ class Fleet:
         self.lifetimes[inst.id].draining_s = now
         self.events.append(ScaleEvent(now, "drain", inst.id, len(self.active()), reason))
         self.cluster.dispatcher.lifecycle_changed()
-        if was_starting or not inst.scheduler.has_unfinished_requests():
+        if was_starting or self._idle(inst):
             self.stop(inst)
 
+    def _idle(self, inst) -> bool:
+        """Nothing left in the engine and nothing on its way there (requests still in the API server)."""
+        return (not inst.scheduler.has_unfinished_requests()
+                and self.cluster.dispatcher.bookkeeping.load(inst.id).requests == 0)
+
     def maybe_stop(self, inst) -> None:
-        if inst.state == "draining" and not inst.scheduler.has_unfinished_requests():
+        if inst.state == "draining" and self._idle(inst):
             self.stop(inst)
 
     def stop(self, inst) -> None:

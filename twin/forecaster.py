@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from twin.engine.fork import EngineFork, fork_instance
+from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.policy.views import Forecast, RequestView
 
@@ -60,15 +60,21 @@ class SimForecaster:
         _, osl = sig.mean_lengths(self.cluster.env.now, 600.0)
         return osl if osl is not None else self.default_output_tokens
 
-    def fork(self, instance_id: str) -> EngineFork:
-        """An exact fork with predicted lengths in place of true ones."""
+    def fork(self, instance_id: str) -> tuple[EngineFork, list]:
+        """An exact fork with predicted lengths in place of true ones, and the requests still on their way
+        to it (in the API server) as (engine time, request) to arrive in the fork."""
         inst = self.cluster.by_id[instance_id]
         f = fork_instance(inst, self.cluster.env.now)
+        transit = sorted(((t, _fork_request(r, {})) for r, t in self.cluster.in_transit.get(instance_id, {}).values()),
+                         key=lambda x: x[0])
         fallback = self._fallback()
         inflight = self.cluster.dispatcher.inflight
         lengths = {idx: _predicted(rec[0], fallback) for idx, rec in inflight.items()}
+        for _, r in transit:
+            if r.idx in lengths:
+                r.max_tokens = max(1, int(math.ceil(lengths[r.idx])))
         apply_predicted_lengths(f, lengths)
-        return f
+        return f, transit
 
     def engine_request(self, view: RequestView) -> Request:
         out = max(1, int(math.ceil(_predicted(view, self._fallback()))))
@@ -77,13 +83,19 @@ class SimForecaster:
     def forecast(self, instance_id: str, extra_request: RequestView | None = None,
                  horizon_s: float | None = None, until: str = "finish") -> Forecast:
         self.calls += 1
-        f = self.fork(instance_id)
+        f, transit = self.fork(instance_id)
         now = f.now
         horizon = now + (self.horizon_s if horizon_s is None else horizon_s)
         x = self.EXTRA
         log = f.log
+        cl = self.cluster
+        arrivals = list(transit)
         if extra_request is not None:
-            f.add_request(self.engine_request(extra_request))
+            # the engine sees the request after the API server's work, as in the cluster
+            arrivals.append((now + cl._api_request_s(extra_request.num_prompt_tokens), self.engine_request(extra_request)))
+        arrivals.sort(key=lambda a: a[0])  # stable: the extra request after any in transit at the same time
+        for t_in, r in arrivals:
+            f.arrive(r, t_in)
         if until == "first_token" and extra_request is not None:
             stop = lambda: x in log.first_token_s  # noqa: E731
         elif until == "finish" and extra_request is not None:
@@ -91,8 +103,11 @@ class SimForecaster:
         else:
             stop = None
         end = f.advance(until=horizon, stop=stop)
+        shift = cl.api_token_s()  # tokens reach the client this much later
         ttft = log.first_token_s.get(x)
         fin = log.finish_s.get(x)
+        ttft = None if ttft is None else ttft + shift
+        fin = None if fin is None else fin + shift
         idle = not f.scheduler.has_unfinished_requests()
         wanted = {"first_token": ttft, "finish": fin, "drain": end if idle else None}.get(until)
         return Forecast(instance_id, None if ttft is None else ttft - now, None if fin is None else fin - now,
