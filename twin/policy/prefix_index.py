@@ -161,7 +161,9 @@ class _Chains:
 
 
 def _chain_match(closed: dict[int, set[str]], prefix: Sequence[int]) -> dict[str, int]:
-    """Leading blocks per instance by bisection: the closed sets along a chained prefix are nested."""
+    """Leading blocks per instance: the closed sets along a chained prefix are nested, so each level's end is
+    found by bisecting on the set sizes (galloping first while many instances remain, as levels are then
+    short: O(log gap) probes per level), with C-level set work per level."""
     out: dict[str, int] = {}
     n = len(prefix)
     if not n:
@@ -170,35 +172,43 @@ def _chain_match(closed: dict[int, set[str]], prefix: Sequence[int]) -> dict[str
     cur = get(prefix[0])
     if not cur:
         return out
-    empty: set[str] = set()
+    last = get(prefix[n - 1])
+    last_size = len(last) if last else 0
     lo = 0
     while True:
         size = len(cur)
-        last = get(prefix[n - 1])
-        if last is not None and len(last) >= size:
-            j = n - 1
-        else:  # largest j in [lo, n-2] whose set is still as large as cur (sizes never grow along the chain)
-            a, b = lo, n - 1  # len(set(a)) == size, len(set(b)) < size
-            while b - a > 1:
-                m = (a + b) >> 1
-                s = get(prefix[m])
-                if s is not None and len(s) >= size:
-                    a = m
-                else:
-                    b = m
-            j = a
-        if j == n - 1:
-            for i in cur:
-                out[i] = n
+        if last_size >= size:  # the whole rest of the chain keeps every instance of cur
+            out.update(dict.fromkeys(cur, n))
             return out
-        nxt = get(prefix[j + 1]) or empty
-        for i in cur:
-            if i not in nxt:
-                out[i] = j + 1
+        a = lo  # len(set(a)) == size; find b, the first position whose set is smaller (n - 1 is)
+        # few instances left: few levels, plain bisection (log n each); many: gallop (log gap each)
+        step = n if size <= 4 else 1
+        while True:
+            m = a + step
+            if m >= n - 1:
+                b = n - 1
+                break
+            s = get(prefix[m])
+            if s is not None and len(s) >= size:
+                a = m
+                step <<= 1
+            else:
+                b = m
+                break
+        while b - a > 1:
+            m = (a + b) >> 1
+            s = get(prefix[m])
+            if s is not None and len(s) >= size:
+                a = m
+            else:
+                b = m
+        nxt = get(prefix[b])
         if not nxt:
+            out.update(dict.fromkeys(cur, b))
             return out
+        out.update(dict.fromkeys(cur - nxt, b))
         cur = nxt
-        lo = j + 1
+        lo = b
 
 
 class ApproxPrefixIndex:

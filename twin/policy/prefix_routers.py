@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from itertools import repeat
+from operator import add, mul
 from typing import Any, Mapping, Sequence
 
 from twin.policy.base import RouterBase, register_router
@@ -28,7 +30,28 @@ def _loads(insts: Sequence[InstanceView], signal: str) -> list[int]:
     """Requests at each instance: the router's in-flight count (fresh) or scraped running + waiting."""
     if signal == "gauges":
         return [v.gauges.num_running + v.gauges.num_waiting for v in insts]
-    return [v.inflight_requests for v in insts]
+    return [v.load.requests for v in insts]
+
+
+class _FleetCache:
+    """Per-fleet facts that change only when the world replaces its instance list (each scrape, each
+    lifecycle change): instance positions and start times. Keyed on the list object and its length."""
+
+    __slots__ = ("ref", "n", "pos", "t0", "t1", "started")
+
+    def __init__(self) -> None:
+        self.ref: object = None
+        self.n = -1
+
+    def of(self, insts: Sequence[InstanceView]) -> "_FleetCache":
+        if insts is not self.ref or len(insts) != self.n:
+            self.ref = insts
+            self.n = len(insts)
+            self.pos = {v.id: k for k, v in enumerate(insts)}
+            self.started = [v.started_at for v in insts]
+            self.t0 = min(self.started) if insts else 0.0
+            self.t1 = max(self.started) if insts else 0.0
+        return self
 
 
 def _argmin(values: Sequence[float], rng: random.Random) -> int:
@@ -102,6 +125,7 @@ class LMetric(RouterBase):
         self._window: deque = deque(maxlen=hotspot_window)
         self._counts: dict[int, int] = {}
         self._streak: dict[int, int] = {}
+        self._fleet = _FleetCache()
         self.hotspot_spreads = 0  # decisions the hotspot guard redirected
         self.cold_capped = 0  # decisions where a warming instance was held back
 
@@ -126,45 +150,29 @@ class LMetric(RouterBase):
         n = len(insts)
         if not n:
             return NO_INSTANCE
-        cached = cached_blocks(req, fleet)
-        prompt = req.num_prompt_tokens
-        bsz = req.prefix_block_size
-        if cached:
-            get = cached.get
-            ptok = [max(prompt - get(v.id, 0) * bsz, 1) for v in insts]
-        else:
-            ptok = [max(prompt, 1)] * n
+        fc = self._fleet.of(insts)
+        prompt = req.num_prompt_tokens if req.num_prompt_tokens > 1 else 1
         loads = _loads(insts, self.load_signal)
         off = self.bs_offset
-        scores = [p * (b + off) for p, b in zip(ptok, loads)]
-        if self.cold_start:
-            started = [v.started_at for v in insts]
-            t0 = min(started)
-            t1 = max(started)
-            now = fleet.now
-            warm_s = self.warmup_s
-            if t1 > t0 and now - t1 < warm_s:  # an instance joined the fleet's first ones less than warmup_s ago
-                cold = [k for k, t in enumerate(started) if t > t0 and now - t < warm_s]
-            else:
-                cold = []
-            if cold:
-                cold_set = set(cold)
-                warm_loads = [b for k, b in enumerate(loads) if k not in cold_set]
-                cap = max(1.0, self.cold_batch_frac * sum(warm_loads) / len(warm_loads))
-                pen = self.cold_token_penalty
-                held = False
-                for k in cold:
-                    if loads[k] >= cap:
-                        scores[k] = math.inf
-                        held = True
-                    else:
-                        scores[k] = (ptok[k] + pen) * (loads[k] + off)
-                self.cold_capped += held
+        scores = [prompt * (b + off) for b in loads]
+        cached = cached_blocks(req, fleet)
+        pos = fc.pos
+        mine: dict[int, int] = {}  # position -> cached blocks, for routable instances with a match
+        if cached:
+            bsz = req.prefix_block_size
+            for iid, c in cached.items():
+                k = pos.get(iid)
+                if k is not None:
+                    mine[k] = c
+                    p = prompt - c * bsz
+                    scores[k] = (p if p > 1 else 1) * (loads[k] + off)
+        if self.cold_start and fc.t1 > fc.t0 and fleet.now - fc.t1 < self.warmup_s:
+            self._cold(fc, fleet.now, prompt, req.prefix_block_size, loads, mine, scores)
         if self.hotspot and req.prefix:
             depth = min(len(req.prefix), self.hotspot_prefix_blocks)
             key = req.prefix[depth - 1]
             x = self._observe(key)
-            holders = [k for k, v in enumerate(insts) if cached.get(v.id, 0) >= depth] if cached else []
+            holders = [k for k, c in mine.items() if c >= depth]
             m = len(holders)
             if 0 < m < n and len(self._window) >= self.hotspot_min_requests:
                 stage1 = x >= 1.0 or x / (1.0 - x) > m / (n - m)
@@ -177,12 +185,35 @@ class LMetric(RouterBase):
                         self.hotspot_spreads += 1
                         return insts[k].id
             k = _argmin(scores, self._rng)
-            if cached and cached.get(insts[k].id, 0) >= depth:
+            if mine.get(k, 0) >= depth:
                 self._streak[key] = self._streak.get(key, 0) + 1
             else:
                 self._streak[key] = 0
             return insts[k].id
         return insts[_argmin(scores, self._rng)].id
+
+    def _cold(self, fc: _FleetCache, now: float, prompt: int, bsz: int, loads: list[int], mine: dict[int, int],
+              scores: list[float]) -> None:
+        """Warming instances: held back at half the warm mean batch, else scored with the token penalty."""
+        t0 = fc.t0
+        warm_s = self.warmup_s
+        cold = [k for k, t in enumerate(fc.started) if t > t0 and now - t < warm_s]
+        if not cold:
+            return
+        cold_set = set(cold)
+        warm_loads = [b for k, b in enumerate(loads) if k not in cold_set]
+        cap = max(1.0, self.cold_batch_frac * sum(warm_loads) / len(warm_loads))
+        pen = self.cold_token_penalty
+        off = self.bs_offset
+        held = False
+        for k in cold:
+            if loads[k] >= cap:
+                scores[k] = math.inf
+                held = True
+            else:
+                p = max(prompt - mine.get(k, 0) * bsz, 1)
+                scores[k] = (p + pen) * (loads[k] + off)
+        self.cold_capped += held
 
 
 DEFAULT_WEIGHTS: Mapping[str, float] = {"queue": 2, "kv": 2, "prefix": 3}
@@ -219,14 +250,14 @@ class Weighted(RouterBase):
             if not insts:
                 return Reject(f"no instance passed the {fname} filter")
         totals: list[float] | None = None
-        for _, w, s in self.scorers:
+        for _, w, sc in self.scorers:
             if w == 0:
                 continue
-            vals = s.score(ctx, insts)
-            if totals is None:
-                totals = [w * (0.0 if x < 0 else 1.0 if x > 1 else x) for x in vals]
-            else:
-                totals = [t + w * (0.0 if x < 0 else 1.0 if x > 1 else x) for t, x in zip(totals, vals)]
+            vals = sc.score(ctx, insts)
+            if not getattr(sc, "bounded", False):  # a user scorer: clamp to 0..1 as llm-d does
+                vals = [0.0 if x < 0 else 1.0 if x > 1 else x for x in vals]
+            part = vals if w == 1 else list(map(mul, vals, repeat(w)))
+            totals = part if totals is None else list(map(add, totals, part))
         if totals is None:
             totals = [0.0] * len(insts)
         return max_score_pick(insts, totals, self._rng)
@@ -262,40 +293,46 @@ class KVCost(RouterBase):
         self._prefill: dict[str, int] = {}  # instance -> uncached prompt tokens still prefilling
         self._ledger: dict[str, tuple[str, int]] = {}  # request -> (instance, tokens)
         self._last: tuple[str, str, int] | None = None
+        self._fleet = _FleetCache()
 
-    def costs(self, req: RequestView, fleet: FleetView) -> tuple[list[float], list[int]]:
+    def costs(self, req: RequestView, fleet: FleetView) -> tuple[list[float], dict[int, int]]:
+        """Cost per routable instance, and the cached blocks at the positions that have some."""
         insts = fleet.instances
-        cached = cached_blocks(req, fleet)
         bs = req.prefix_block_size
         prompt = req.num_prompt_tokens
         req_blocks = -(-prompt // bs)
         w = self.overlap_score_weight
-        pf = self._prefill
         inv = 1.0 / bs
-        out: list[float] = []
-        new: list[int] = []
-        get = cached.get
-        for v in insts:
-            c = get(v.id, 0)
-            new_tokens = prompt - c * bs
-            if new_tokens < 0:
-                new_tokens = 0
-            prefill_blocks = (pf.get(v.id, 0) + new_tokens) * inv
-            decode_blocks = (v.inflight_prompt_tokens + v.inflight_decode_tokens) * inv + (req_blocks - c)
-            out.append(w * prefill_blocks + decode_blocks)
-            new.append(new_tokens)
-        return out, new
+        const = w * prompt * inv + req_blocks  # this request's prefill and blocks where nothing is cached
+        pf = self._prefill
+        if pf:
+            pfg = pf.get
+            costs = [(w * pfg(v.id, 0) + v.load.prompt_tokens + v.load.decode_tokens) * inv + const for v in insts]
+        else:
+            costs = [(v.load.prompt_tokens + v.load.decode_tokens) * inv + const for v in insts]
+        mine: dict[int, int] = {}
+        cached = cached_blocks(req, fleet)
+        if cached:
+            pos = self._fleet.of(insts).pos
+            for iid, c in cached.items():
+                k = pos.get(iid)
+                if k is not None:
+                    mine[k] = c
+                    hit = c * bs
+                    costs[k] -= w * (hit if hit < prompt else prompt) * inv + c
+        return costs, mine
 
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
         insts = fleet.instances
         if not insts:
             return NO_INSTANCE
-        costs, new = self.costs(req, fleet)
+        costs, mine = self.costs(req, fleet)
         if self.temperature > 0 and len(costs) > 1:
             k = self._softmax_sample(costs)
         else:
             k = _argmin(costs, self._rng)
-        self._last = (req.id, insts[k].id, new[k])
+        new_tokens = max(req.num_prompt_tokens - mine.get(k, 0) * req.prefix_block_size, 0)
+        self._last = (req.id, insts[k].id, new_tokens)
         return insts[k].id
 
     def _softmax_sample(self, costs: Sequence[float]) -> int:
@@ -371,6 +408,7 @@ class CacheAware(RouterBase):
         self.fallback = fallback
         self.load_signal = _check_signal(load_signal)
         self._rng = random.Random(seed)
+        self._fleet = _FleetCache()
         self.imbalanced_decisions = 0
         self.cache_hits = 0
 
@@ -386,12 +424,14 @@ class CacheAware(RouterBase):
             return insts[_argmin(loads, self._rng)].id
         cached = cached_blocks(req, fleet)
         if cached:
-            get = cached.get
-            matched = [get(v.id, 0) for v in insts]
-            best = max(matched)
-            if best and best * req.prefix_block_size / max(req.num_prompt_tokens, 1) > self.cache_threshold:
-                self.cache_hits += 1
-                return insts[_argmax(matched, self._rng)].id
+            pos = self._fleet.of(insts).pos
+            mine = [(c, k) for iid, c in cached.items() if (k := pos.get(iid)) is not None]
+            if mine:
+                best = max(mine)[0]
+                if best * req.prefix_block_size / max(req.num_prompt_tokens, 1) > self.cache_threshold:
+                    self.cache_hits += 1
+                    tied = [k for c, k in mine if c == best]
+                    return insts[tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]].id
         idx = fleet.prefix_index
         if self.fallback == "smallest-cache" and idx is not None and hasattr(idx, "blocks_held"):
             return insts[_argmin([idx.blocks_held(v.id) for v in insts], self._rng)].id

@@ -16,12 +16,16 @@ builds on (`pkg/epp/scheduling/framework/plugins/` in kubernetes-sigs/gateway-ap
 - picker `max-score` (`maxscorepicker/max_score_picker.go`): highest weighted sum; ties uniformly at
   random (llm-d shuffles before a stable sort).
 
-Users add their own with `@register_scorer("name")` / `@register_filter("name")` (or `module:Class`).
+Users add their own with `@register_scorer("name")` / `@register_filter("name")` (or `module:Class`): a scorer
+has `score(ctx, instances) -> list[float]` (clamped to 0..1 unless it sets `bounded = True`) and sets
+`needs_prefix_index = True` if it reads `ctx.cached`; a filter has `filter(ctx, instances) -> list`.
 """
 
 from __future__ import annotations
 
 import random
+from itertools import repeat
+from operator import mul, sub
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from twin.policy.views import FleetView, InstanceView, RequestView
@@ -96,13 +100,14 @@ def _min_max_inverse(values: Sequence[float]) -> list[float]:
     hi = max(values)
     if hi == lo:
         return [1.0] * len(values)
-    span = hi - lo
-    return [(hi - v) / span for v in values]
+    return list(map(mul, map(sub, repeat(hi), values), repeat(1.0 / (hi - lo))))
 
 
 @register_scorer("queue", "queue-scorer")
 class QueueScorer:
     """Shorter scraped waiting queue scores higher (llm-d QueueScorer)."""
+
+    bounded = True  # scores already in 0..1
 
     def score(self, ctx: Context, instances: Sequence[InstanceView]) -> list[float]:
         return _min_max_inverse([v.gauges.num_waiting for v in instances])
@@ -112,6 +117,8 @@ class QueueScorer:
 class KVUtilizationScorer:
     """Lower scraped KV-cache usage scores higher: 1 - usage (llm-d KVCacheUtilizationScorer)."""
 
+    bounded = True  # scores already in 0..1
+
     def score(self, ctx: Context, instances: Sequence[InstanceView]) -> list[float]:
         return [1.0 - v.gauges.kv_usage for v in instances]
 
@@ -119,6 +126,8 @@ class KVUtilizationScorer:
 @register_scorer("prefix", "prefix-cache", "prefix-cache-scorer")
 class PrefixCacheScorer:
     """Share of the request's blocks cached there (llm-d prefix-cache-scorer: matchLen / total)."""
+
+    bounded = True  # scores already in 0..1
 
     needs_prefix_index = True
 
@@ -136,8 +145,10 @@ class PrefixCacheScorer:
 class InflightScorer:
     """Fewer requests in flight by the router's books scores higher (queue scorer's normalisation)."""
 
+    bounded = True  # scores already in 0..1
+
     def score(self, ctx: Context, instances: Sequence[InstanceView]) -> list[float]:
-        return _min_max_inverse([v.inflight_requests for v in instances])
+        return _min_max_inverse([v.load.requests for v in instances])
 
 
 @register_filter("low-queue")
