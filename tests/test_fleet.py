@@ -156,3 +156,37 @@ def test_scalers_command_lists_them():
     assert r.exit_code == 0
     for name in ("none", "threshold", "queue", "throughput"):
         assert name in r.output
+
+
+def burst_stream():
+    calm = np.arange(0, 120, 0.5)
+    burst = 120 + np.arange(0, 60, 0.02)
+    arr = np.concatenate([calm, burst])
+    return stream_of(arr, [400] * len(arr), [200] * len(arr))
+
+
+def test_the_twin_scaler_scales_before_a_forecast_burst_the_threshold_scaler_after_it():
+    base = {"cluster.num_instances": 1, "cluster.max_instances": 4, "cluster.startup_delay_s": 20.0,
+            "scaler.interval_s": 10.0, "slo.ttft_s": 1.0}
+    twin_sc = make_scenario(**base, **{"scaler.name": "twin",
+                                       "scaler.params": {"horizon_s": 40.0, "oracle": True, "target": 0.9}})
+    cl, res = run_with(twin_sc, burst_stream(), None)
+    starts = [e.t for e in cl.fleet.events if e.action == "start"]
+    assert starts and min(starts) < 120.0  # it saw the burst coming in its forecast window
+    assert "oracle" in next(e.reason for e in cl.fleet.events if e.action == "start")
+    thr_sc = make_scenario(**base, **{"scaler.name": "threshold",
+                                      "scaler.params": {"metric": "ttft_s", "threshold_s": 1.0, "window_s": 10.0}})
+    cl2, res2 = run_with(thr_sc, burst_stream(), None)
+    starts2 = [e.t for e in cl2.fleet.events if e.action == "start"]
+    assert starts2 and min(starts2) > 120.0
+    from twin.metrics import summarize
+
+    assert summarize(res)["slo_attainment"] > summarize(res2)["slo_attainment"]
+
+
+def test_the_twin_scaler_without_an_oracle_uses_the_measured_rate_and_holds_a_calm_fleet():
+    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.max_instances": 4, "scaler.interval_s": 10.0,
+                          "slo.ttft_s": 1.0, "scaler.name": "twin", "scaler.params": {"horizon_s": 30.0}})
+    cl, res = run_with(sc, steady(300, rate=5), None)
+    assert cl.fleet.scaler.last["rate"] > 0
+    assert len(cl.fleet.active()) >= 1 and (res.log.status == 4).all()

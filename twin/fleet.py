@@ -121,12 +121,19 @@ class Fleet:
 
     def scaler_process(self):
         d = self.cluster.dispatcher
+        forecast = None
+        if getattr(self.scaler, "needs_forecaster", False):
+            from twin.forecaster import FleetForecaster
+
+            forecast = FleetForecaster(self.cluster, seed=self.cluster.scenario.seed)
+            if getattr(self.scaler, "slo", 0) is None:
+                setattr(self.scaler, "slo", self.cluster.scenario.slo)
         while True:
             yield self.env.timeout(self.interval_s)
             d.scrape()
             d.fleet.now = self.env.now
             self.decisions += 1
-            self.apply(self.scaler.decide(self.env.now, d.fleet, None))
+            self.apply(self.scaler.decide(self.env.now, d.fleet, forecast))
 
     def gpu_seconds(self, end: float) -> float:
         total = 0.0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import heapq
 import math
 
+import numpy as np
+
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.policy.views import Forecast, RequestView
@@ -113,3 +115,95 @@ class SimForecaster:
         return Forecast(instance_id, None if ttft is None else ttft - now, None if fin is None else fin - now,
                         end - now if idle else None, f.scheduler.stats.kv_peak_used_blocks,
                         wanted is None and (extra_request is not None or until == "drain"), f.steps)
+
+
+class FleetForecaster:
+    """Runs the fleet forward over a horizon with N instances: what the `twin` scaler asks before it acts.
+
+    Each candidate fleet size is judged on a few representative instances (the most loaded existing ones,
+    forked exactly, and a fresh one that serves after the start-up delay when the fleet would grow), each
+    receiving an equal share of the forecast arrivals (a balanced-router ASSUMPTION that keeps the decision
+    cheap: the cost grows with the representatives' share of arrivals, not the fleet). Forecast arrivals are
+    Poisson at the given rate with (prompt, output) pairs resampled from recent completions, or, with
+    `oracle=True`, the workload's own future arrivals (an oracle: reports say so).
+    """
+
+    def __init__(self, cluster, representatives: int = 2, seed: int = 0) -> None:
+        self.cluster = cluster
+        self.representatives = representatives
+        self.rng = np.random.default_rng(seed)
+        self.calls = 0
+
+    def _arrivals(self, now: float, horizon_s: float, rate: float, oracle: bool):
+        cl = self.cluster
+        if oracle:
+            s = cl.stream
+            lo, hi = np.searchsorted(s.arrival_s, [now, now + horizon_s])
+            return s.arrival_s[lo:hi], s.prompt_tokens[lo:hi], s.output_tokens[lo:hi]
+        recent = cl.dispatcher.signals.recent(now, 600.0)
+        if not recent or rate <= 0:
+            return np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64)
+        n = self.rng.poisson(rate * horizon_s)
+        t = np.sort(self.rng.uniform(now, now + horizon_s, n))
+        pick = self.rng.integers(0, len(recent), n)
+        return (t, np.array([recent[k].prompt_tokens for k in pick], dtype=np.int64),
+                np.array([max(1, recent[k].output_tokens) for k in pick], dtype=np.int64))
+
+    def attainment(self, n_instances: int, horizon_s: float, rate: float, slo, oracle: bool = False) -> float:
+        """Share of forecast requests meeting every SLO bound if the fleet had `n_instances` active."""
+        self.calls += 1
+        cl = self.cluster
+        now = cl.env.now
+        t, p, o = self._arrivals(now, horizon_s, rate, oracle)
+        if len(t) == 0 or n_instances <= 0:
+            return 1.0 if len(t) == 0 else 0.0
+        serving = [i for i in cl.instances if i.state in ("serving", "starting")]
+        books = cl.dispatcher.bookkeeping
+        serving.sort(key=lambda i: -books.load(i.id).requests)
+        reps: list[tuple[EngineFork, list, float]] = []  # fork, its transit, when it can take requests
+        sim = SimForecaster(cl)
+        for inst in serving[:min(self.representatives, n_instances)]:
+            f, transit = sim.fork(inst.id)
+            ready = now if inst.state == "serving" else now + cl.fleet.startup_delay_s
+            reps.append((f, transit, ready))
+        if n_instances > len(serving):  # a new instance: empty, serving after the start-up delay
+            proto = cl.instances[0]
+            fresh = EngineFork(_empty_like(proto.scheduler), proto.perf, now, proto.fast_forward,
+                               proto.max_run_steps)
+            reps.append((fresh, [], now + cl.fleet.startup_delay_s))
+        share = [k for k in range(len(t)) if k % n_instances < len(reps)]  # round-robin share of the reps
+        ok = total = 0
+        api_tok = cl.api_token_s()
+        for j, (f, transit, ready) in enumerate(reps):
+            mine = [k for k in share if k % n_instances == j]
+            arrivals = [(tt, r) for tt, r in transit]
+            for k in mine:
+                t_in = max(float(t[k]), ready) + cl._api_request_s(int(p[k]))
+                arrivals.append((t_in, Request(-1 - k, float(t[k]), int(p[k]), int(o[k]), [], -1)))
+            arrivals.sort(key=lambda a: a[0])
+            for t_in, r in arrivals:
+                f.arrive(r, t_in)
+            f.advance(until=now + 4 * horizon_s)
+            for k in mine:
+                idx = -1 - k
+                total += 1
+                ft, fin = f.log.first_token_s.get(idx), f.log.finish_s.get(idx)
+                if ft is None or fin is None:
+                    continue
+                ttft, e2e = ft + api_tok - t[k], fin + api_tok - t[k]
+                tpot = (fin - ft) / (o[k] - 1) if o[k] > 1 else 0.0
+                if ((slo.ttft_s is None or ttft <= slo.ttft_s) and (slo.e2e_s is None or e2e <= slo.e2e_s)
+                        and (slo.tpot_s is None or tpot <= slo.tpot_s)):
+                    ok += 1
+        return ok / total if total else 1.0
+
+
+def _empty_like(sched):
+    """A scheduler of the same configuration with an empty pool and no requests."""
+    from twin.engine.block_pool import BlockPool
+    from twin.engine.fork import ForkLog
+    from twin.engine.scheduler import Scheduler
+
+    pool = sched.pool
+    return Scheduler(sched.config, BlockPool(pool.num_gpu_blocks, pool.block_size, pool.enable_caching), sched.perf,
+                     ForkLog())

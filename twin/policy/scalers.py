@@ -200,3 +200,57 @@ class ThroughputScaler(ScalerBase):
             return NO_CHANGE
         self._last = now
         return ScaleAction(want, f"forecast {rate:.2f} req/s, capacity {self.capacity_req_s:.2f} req/s/instance")
+
+
+@register_scaler("twin")
+class TwinScaler(ScalerBase):
+    """Ours: look ahead with the twin. At each decision, run the fleet forward over `horizon_s` with
+    N-1, N, N+1, ... instances (new ones paying the start-up delay) and choose the smallest N whose forecast
+    SLO attainment reaches `target`.
+
+    The world supplies `forecast`, an object with `attainment(n_instances, horizon_s, rate, slo, oracle)`
+    (the simulator's `twin.forecaster.FleetForecaster`, or the live shadow twin). The arrival rate comes from
+    a load predictor over recent per-interval rates, or, with `oracle: true`, from the workload's own
+    future (a known schedule; reports name it oracle). `slo` is the scenario's unless given here.
+    """
+
+    name = "twin"
+    needs_forecaster = True
+
+    def __init__(self, horizon_s: float = 300.0, target: float = 0.95, max_step: int = 2,
+                 predictor: str = "moving-average", predictor_params: dict | None = None,
+                 interval_s: float = 30.0, history: int = 10, oracle: bool = False, slo: Any = None) -> None:
+        if not 0 < target <= 1:
+            raise ValueError("target must be in (0, 1]")
+        self.horizon_s = horizon_s
+        self.target = target
+        self.max_step = max_step
+        self.predictor = make_load_predictor(predictor, **(predictor_params or {}))
+        self.interval_s = interval_s
+        self.history = history
+        self.oracle = oracle
+        self.slo = slo
+        self.last: dict = {}
+
+    def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
+        if forecast is None or fleet.signals is None or self.slo is None:
+            return NO_CHANGE
+        rate = self.predictor.predict(fleet.signals.arrival_series(now, self.interval_s, self.history))
+        n = active_count(fleet)
+        lo = max(1, n - 1)
+        tried = {}
+        choice = None
+        for cand in range(lo, n + self.max_step + 1):
+            att = forecast.attainment(cand, self.horizon_s, rate, self.slo, self.oracle)
+            tried[cand] = att
+            if att >= self.target:
+                choice = cand
+                break
+        if choice is None:
+            choice = max(tried, key=lambda c: (tried[c], -c))
+        self.last = {"t": now, "rate": rate, "attainment": tried, "choice": choice}
+        if choice == n:
+            return NO_CHANGE
+        return ScaleAction(choice, f"twin forecast over {self.horizon_s:.0f} s: attainment "
+                                   f"{tried[choice]:.2f} with {choice} (rate {rate:.2f} req/s"
+                                   f"{', oracle' if self.oracle else ''})")
