@@ -17,7 +17,7 @@ $(VENV)/.dev: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-$(FAST)/.compiled: pyproject.toml setup.py $(HOT)
+$(FAST)/.compiled: pyproject.toml setup.py $(shell find twin -name "*.py" -o -name "*.yaml")
 	python3 -m venv $(FAST)
 	$(FAST)/bin/python -m pip install -q --upgrade pip setuptools wheel mypy
 	LLMTWIN_COMPILE=1 $(FAST)/bin/python -m pip install -q --no-build-isolation '.[dev]'
