@@ -284,3 +284,23 @@ def test_bad_training_pairs_and_kind(tmp_path):
     assert r.exit_code == 2 and "unknown model kind 'forest'" in r.output
     r = runner.invoke(app, ["predictor", "eval", str(tmp_path), "--data", str(f)])
     assert r.exit_code == 2 and "not a length model" in r.output
+
+
+def test_sharegpt_training_examples_carry_turns_and_history(tmp_path):
+    from twin.predict.data import load_examples
+
+    conv = [{"id": "c1", "conversations": [
+        {"from": "human", "value": "Tell me a joke."}, {"from": "gpt", "value": "x" * 80},
+        {"from": "human", "value": "Another?"}, {"from": "gpt", "value": "y" * 40},
+        {"from": "human", "value": "Thanks"}]}]
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps(conv))
+    ex = load_examples(f)
+    assert len(ex) == 2 and ex.turns.tolist() == [0, 1]
+    assert ex.output_tokens.tolist() == [20, 10] and ex.histories == [[], [20]]
+    assert ex.texts[1] == "Tell me a joke.\n" + "x" * 80 + "\nAnother?"
+    assert ex.prompt_tokens[1] == int(np.ceil(len("Tell me a joke.") / 4)) + 20 + int(np.ceil(len("Another?") / 4))
+    assert any("1 human turns without an answer" in n for n in ex.notes)
+    f.write_text(json.dumps([{"id": "c", "conversations": [{"from": "human", "value": "hi"}]}]))
+    with pytest.raises(TwinInputError, match="no usable examples.*1 human turns without an answer"):
+        load_examples(f)

@@ -130,7 +130,8 @@ def load_examples(path: str | Path, format: str = "auto", tokenizer: str | Path 
     else:
         ex = _pairs(path, tokenizer, chars_per_token)
     if len(ex) == 0:
-        raise TwinInputError(f"{path}: no usable examples (each needs a prompt and a true output length)")
+        raise TwinInputError(f"{path}: no usable examples (each needs a prompt and a true output length): "
+                             + "; ".join(ex.notes))
     return ex
 
 
@@ -263,7 +264,7 @@ def _pairs(path: Path, tokenizer, chars_per_token: float) -> Examples:
         if s is None:
             turns.append(0)
             hist.append([])
-            groups.append(len(ids) + i + 1_000_000_000)
+            groups.append(-(i + 1))  # a group of its own
             continue
         h = seen.setdefault(s, [])
         turns.append(len(h))
