@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from twin.cli import app
 from twin.errors import TwinInputError
-from twin.policy.predictors import (PREDICTORS, BucketQuantile, MissingTruth, Noisy, Oracle, SessionTracker,
+from twin.policy.predictors import (PREDICTORS, BucketQuantile, MissingTruth, Noisy, SessionTracker,
                                     evaluate, has_quantiles, lognormal_sigma, make_predictor)
 from twin.policy.views import RequestView
 from twin.workload.formats import detect_format, load_trace
@@ -256,7 +256,8 @@ def train(*args):
     ("cols.csv", "text,tokens\nhello,3\n", "missing column(s) prompt, output_tokens"),
     ("nan.csv", "prompt,output_tokens\nhello,12\n\"two, words\",lots\n", "line 3: field output_tokens: 'lots'"),
     ("frac.csv", "prompt,output_tokens\nhello,1.5\n", "field output_tokens: '1.5' is not a whole number"),
-    ("zero.jsonl", '{"prompt": "hi", "output_tokens": 0}\n', "line 1: field output_tokens: 0 is not a whole number >= 1"),
+    ("zero.jsonl", '{"prompt": "hi", "output_tokens": 0}\n',
+     "line 1: field output_tokens: 0 is not a whole number >= 1"),
     ("noprompt.jsonl", '{"prompt": "hi", "output_tokens": 3}\n{"output_tokens": 4}\n', "line 2: field prompt: missing"),
     ("badjson.jsonl", '{"prompt": "hi", "output_tokens": 3}\n{"prompt": \n', "line 2: not valid JSON"),
     ("keys.jsonl", '{"question": "hi", "answer": 3}\n', "cannot tell the format"),

@@ -233,8 +233,8 @@ def replay(
         if rate is None:
             _fail("--arrival/--cv need --rate (requests/s)")
         if fmt not in UNTIMED:
-            _fail(f"--rate/--arrival/--cv apply to traces without timestamps ({', '.join(sorted(UNTIMED))}); {fmt} traces "
-                  "have their own: change their rate with --rate-scale or --target-rate")
+            _fail(f"--rate/--arrival/--cv apply to traces without timestamps ({', '.join(sorted(UNTIMED))}); "
+                  f"{fmt} traces have their own: change their rate with --rate-scale or --target-rate")
         spec["arrival"] = {"process": arrival or ("gamma" if cv is not None else "poisson"), "rate": rate,
                            **({"cv": cv} if cv is not None else {})}
     console = Console()

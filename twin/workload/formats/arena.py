@@ -153,7 +153,8 @@ def read_arena(path: Path, bad: BadRows, tokenizer: str | Path | None = None, ch
     several = 0
     for where, rec in _lines(a_path, bad_a):
         ch = rec.get("choices")
-        if not isinstance(ch, list) or not ch or not isinstance(ch[0], dict) or not isinstance(ch[0].get("turns"), list):
+        first = ch[0] if isinstance(ch, list) and ch else None
+        if not isinstance(first, dict) or not isinstance(first.get("turns"), list):
             bad_a.bad(where, "choices", "expected a non-empty list of {turns: [...]}")
             continue
         several += len(ch) > 1
