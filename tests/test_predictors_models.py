@@ -130,7 +130,7 @@ def test_cli_train_and_eval_xgboost(tmp_path):
                             str(tmp_path / "m"), "-q"])
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
-    assert "holdout" in text and "Acc-50" in text and "train median" in text and "wrote" in text
+    assert "holdout" in text and "Acc-50" in text and "(the training median)" in text and "wrote" in text
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert set(man["metrics"]) == {"train", "holdout", "holdout_baseline_median"}
     assert man["metrics"]["holdout"]["n"] == 30 and man["metrics"]["holdout"]["mae"] < \
@@ -161,3 +161,18 @@ def test_cli_train_text_on_a_small_slice(tmp_path):
     r = runner.invoke(app, ["predictor", "train", "--data", str(data), "--kind", "text", "--encoder",
                             str(tmp_path), "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and "not a Hugging Face model folder" in r.output
+
+
+def test_text_model_prime_embeds_in_batches_with_the_same_answers(tmp_path):
+    _text_deps()
+    from twin.predict.model import train_model
+
+    ex = load_examples(write_pairs(tmp_path / "d.csv", 64))
+    train_model("text", ex, seed=0, epochs=1).save(tmp_path / "tm")
+    cold = make_predictor("model", path=str(tmp_path / "tm"))
+    primed = make_predictor("model", path=str(tmp_path / "tm"))
+    primed.prime(ex.texts[:8])
+    assert len(primed.model._emb) == len(set(ex.texts[:8]))
+    for i in range(8):
+        r = rv(i, ex.texts[i], prompt=int(ex.prompt_tokens[i]))
+        assert primed.predict(r) == pytest.approx(cold.predict(r), rel=1e-4)  # batch vs single padding

@@ -350,7 +350,7 @@ def predictor_train(
                 med = float(np.median(train.output_tokens))
                 metrics["holdout"] = evaluate(model.predict(held, bar), held.output_tokens)
                 metrics["holdout_baseline_median"] = evaluate(np.full(len(held), med), held.output_tokens)
-                labels.update(holdout="holdout", holdout_baseline_median=f"holdout: constant {med:g} (train median)")
+                labels.update(holdout="holdout", holdout_baseline_median="holdout, baseline")
         rows = [(labels[k], m) for k, m in metrics.items()]
         model.manifest["metrics"] = metrics
         model.manifest["data"] = {"notes": ex.notes, "holdout": holdout,
@@ -360,6 +360,8 @@ def predictor_train(
     except TwinInputError as e:
         _fail(str(e))
     console.print(_metrics_table(f"{kind} length model (median prediction)", rows))
+    if len(held):
+        console.print(f"baseline: the constant {med:g} tokens (the training median) for every request", highlight=False)
     console.print(f"wrote {out}", highlight=False)
 
 

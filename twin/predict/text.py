@@ -31,6 +31,9 @@ DROPOUT = 0.2
 BATCH = 32
 MAX_LENGTH = 256  # all-MiniLM-L6-v2 was trained on 256-token inputs; longer prompts are cut from the end
 HEAD = "head.pt"
+# one thread (LLMTWIN_TORCH_THREADS sets more): on the shared 2-core machine two spinning threads made a single
+# request's embedding 5x slower (300 ms against 54 ms) and batches no faster
+TORCH_THREADS = 1
 
 
 def resolve_encoder(source: str | None) -> tuple[str, Path]:
@@ -57,6 +60,7 @@ class Encoder:
         self.name, self.folder = resolve_encoder(source)
         transformers = _need("transformers", "the text model")
         self.torch = _need("torch", "the text model")
+        self.torch.set_num_threads(int(os.environ.get("LLMTWIN_TORCH_THREADS") or TORCH_THREADS))
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         try:
@@ -192,6 +196,14 @@ class TextModel(TrainedModel):
             out[idx] = self._run(self._inputs(sub, emb))
         return out
 
+    def prime(self, texts: Sequence[str], progress: Progress | None = None) -> None:
+        """Embed many prompts at once (in batches, through the disk cache) before they are asked about one
+        by one: a world that knows its requests' texts up front saves the per-request encoder pass."""
+        todo = list(dict.fromkeys(t for t in texts if t is not None and t not in self._emb))
+        if todo:
+            for t, e in zip(todo, self.encoder.embed(todo, progress)):
+                self._emb[t] = e[None, :]
+
     def predict_request(self, num_prompt_tokens, turn, history, text):
         if text is None:
             self.fallbacks += 1
@@ -199,8 +211,6 @@ class TextModel(TrainedModel):
         emb = self._emb.get(text)
         if emb is None:
             emb = self.encoder.embed([text], cache=False)
-            if len(self._emb) > 10_000:
-                self._emb.clear()
             self._emb[text] = emb
         ex = Examples([text], np.array([num_prompt_tokens]), np.array([1]), np.array([turn]), [list(history)],
                       np.array([0]))
