@@ -171,7 +171,8 @@ def _replay_scenario(scenario: Path, set_: List[str], seed: Optional[int], trace
 @app.command()
 def replay(
     trace: Path = typer.Argument(..., help="trace file (or ServeGen model folder)"),
-    format_: str = typer.Option("auto", "--format", help="auto|sharegpt|burstgpt|azure|mooncake|servegen|lengths|arena"),
+    format_: str = typer.Option("auto", "--format",
+                                help="auto|sharegpt|burstgpt|azure|mooncake|servegen|lengths|arena"),
     scenario: Path = typer.Option(..., "--scenario",
                                   help="scenario YAML: cluster, router, SLOs (its workload is replaced)"),
     set_: List[str] = typer.Option([], "--set", help="override a scenario field: dotted.path=value (repeatable)"),
