@@ -1,6 +1,6 @@
 # Two entry points that work on a fresh machine with Python >= 3.10:
 #   make quickstart   set up .venv and simulate scenarios/quickstart.yaml into runs/quickstart
-#   make test         set up .venv with the test extras and run the test suite
+#   make test         set up .venv with the test extras (dev, predict) and run the test suite
 # Optional: make compiled (a mypyc-compiled install in .venv-fast), make test-compiled, make bench.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,8 +13,10 @@ $(VENV)/.base: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# the test venv also has the predictor extras (torch CPU first, from the local wheel: never a CUDA build)
 $(VENV)/.dev: $(VENV)/.base
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,predict]'
 	touch $@
 
 $(FAST)/.compiled: pyproject.toml setup.py $(shell find twin -name "*.py" -o -name "*.yaml")

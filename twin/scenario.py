@@ -171,7 +171,7 @@ class TraceSpec(_Spec):
     against the scenario file's folder. Traces without timestamps take workload.arrival."""
 
     path: str
-    format: Literal["auto", "sharegpt", "burstgpt", "azure", "mooncake", "servegen", "lengths"] = "auto"
+    format: Literal["auto", "sharegpt", "burstgpt", "azure", "mooncake", "servegen", "lengths", "arena"] = "auto"
     skip_bad_rows: bool = False
     start_s: float = Field(0.0, ge=0, description="window start: seconds after the trace's first request")
     duration_s: Optional[float] = Field(None, gt=0)
@@ -191,6 +191,7 @@ class TraceSpec(_Spec):
     keep_failed: bool = False  # burstgpt: keep rows with Response tokens 0
     clients: list[int] = []  # servegen: client ids (chunk-<id>); empty: all in the folder
     lengths: Optional[str] = None  # servegen: length CSV where the dataset JSON has none
+    answers: Optional[str] = None  # arena: the answers JSONL (default: the one beside the prompts)
 
     @model_validator(mode="after")
     def _one_rate_control(self) -> "TraceSpec":

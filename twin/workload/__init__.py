@@ -22,7 +22,7 @@ def trace_stream(sc) -> RequestStream:
     path = check_file(sc.resolve_path(t.path), "trace")
     fmt = detect_format(path) if t.format == "auto" else t.format
     opts = t.model_dump(exclude_defaults=True, exclude={"path", "format"})
-    for key in ("tokenizer", "output_lengths", "lengths"):
+    for key in ("tokenizer", "output_lengths", "lengths", "answers"):
         if key in opts:
             opts[key] = str(sc.resolve_path(opts[key]))
     a = sc.workload.arrival

@@ -87,7 +87,7 @@ def subset(stream: RequestStream, keep: np.ndarray) -> RequestStream:
         stream.arrival_s[idx], stream.prompt_tokens[idx], stream.output_tokens[idx],
         None if stream.hash_ids is None else [stream.hash_ids[i] for i in idx], stream.hash_block_size,
         stream.hashes_cover_output, None if stream.session_id is None else np.asarray(stream.session_id)[idx],
-        stream.stats,
+        stream.stats, texts=None if stream.texts is None else [stream.texts[i] for i in idx],
     )
 
 

@@ -45,6 +45,7 @@ class RequestStream:
     stats: TraceStats = field(default_factory=TraceStats)
     after: np.ndarray | None = None  # index of the turn this one waits for, -1 for none
     think_s: np.ndarray | None = None  # seconds after that turn ends
+    texts: list | None = None  # prompt text per request, where the trace has it (length predictors read it)
 
     def __post_init__(self) -> None:
         self.arrival_s = np.asarray(self.arrival_s, dtype=np.float64)
@@ -55,6 +56,8 @@ class RequestStream:
             raise ValueError("arrival_s, prompt_tokens and output_tokens must have the same length")
         if self.hash_ids is not None and len(self.hash_ids) != n:
             raise ValueError("hash_ids must have one entry per request")
+        if self.texts is not None and len(self.texts) != n:
+            raise ValueError("texts must have one entry per request")
         if (self.after is None) != (self.think_s is None):
             raise ValueError("after and think_s come together")
         if n and np.any(np.diff(self.arrival_s) < 0):
@@ -67,6 +70,8 @@ class RequestStream:
         self.output_tokens = self.output_tokens[idx]
         if self.hash_ids is not None:
             self.hash_ids = [self.hash_ids[i] for i in idx]
+        if self.texts is not None:
+            self.texts = [self.texts[i] for i in idx]
         if self.session_id is not None:
             self.session_id = np.asarray(self.session_id)[idx]
         if self.after is not None:
@@ -87,6 +92,7 @@ class RequestStream:
             self.hashes_cover_output, None if self.session_id is None else self.session_id[:n],
             TraceStats(**{**self.stats.to_dict(), "notes": list(self.stats.notes)}),
             None if self.after is None else self.after[:n], None if self.think_s is None else self.think_s[:n],
+            None if self.texts is None else self.texts[:n],
         )
         s.stats.rows_filtered += len(self) - len(s)
         s.stats.rows_used = len(s)

@@ -1,7 +1,8 @@
 """Public trace formats, each read into the one `RequestStream`: `load_trace(path, format="auto", **controls)`.
 
 Formats: sharegpt (conversation JSON), burstgpt (CSV), azure (Azure LLM inference CSV), mooncake (JSONL
-with prefix hashes), servegen (per-client window statistics), lengths (Vidur-style length CSV).
+with prefix hashes), servegen (per-client window statistics), lengths (Vidur-style length CSV), arena
+(prompt/answer JSONL pairs joined by question_id: Arena-Hard, MT-Bench).
 Options are the `ReplayControls` fields plus the format's own (see `OPTIONS`).
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from twin.errors import TwinInputError
+from twin.workload.formats.arena import is_arena
 from twin.workload.formats.burstgpt import BurstGPTSynthetic, read_burstgpt
 from twin.workload.formats.common import BadRows, check_file, shown
 from twin.workload.formats.mooncake import MOONCAKE_BLOCK, IdealReuse, ideal_block_reuse, read_mooncake
@@ -21,8 +23,8 @@ from twin.workload.replay import (ArrivalProcess, ReplayControls, apply_controls
                                   step_rng)
 from twin.workload.stream import RequestStream
 
-FORMATS = ("sharegpt", "burstgpt", "azure", "mooncake", "servegen", "lengths")
-UNTIMED = {"sharegpt", "lengths"}
+FORMATS = ("sharegpt", "burstgpt", "azure", "mooncake", "servegen", "lengths", "arena")
+UNTIMED = {"sharegpt", "lengths", "arena"}
 ARRIVAL = {"arrival", "rate", "cv", "shuffle"}
 OPTIONS = {  # format-specific options, beyond ReplayControls
     "sharegpt": ARRIVAL | {"think_time_s", "tokenizer", "output_lengths", "chars_per_token"},
@@ -31,6 +33,7 @@ OPTIONS = {  # format-specific options, beyond ReplayControls
     "servegen": {"clients", "lengths"},
     "azure": set(),
     "mooncake": set(),
+    "arena": ARRIVAL | {"think_time_s", "tokenizer", "chars_per_token", "answers"},
 }
 
 __all__ = ["FORMATS", "load_trace", "detect_format", "ideal_block_reuse", "IdealReuse", "BurstGPTSynthetic",
@@ -43,6 +46,8 @@ def detect_format(path: str | Path) -> str:
     if path.is_dir():
         if any(path.glob("chunk-*-trace.csv")):
             return "servegen"
+        if is_arena(path):
+            return "arena"
         raise TwinInputError(f"{path}: a folder is a trace only as a ServeGen model folder (chunk-<id>-trace.csv)")
     if path.name.startswith("chunk-") and path.name.endswith(("-trace.csv", "-dataset.json")):
         return "servegen"
@@ -64,6 +69,8 @@ def detect_format(path: str | Path) -> str:
             return "mooncake"
         if "conversations" in keys or '"conversations"' in first:
             return "sharegpt"
+        if {"question_id", "turns"} <= keys or {"question_id", "choices"} <= keys:
+            return "arena"
     header = text.splitlines()[0] if text else ""
     cols = {c.strip() for c in header.split(",")}
     if {"TIMESTAMP", "ContextTokens"} <= cols:
@@ -128,7 +135,8 @@ def _servegen(path: Path, bad: BadRows, c: ReplayControls, opts: dict) -> Reques
 
 
 def _untimed(fmt: str, path: Path, bad: BadRows, c: ReplayControls, opts: dict) -> RequestStream:
-    """ShareGPT and length CSVs: pick rows, then draw arrival times with the user's process."""
+    """ShareGPT, prompt/answer pairs and length CSVs: pick rows, then draw arrival times with the user's process."""
+    texts = None
     if fmt == "sharegpt":
         from twin.workload.formats.sharegpt import read_sharegpt
 
@@ -138,6 +146,13 @@ def _untimed(fmt: str, path: Path, bad: BadRows, c: ReplayControls, opts: dict) 
                              float(opts.get("chars_per_token", 4.0)))
         prompt, output, session, hashes, stats = rows.prompt_tokens, rows.output_tokens, rows.session, \
             rows.hash_ids, rows.stats
+    elif fmt == "arena":
+        from twin.workload.formats.arena import read_arena
+
+        rows = read_arena(path, bad, opts.get("tokenizer"), float(opts.get("chars_per_token", 4.0)),
+                          opts.get("answers"))
+        prompt, output, session, hashes, stats, texts = rows.prompt_tokens, rows.output_tokens, rows.session, \
+            rows.hash_ids, rows.stats, rows.texts
     else:
         from twin.workload.formats.lengths import read_lengths
 
@@ -176,14 +191,15 @@ def _untimed(fmt: str, path: Path, bad: BadRows, c: ReplayControls, opts: dict) 
     arrival = session_arrivals(session_sel, starts, think, step_rng(c.seed, "think"))
     if len(arrival):
         arrival = arrival - arrival.min()  # the clock starts at the first request, as for timed traces
-    unit = "conversations/s (turn 1)" if fmt == "sharegpt" else "req/s"
+    unit = "conversations/s (turn 1)" if fmt in ("sharegpt", "arena") else "req/s"
     stats.notes.append(f"arrivals: {proc.process} at {proc.rate:g} {unit}"
                        + (f", cv {proc.cv:g}" if proc.process == "gamma" else "")
-                       + (f"; later turns after an exponential think time of mean {think:g} s" if fmt == "sharegpt"
-                          else ""))
+                       + (f"; later turns after an exponential think time of mean {think:g} s"
+                          if fmt != "lengths" and len(session_sel) > n_sessions else ""))
     stream = RequestStream(arrival, prompt[idx], output[idx],
                            None if hashes is None else [hashes[i] for i in idx],
                            16, hashes_cover_output=hashes is not None,
-                           session_id=session_sel if fmt == "sharegpt" else None, stats=stats)
+                           session_id=session_sel if fmt in ("sharegpt", "arena") else None, stats=stats,
+                           texts=None if texts is None else [texts[i] for i in idx])
     stream = apply_controls(stream, replace(c, max_prompt_tokens=None, max_total_tokens=None), timed=False)
     return stream
