@@ -9,11 +9,6 @@ from twin.parity import WORKLOADS, first_divergence, run_twin, run_vllm, vllm_en
 NAMED = [n for n in WORKLOADS if n != "random"]
 NAMED_SEEDS = range(3)
 RANDOM_SEEDS = range(60)
-# Known divergences, to be fixed in the block pool: vLLM caches output blocks as they fill (a turn sent
-# while the previous answer streams hits it) and keeps duplicate cached copies of one hash.
-STREAMING = "vLLM caches decode blocks as they fill; the twin registers them only when the request is freed"
-DUPLICATES = "vLLM keeps duplicate cached copies of a hash; the twin frees the second copy as unreachable"
-KNOWN_RANDOM = {3, 5, 14, 17, 19, 22, 25, 28, 31, 33, 40, 42, 45, 52, 54, 58, 59}
 
 
 def check(wl, model_dir):
@@ -33,9 +28,7 @@ def test_the_cpu_build_schedules_synchronously(tiny_llama_dir):
 
 @pytest.mark.parametrize("seed", NAMED_SEEDS)
 @pytest.mark.parametrize("name", NAMED)
-def test_named_workload(name, seed, tiny_llama_dir, request):
-    if name == "streaming-turns":
-        request.applymarker(pytest.mark.xfail(reason=STREAMING, strict=False))
+def test_named_workload(name, seed, tiny_llama_dir):
     ref = check(WORKLOADS[name](seed), tiny_llama_dir)
     if name == "preemption":
         assert any(pre for _, pre in ref.steps)
@@ -44,9 +37,7 @@ def test_named_workload(name, seed, tiny_llama_dir, request):
 
 
 @pytest.mark.parametrize("seed", RANDOM_SEEDS)
-def test_random_mix(seed, tiny_llama_dir, request):
-    if seed in KNOWN_RANDOM:
-        request.applymarker(pytest.mark.xfail(reason=f"{DUPLICATES}; {STREAMING}", strict=False))
+def test_random_mix(seed, tiny_llama_dir):
     check(WORKLOADS["random"](seed), tiny_llama_dir)
 
 

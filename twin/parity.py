@@ -310,9 +310,15 @@ def twin_request(wl: Workload, p: ParityRequest) -> Request:
 
 
 def run_twin(wl: Workload, mode: str = "step", max_steps: int = 100_000,
-             on_step: Callable[[Scheduler], None] | None = None) -> Trace:
-    """Drive the twin's scheduler; in fast mode homogeneous decode runs go through the fast-forward."""
+             on_step: Callable[[Scheduler], None] | None = None,
+             on_start: Callable[[Scheduler], None] | None = None) -> Trace:
+    """Drive the twin's scheduler; in fast mode homogeneous decode runs go through the fast-forward.
+
+    `on_start` sees the scheduler before the first step, `on_step` after every step (or decode run).
+    """
     sched, pool, log = twin_engine(wl)
+    if on_start is not None:
+        on_start(sched)
     arrivals = Arrivals(wl)
     tr = Trace()
     seen: set[int] = set()
