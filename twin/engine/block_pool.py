@@ -25,7 +25,7 @@ registration call with all its new hashes, duplicate copies included (`cache_ful
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable, Sequence, Union
+from typing import Callable, Iterable, Sequence, Union, cast
 
 from twin.policy.kv_events import BlockRemoved, BlockStored, KVEvent
 
@@ -179,8 +179,8 @@ class BlockPool:
                     if entry.count:
                         lru[entry] = None
                         lru.move_to_end(entry, last=False)
-                else:
-                    del m[entry]
+                else:  # without Dups alive, every other entry is a first copy's key
+                    del m[cast(int, entry)]
                     n -= 1
                     self.num_lru_free -= 1
                     self.num_evictions += 1
@@ -243,9 +243,10 @@ class BlockPool:
         lru = self.free_lru
         freed = 0
         if not self.dups:  # no second copy is alive, so every held copy is a first copy (an int key)
-            for key in held_reversed:
-                ref = m[key] - 1  # type: ignore[index]
-                m[key] = ref  # type: ignore[index]
+            for h0 in held_reversed:
+                key = cast(int, h0)
+                ref = m[key] - 1
+                m[key] = ref
                 if not ref:
                     lru[key] = None
                     freed += 1
