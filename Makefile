@@ -1,7 +1,9 @@
 # Two entry points that work on a fresh machine with Python >= 3.10:
 #   make quickstart   set up .venv and simulate scenarios/quickstart.yaml into runs/quickstart
 #   make test         set up .venv with the test extras (dev, predict) and run the test suite
-# Optional: make compiled (a mypyc-compiled install in .venv-fast), make test-compiled, make bench.
+#                   (the light suite, then test-vllm)
+# Optional: make compiled (a mypyc-compiled install in .venv-fast), make test-compiled, make bench,
+#           make test-vllm (the heavy suite against real vLLM in .venv-vllm, built by scripts/setup_vllm_env.sh).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 FAST := .venv-fast
@@ -25,12 +27,18 @@ $(FAST)/.compiled: pyproject.toml setup.py $(shell find twin -name "*.py" -o -na
 	LLMTWIN_COMPILE=1 $(FAST)/bin/python -m pip install -q --no-build-isolation '.[dev]'
 	touch $@
 
-.PHONY: quickstart test compiled test-compiled bench clean
+.PHONY: quickstart test test-vllm compiled test-compiled bench clean
 quickstart: $(VENV)/.base
 	$(VENV)/bin/twin simulate scenarios/quickstart.yaml --out runs/quickstart
 
 test: $(VENV)/.dev
 	$(PY) -m pytest
+	$(MAKE) test-vllm
+
+# tests_vllm/ (outside tests/, so the light and compiled suites never collect it) in the heavy env
+test-vllm:
+	bash scripts/setup_vllm_env.sh
+	.venv-vllm/bin/python -m pytest tests_vllm
 
 compiled: $(FAST)/.compiled
 
@@ -42,4 +50,4 @@ bench: $(FAST)/.compiled
 	$(FAST)/bin/python benchmarks/bench_speed.py
 
 clean:
-	rm -rf $(VENV) $(FAST) build runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FAST) .venv-vllm build runs .pytest_cache .hypothesis

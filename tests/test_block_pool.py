@@ -6,7 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from twin.engine.block_pool import BlockPool
+from twin.engine.block_pool import BlockPool, Dup
+from twin.policy.kv_events import BlockRemoved, BlockStored
+from twin.policy.prefix_index import PreciseIndex
 
 
 class Holder:
@@ -24,8 +26,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.holders: list[Holder] = []
 
     def held(self):
-        """Physical blocks in use: a shared hashed block counts once, however many hold it."""
-        shared = {k for h in self.holders for k in h.keyed}
+        """Physical blocks in use: a shared cached copy counts once, however many hold it."""
+        shared = {k if isinstance(k, int) else id(k) for h in self.holders for k in h.keyed}
         return len(shared) + sum(h.anon for h in self.holders)
 
     @rule(n=st.integers(1, 10))
@@ -40,18 +42,17 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100), key=st.integers(0, 30))
     def register(self, i, key):
         h = self.holders[i % len(self.holders)]
-        if h.anon and self.pool.register(key):
+        if h.anon:  # a second copy when the hash is cached already, as vLLM keeps duplicates
             h.anon -= 1
-            h.keyed.append(key)
+            h.keyed.append(self.pool.register(key))
 
     @rule(keys=st.lists(st.integers(0, 30), max_size=5, unique=True))
     def hit(self, keys):
         n = self.pool.num_cached_hits(keys, len(keys))
         hits = keys[:n]
         if hits:
-            self.pool.touch(hits)
             h = Holder()
-            h.keyed = list(hits)
+            h.keyed = self.pool.touch(hits)
             self.holders.append(h)
 
     @precondition(lambda self: self.holders)
@@ -76,6 +77,15 @@ class PoolMachine(RuleBasedStateMachine):
                 refs[k] = refs.get(k, 0) + 1
         for k, r in self.pool.cached_block_hash_to_ref.items():
             assert r == refs.get(k, 0)
+        for copies in self.pool.dups.values():
+            for d in copies:
+                assert d.ref == sum(1 for h in self.holders for x in h.keyed if x is d)
+
+    @invariant()
+    def a_hash_is_hittable_while_any_copy_survives(self):
+        held = {k if isinstance(k, int) else k.key for h in self.holders for k in h.keyed}
+        for k in held:
+            assert self.pool.num_cached_hits([k], 1) == 1
 
 
 TestPool = PoolMachine.TestCase
@@ -87,7 +97,7 @@ def test_eviction_is_lru_by_release_time_and_unhashed_blocks_go_first():
     pool = BlockPool(11, 16, True)  # 10 usable
     pool.allocate(6)
     for k in (1, 2, 3):
-        assert pool.register(k)
+        assert pool.register(k) == k
     # release request A: keyed 1,2,3 (tail first) and one partial block
     pool.release_anon(1)
     pool.release_keyed(reversed([1, 2, 3]))
@@ -110,4 +120,45 @@ def test_a_hit_on_a_free_block_takes_it_out_of_the_free_queue():
     assert pool.num_free_among([9]) == 1
     pool.touch([9])
     assert pool.get_num_free_blocks() == 3 and pool.get_usage() == 0.25
+    pool.check()
+
+
+def test_a_second_copy_of_a_hash_is_kept_and_the_hash_outlives_the_first_copy():
+    """vLLM's BlockHashToBlockMap: one hash, several copies; eviction drops one; lookups take the oldest."""
+    pool = BlockPool(5, 16, True)  # 4 usable
+    pool.allocate(2)
+    first = pool.register(7)
+    second = pool.register(7)  # another request computed the same block
+    assert first == 7 and isinstance(second, Dup) and pool.get_num_free_blocks() == 2
+    pool.release_keyed([first])  # the first copy is freed first: it is evicted first
+    pool.release_keyed([second])
+    assert pool.get_num_free_blocks() == 4
+    pool.allocate(3)  # 2 never-used blocks, then the LRU front: the first copy
+    assert pool.num_evictions == 1 and pool.num_cached_hits([7], 1) == 1  # the Dup still serves hits
+    assert pool.num_free_among([7]) == 1
+    held = pool.touch([7])
+    assert held == [second] and second.ref == 1 and pool.get_num_free_blocks() == 0
+    pool.release_keyed(held)
+    pool.allocate(1)
+    assert pool.num_cached_hits([7], 1) == 0 and not pool.dups
+    pool.check()
+
+
+def test_events_tell_a_precise_index_every_stored_and_evicted_copy():
+    pool = BlockPool(4, 16, True)  # 3 usable
+    events = []
+    pool.event_sink = events.append
+    pool.allocate(3)
+    a, b = pool.register(1), pool.register(1, parent=None)
+    c = pool.register(2, parent=1)
+    assert events == [BlockStored([1], None, None, 16), BlockStored([1], None, None, 16),
+                      BlockStored([2], 1, None, 16)]
+    pool.release_keyed([c, b, a])
+    events.clear()
+    pool.allocate(2)  # the LRU front: 2, then the second copy of 1
+    assert events == [BlockRemoved([2, 1])]
+    idx = PreciseIndex()
+    for e in [BlockStored([1], None), BlockStored([1], None), BlockStored([2], 1), BlockRemoved([2, 1])]:
+        idx.apply("i", e)
+    assert idx.match([1, 2], ["i"]) == {"i": 1}
     pool.check()

@@ -145,3 +145,18 @@ def test_a_preempted_request_hits_its_own_surviving_blocks_when_resumed():
             if r.num_preemptions and r.own_run is not None:
                 seen.append(sched._lookup(r)[1])
     assert seen and max(seen) >= 200 // 16  # at least its prompt's full blocks are still there
+
+
+def test_a_turn_sent_while_the_previous_answer_streams_hits_the_blocks_it_filled():
+    """vLLM caches each decode block as it fills (`allocate_slots` caches up to num_tokens)."""
+    from twin.parity import ParityRequest, Workload, run_twin
+
+    prompt = list(range(1, 33))  # 2 blocks
+    answer = list(range(100, 164))  # 64 output tokens
+    a = ParityRequest(0, prompt, answer, arrival_step=0)
+    b = ParityRequest(1, prompt + answer + [7] * 10, [5, 5], arrival_step=40)
+    for mode in ("step", "fast"):
+        tr = run_twin(Workload("streaming", [a, b]), mode)
+        # step 0 prefills A; at step s A's decode caches up to 32 + s tokens: at step 40, 4 full blocks
+        assert tr.cached == {0: 0, 1: 64}, mode
+        assert tr.finish[0] == 63

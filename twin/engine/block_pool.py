@@ -8,11 +8,26 @@ anonymous ones. The full blocks of content that nobody can share (a prompt with 
 kept in the LRU as one *run* entry per release, so freeing or evicting them costs O(1), not O(blocks),
 while eviction order stays vLLM's. The preempted request keeps a handle on the run its blocks went
 to, so when resumed it can hit its own surviving blocks as it does in vLLM.
+
+Duplicates as vLLM keeps them (`BlockHashToBlockMap` in `vllm/v1/core/block_pool.py`): when a request
+computes a block whose hash is already cached, both copies are cached under the one hash; a lookup takes
+the oldest surviving copy (`get_one_block`), eviction drops one copy, and the hash stays hittable while any
+copy survives. The first copy of a hash is its int key (the common, fast case); later copies are `Dup`
+objects, so a held or free block is named by an int (first copy) or a `Dup`. A copy is added only while
+the hash has copies, so an int copy, when alive, is always the oldest.
+
+KV events (`vllm/distributed/kv_events.py`) go to `event_sink` when one is set: `BlockStored` for every
+registration call with all its new hashes, duplicate copies included (`cache_full_blocks`), and
+`BlockRemoved` for each evicted cached copy (`_maybe_evict_cached_block`), batched per allocation. Runs
+(content nobody can share) emit nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable, Iterable, Sequence, Union, cast
+
+from twin.policy.kv_events import BlockRemoved, BlockStored, KVEvent
 
 
 class Run:
@@ -22,6 +37,19 @@ class Run:
 
     def __init__(self, count: int) -> None:
         self.count = count
+
+
+class Dup:
+    """A second (third...) cached copy of hash `key`, with its own reference count."""
+
+    __slots__ = ("key", "ref")
+
+    def __init__(self, key: int, ref: int) -> None:
+        self.key = key
+        self.ref = ref
+
+
+Handle = Union[int, Dup]  # a cached block a request holds: the first copy of a hash (its key) or a Dup
 
 
 class BlockPool:
@@ -36,12 +64,15 @@ class BlockPool:
         # block 0 is the permanent null block, as in vLLM: usable blocks = num_gpu_blocks - 1
         self.num_usable_blocks = num_gpu_blocks - 1
         self.num_anon_free = self.num_usable_blocks  # front of vLLM's free queue
-        # cached free blocks in LRU order (front = evicted first): hash -> None, or Run -> None
-        self.free_lru: OrderedDict[int | Run, None] = OrderedDict()
+        # cached free blocks in LRU order (front = evicted first): a first copy's key, a Dup, or a Run
+        self.free_lru: OrderedDict[int | Run | Dup, None] = OrderedDict()
         self.num_lru_free = 0
-        # every live hashed block: hash -> ref_cnt (0 means it sits in free_lru)
+        # the first copy of every hash whose first copy is alive: hash -> ref_cnt (0 means it is in free_lru)
         self.cached_block_hash_to_ref: dict[int, int] = {}
+        # later copies, oldest first: hash -> [Dup]; a hash is cached iff it is in either map
+        self.dups: dict[int, list[Dup]] = {}
         self.num_evictions = 0
+        self.event_sink: Callable[[KVEvent], None] | None = None
 
     # -- queries -------------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -51,33 +82,68 @@ class BlockPool:
         """Fraction of usable blocks referenced by some request (vLLM's `kv_cache_usage_perc`)."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
-    def num_cached_hits(self, keys, max_blocks: int) -> int:
+    def is_cached(self, key: int) -> bool:
+        return key in self.cached_block_hash_to_ref or key in self.dups
+
+    def num_cached_hits(self, keys: Iterable[int], max_blocks: int) -> int:
         """Length of the longest run of leading `keys` (at most `max_blocks`) that are cached."""
         if not self.enable_caching:
             return 0
         m = self.cached_block_hash_to_ref
+        d = self.dups
         n = 0
         for key in keys:
-            if n >= max_blocks or key not in m:
+            if n >= max_blocks or (key not in m and key not in d):
                 break
             n += 1
         return n
 
-    def num_free_among(self, keys) -> int:
+    def num_free_among(self, keys: Iterable[int]) -> int:
         """How many of these cached `keys` sit in the free queue (touching them costs free capacity)."""
         m = self.cached_block_hash_to_ref
-        return sum(1 for k in keys if m[k] == 0)
+        if not self.dups:
+            return sum(1 for k in keys if m[k] == 0)
+        n = 0
+        for k in keys:  # the copy a lookup takes: the first if alive, else the oldest Dup
+            if k in m:
+                n += m[k] == 0
+            else:
+                n += self.dups[k][0].ref == 0
+        return n
 
     # -- mutations -----------------------------------------------------------------------------------
-    def touch(self, keys) -> None:
-        """A request hit these cached blocks: take them out of the free queue and add a reference."""
+    def touch(self, keys: Sequence[int]) -> list[Handle]:
+        """A request hit these cached blocks: take them out of the free queue and add a reference.
+
+        Returns the copies it now holds (vLLM `BlockPool.touch` on `get_cached_block`'s first copy).
+        """
         m = self.cached_block_hash_to_ref
+        lru = self.free_lru
+        if not self.dups:
+            for key in keys:
+                ref = m[key]
+                if ref == 0:
+                    del lru[key]
+                    self.num_lru_free -= 1
+                m[key] = ref + 1
+            return list(keys)
+        held: list[Handle] = []
         for key in keys:
-            ref = m[key]
-            if ref == 0:
-                del self.free_lru[key]
-                self.num_lru_free -= 1
-            m[key] = ref + 1
+            if key in m:
+                ref = m[key]
+                if ref == 0:
+                    del lru[key]
+                    self.num_lru_free -= 1
+                m[key] = ref + 1
+                held.append(key)
+            else:
+                d = self.dups[key][0]
+                if d.ref == 0:
+                    del lru[d]
+                    self.num_lru_free -= 1
+                d.ref += 1
+                held.append(d)
+        return held
 
     def touch_run(self, run: Run, n: int) -> None:
         """A resumed request takes back the first `n` blocks of its own run; the rest become anonymous."""
@@ -96,8 +162,29 @@ class BlockPool:
         take = min(n, self.num_anon_free)
         self.num_anon_free -= take
         n -= take
+        if n == 0:
+            return
         lru = self.free_lru
         m = self.cached_block_hash_to_ref
+        removed: list[int] | None = [] if self.event_sink is not None else None
+        if not self.dups and removed is None:  # the common case: first copies and runs only
+            while n > 0:
+                entry, _ = lru.popitem(last=False)
+                if isinstance(entry, Run):
+                    k = min(n, entry.count)
+                    entry.count -= k
+                    n -= k
+                    self.num_lru_free -= k
+                    self.num_evictions += k
+                    if entry.count:
+                        lru[entry] = None
+                        lru.move_to_end(entry, last=False)
+                else:  # without Dups alive, every other entry is a first copy's key
+                    del m[cast(int, entry)]
+                    n -= 1
+                    self.num_lru_free -= 1
+                    self.num_evictions += 1
+            return
         while n > 0:
             entry, _ = lru.popitem(last=False)
             if isinstance(entry, Run):
@@ -109,40 +196,75 @@ class BlockPool:
                 if entry.count:  # partly used: the rest stays at the front
                     lru[entry] = None
                     lru.move_to_end(entry, last=False)
+                continue
+            if isinstance(entry, Dup):
+                key = entry.key
+                copies = self.dups[key]
+                copies.remove(entry)
+                if not copies:
+                    del self.dups[key]
             else:
-                del m[entry]
-                n -= 1
-                self.num_lru_free -= 1
-                self.num_evictions += 1
+                key = entry
+                del m[key]
+            n -= 1
+            self.num_lru_free -= 1
+            self.num_evictions += 1
+            if removed is not None:
+                removed.append(key)
+        if removed and self.event_sink is not None:
+            self.event_sink(BlockRemoved(removed))
 
-    def register(self, key: int) -> bool:
-        """An allocated, now full block gets hash `key`. False if that hash is already cached (a duplicate)."""
-        if not self.enable_caching:
-            return False
+    def add_copy(self, key: int) -> Handle:
+        """An allocated, now full block gets hash `key`, held once; a second copy if `key` is cached."""
         m = self.cached_block_hash_to_ref
-        if key in m:
-            return False
-        m[key] = 1
-        return True
+        if key not in m and key not in self.dups:
+            m[key] = 1
+            return key
+        d = Dup(key, 1)
+        copies = self.dups.get(key)
+        if copies is None:
+            self.dups[key] = [d]
+        else:
+            copies.append(d)
+        return d
 
-    def release_keyed(self, keys_reversed) -> None:
-        """Drop one reference per key (tail first); blocks reaching zero go to the tail of the LRU."""
+    def register(self, key: int, parent: int | None = None) -> Handle | None:
+        """`add_copy` plus its `BlockStored` event; None without prefix caching (nothing is cached)."""
+        if not self.enable_caching:
+            return None
+        h = self.add_copy(key)
+        if self.event_sink is not None:
+            self.event_sink(BlockStored([key], parent, None, self.block_size))
+        return h
+
+    def release_keyed(self, held_reversed: Iterable[Handle]) -> None:
+        """Drop one reference per held copy (tail first); copies reaching zero go to the tail of the LRU."""
         m = self.cached_block_hash_to_ref
         lru = self.free_lru
         freed = 0
-        for key in keys_reversed:
-            ref = m[key] - 1
-            m[key] = ref
+        if not self.dups:  # no second copy is alive, so every held copy is a first copy (an int key)
+            for h0 in held_reversed:
+                key = cast(int, h0)
+                ref = m[key] - 1
+                m[key] = ref
+                if not ref:
+                    lru[key] = None
+                    freed += 1
+            self.num_lru_free += freed
+            return
+        for h in held_reversed:
+            if isinstance(h, Dup):
+                h.ref -= 1
+                if not h.ref:
+                    lru[h] = None
+                    freed += 1
+                continue
+            ref = m[h] - 1
+            m[h] = ref
             if not ref:
-                lru[key] = None
+                lru[h] = None
                 freed += 1
         self.num_lru_free += freed
-
-    def release_cached_unkeyed(self, key: int) -> None:
-        """A freed full block whose hash was never registered: cache it now, straight into the LRU."""
-        self.cached_block_hash_to_ref[key] = 0
-        self.free_lru[key] = None
-        self.num_lru_free += 1
 
     def release_run(self, count: int) -> Run | None:
         """Freed full blocks nobody else can hit: one LRU entry (or anonymous blocks without caching)."""
@@ -167,11 +289,16 @@ class BlockPool:
             if isinstance(entry, Run):
                 assert entry.count > 0
                 lru_total += entry.count
+            elif isinstance(entry, Dup):
+                assert entry.ref == 0 and entry in self.dups[entry.key]
+                lru_total += 1
             else:
                 assert self.cached_block_hash_to_ref[entry] == 0
                 lru_total += 1
         assert lru_total == self.num_lru_free, (lru_total, self.num_lru_free)
         zero = sum(1 for r in self.cached_block_hash_to_ref.values() if r == 0)
+        zero += sum(1 for c in self.dups.values() for d in c if d.ref == 0)
         assert zero == sum(1 for e in self.free_lru if type(e) is not Run)
         assert all(r >= 0 for r in self.cached_block_hash_to_ref.values())
+        assert all(c and all(d.ref >= 0 and d.key == k for d in c) for k, c in self.dups.items())
         assert 0 <= self.get_num_free_blocks() <= self.num_usable_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from twin.engine.block_pool import Run
+from twin.engine.block_pool import Handle, Run
 
 
 class RequestStatus(IntEnum):
@@ -25,7 +25,7 @@ class Request:
         "idx", "arrival_time", "num_prompt_tokens", "max_tokens", "block_keys", "session_id",
         "status", "num_computed_tokens", "num_output_tokens", "num_cached_tokens", "num_preemptions",
         "keyed", "num_blocks", "next_reg", "own_run",
-        "in_decode", "out_base", "d_base", "phase", "heap_seq",
+        "in_decode", "out_base", "d_base", "phase", "heap_seq", "run_seq", "reg_pending",
         "first_token_time", "last_output_time",
     )
 
@@ -42,7 +42,7 @@ class Request:
         self.num_output_tokens = 0
         self.num_cached_tokens = -1  # set at first admission
         self.num_preemptions = 0
-        self.keyed: list[int] = []  # hashed blocks this request holds a reference to
+        self.keyed: list[Handle] = []  # cached block copies this request holds a reference to
         self.num_blocks = 0  # blocks held (keyed + anonymous); derived while decoding
         self.next_reg = 0  # next block index whose hash may still be registered
         self.own_run: Run | None = None  # its unshareable blocks freed by a preemption, still hittable by itself
@@ -51,6 +51,8 @@ class Request:
         self.d_base = 0
         self.phase = 0
         self.heap_seq = -1
+        self.run_seq = -1  # order of admission to the running list (vLLM's running order)
+        self.reg_pending = False  # a decode member whose block keys still cover blocks it will fill
         self.first_token_time = -1.0
         self.last_output_time = -1.0
 

@@ -9,7 +9,10 @@ Decoding requests advance in lockstep, so they form one *decode group* driven by
 counter `D`: a member's output count is `out_base + D - d_base`. A step then costs O(1) for all
 decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the fast-forward).
 Blocks a decode needs follow from its position modulo the block size (`phase_count`), finishes from
-a heap keyed by the value of `D` at which each member reaches its `max_tokens`.
+a heap keyed by the value of `D` at which each member reaches its `max_tokens`. Output blocks are cached
+as they fill, as vLLM's `allocate_slots` caches every block full within the tokens it schedules: members
+whose block keys cover their output sit in per-phase buckets (`reg_buckets`), so a step touches only the
+members that cross a block boundary in it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from twin.engine.block_pool import BlockPool
+from twin.policy.kv_events import BlockStored
 from twin.engine.request import Request, RequestStatus
 from twin.perf.base import StepBatch, StepTimeModel
 from twin.records import RequestLog
@@ -105,6 +109,10 @@ class EngineStats:
     itl: ItlRecorder = field(default_factory=ItlRecorder)
 
 
+def _by_run_seq(r: Request) -> int:
+    return r.run_seq
+
+
 class Scheduler:
     """Waiting queue, running list, decode group, block pool and records of one engine."""
 
@@ -127,6 +135,12 @@ class Scheduler:
         self.decode_context = 0  # sum over members of the tokens each attends to in the next step
         self.group_last_out = 0.0
         self.stale: dict[Request, float] = {}  # members whose last output was not the group's
+        # members with blocks still to register, by phase: those with phase (-D-1) % bs fill a block at D
+        self.reg_buckets: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
+        self.num_reg_members = 0
+        self._reg_by_first_key: dict[int, dict[Request, None]] = {}  # the same members by their first key
+        self._run_seq = 0
+        self._num_registrations = 0  # registration calls so far: a refused head may hit more after one
         self.stats = EngineStats()
         self._watermark_blocks = int(config.watermark * pool.num_gpu_blocks)
         self._blocked: tuple | None = None  # (head, len(running), num_decode, free) when it was refused
@@ -169,6 +183,15 @@ class Scheduler:
         self._heap_seq += 1
         r.heap_seq = self._heap_seq
         heapq.heappush(self.finish_heap, (self.D + r.max_tokens - r.out_base, self._heap_seq, r))
+        if r.next_reg < len(r.block_keys) and self.pool.enable_caching:
+            r.reg_pending = True
+            self.reg_buckets[r.phase][r] = None
+            self.num_reg_members += 1
+            group = self._reg_by_first_key.get(r.block_keys[0])
+            if group is None:
+                self._reg_by_first_key[r.block_keys[0]] = {r: None}
+            else:
+                group[r] = None
         if self.num_decode == 1:
             self.group_last_out = now
         elif self.group_last_out != now:
@@ -181,6 +204,8 @@ class Scheduler:
         r.num_computed_tokens = r.num_prompt_tokens + out - 1
         r.num_blocks = -(-r.num_computed_tokens // self.block_size)
         self.phase_count[r.phase] -= 1
+        if r.reg_pending:
+            self._drop_reg(r)
         self.num_decode -= 1
         self.decode_context -= r.num_computed_tokens + 1
         r.in_decode = False
@@ -194,6 +219,9 @@ class Scheduler:
         """A member got no token this step (budget exhausted): it falls one step behind the group."""
         bs = self.block_size
         self.phase_count[r.phase] -= 1
+        if r.reg_pending:
+            del self.reg_buckets[r.phase][r]
+            self.reg_buckets[(r.phase - 1) % bs][r] = None
         r.d_base += 1
         r.phase = (r.phase - 1) % bs
         self.phase_count[r.phase] += 1
@@ -203,6 +231,48 @@ class Scheduler:
         if r not in self.stale:
             self.stale[r] = self.group_last_out
 
+    def _drop_reg(self, r: Request) -> None:
+        del self.reg_buckets[r.phase][r]
+        r.reg_pending = False
+        self.num_reg_members -= 1
+        first = r.block_keys[0]
+        group = self._reg_by_first_key[first]
+        del group[r]
+        if not group:
+            del self._reg_by_first_key[first]
+
+    def _crossing(self, d: int) -> list[Request]:
+        """Members that fill a block in the step at group counter `d`, in running order."""
+        b = self.reg_buckets[(-d - 1) % self.block_size]
+        if not b:
+            return []
+        if len(b) == 1:
+            return list(b)
+        return sorted(b, key=_by_run_seq)
+
+    def _register_member(self, r: Request, d: int) -> None:
+        """A member's decode at group counter `d` fills a block: cache it (vLLM caches up to num_tokens)."""
+        j = r.next_reg
+        keys = r.block_keys
+        if (r.num_prompt_tokens + r.out_base + d - r.d_base) // self.block_size != j + 1:
+            self._register_full_blocks(r, r.num_prompt_tokens + r.out_base + d - r.d_base)
+        else:  # exactly block j: `_register_full_blocks` for one block, inlined
+            pool = self.pool
+            key = keys[j]
+            m = pool.cached_block_hash_to_ref
+            if key in m or key in pool.dups:
+                r.keyed.append(pool.add_copy(key))
+            else:
+                m[key] = 1
+                r.keyed.append(key)
+            r.next_reg = j + 1
+            self._num_registrations += 1
+            sink = pool.event_sink
+            if sink is not None:
+                sink(BlockStored([key], keys[j - 1] if j else None, None, self.block_size))
+        if r.next_reg >= len(keys):
+            self._drop_reg(r)
+
     def _next_finish_d(self) -> int | None:
         h = self.finish_heap
         while h and h[0][2].heap_seq != h[0][1]:
@@ -211,17 +281,36 @@ class Scheduler:
 
     # -- KV ----------------------------------------------------------------------------------------
     def _register_full_blocks(self, r: Request, computed: int) -> None:
-        """Blocks that are full after computing `computed` tokens get their hash (vLLM `cache_blocks`)."""
+        """Blocks full after computing `computed` tokens get their hash (vLLM `cache_blocks`).
+
+        A hash already cached gets a second copy, as vLLM does not deduplicate (`cache_full_blocks`); one
+        `BlockStored` event per call carries all the new hashes (`BlockPool.cache_full_blocks`).
+        """
+        start = r.next_reg
         end = min(computed // self.block_size, len(r.block_keys))
-        if end <= r.next_reg:
+        if end <= start:
             return
-        if self.pool.enable_caching:  # BlockPool.register, inlined: this loop runs once per prompt block
-            m = self.pool.cached_block_hash_to_ref
+        pool = self.pool
+        if pool.enable_caching:  # BlockPool.add_copy, inlined: this loop runs once per prompt block
+            m = pool.cached_block_hash_to_ref
             keyed = r.keyed
-            for key in r.block_keys[r.next_reg:end]:
-                if key not in m:
-                    m[key] = 1
-                    keyed.append(key)
+            keys = r.block_keys
+            if pool.dups:
+                for j in range(start, end):
+                    keyed.append(pool.add_copy(keys[j]))
+            else:
+                for j in range(start, end):
+                    key = keys[j]
+                    if key in m:
+                        keyed.append(pool.add_copy(key))
+                    else:
+                        m[key] = 1
+                        keyed.append(key)
+            self._num_registrations += 1
+            sink = pool.event_sink
+            if sink is not None:
+                sink(BlockStored(list(keys[start:end]), keys[start - 1] if start else None, None,
+                                 self.block_size))
         r.next_reg = end
 
     def _free_request(self, r: Request, preempted: bool) -> None:
@@ -229,25 +318,13 @@ class Scheduler:
         pool = self.pool
         bs = self.block_size
         computed = r.num_computed_tokens
+        if r.next_reg < len(r.block_keys):  # every full computed block is registered; no-op normally
+            self._register_full_blocks(r, computed)
         full = computed // bs
-        partial = r.num_blocks - full
-        keyed_region = min(len(r.block_keys), full)
-        late: list[int] = []
-        if pool.enable_caching:
-            m = pool.cached_block_hash_to_ref
-            for j in range(r.next_reg, keyed_region):  # full blocks (e.g. outputs) not yet hashed
-                key = r.block_keys[j]
-                if key not in m:
-                    late.append(key)
-        n_dups = keyed_region - len(r.keyed) - len(late)
-        pool.release_anon(partial)
-        tail = full - keyed_region
-        run = pool.release_run(tail)
+        pool.release_anon(r.num_blocks - full)  # the partial block
+        run = pool.release_run(full - len(r.keyed))  # full blocks past the keys: nobody else hits them
         if preempted:
             r.own_run = run
-        pool.release_run(n_dups)
-        for key in reversed(late):
-            pool.release_cached_unkeyed(key)
         pool.release_keyed(reversed(r.keyed))
         r.keyed = []
         r.num_blocks = 0
@@ -372,9 +449,17 @@ class Scheduler:
         self.pool.allocate(need)
         out.num_decode = nd
         out.decode_context = self.decode_context
+        cross = self._crossing(self.D) if self.num_reg_members else []
+        ci = 0
+        D = self.D
         for r, n in zip(pre, wants):
             if n:
+                while ci < len(cross) and cross[ci].run_seq < r.run_seq:  # registrations in running order
+                    self._register_member(cross[ci], D)
+                    ci += 1
                 self._schedule_chunk(r, n, out)
+        for m in cross[ci:]:
+            self._register_member(m, D)
         return True
 
     def _schedule_chunk(self, r: Request, n: int, out: SchedulerOutput) -> None:
@@ -395,6 +480,7 @@ class Scheduler:
         pool = self.pool
         running = self.running
         target = (-self.D) % bs  # a member needs a new block this step iff its phase equals this
+        fills = (-self.D - 1) % bs  # ... and fills one iff its phase equals this
         free = pool.get_num_free_blocks()
         pending = 0
         i = 0
@@ -424,6 +510,8 @@ class Scheduler:
                 if self_preempted:
                     break
             pending += nb
+            if r.reg_pending and r.phase == fills:
+                self._register_member(r, self.D)
             if not r.in_decode:
                 pool.allocate(pending)
                 free -= pending
@@ -459,9 +547,7 @@ class Scheduler:
             hit_tokens = hit_blocks * bs
             self.waiting.popleft()
             if hk:
-                keys = r.block_keys[:hk]
-                pool.touch(keys)
-                r.keyed = list(keys)
+                r.keyed = pool.touch(r.block_keys[:hk])
             if r.own_run is not None:
                 if own:
                     pool.touch_run(r.own_run, own)
@@ -479,6 +565,8 @@ class Scheduler:
                 self.stats.prefix_cache_hits += hit_tokens
             r.status = RequestStatus.RUNNING
             log.status[r.idx] = RequestStatus.RUNNING
+            self._run_seq += 1
+            r.run_seq = self._run_seq
             self.running.append(r)
             self.prefilling.append(r)
             self._schedule_chunk(r, n, out)
@@ -561,10 +649,13 @@ class Scheduler:
             thr = self.config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
             if self._can_admit_head(budget_left, thr):
                 return 0
-            self._blocked = (self.waiting[0], len(self.running), self.num_decode, free)
+            self._blocked = (self.waiting[0], len(self.running), self.num_decode, free,
+                             self._num_registrations)
         d_fin = self._next_finish_d()
         assert d_fin is not None  # every member has a live heap entry
         k = min(d_fin - self.D, max_steps)
+        if self.waiting and self.num_reg_members:
+            k = min(k, self._steps_until_head_may_hit_more())
         bs = self.block_size
         if free < self.num_decode * -(-k // bs):  # some member may run out of blocks within k steps
             k = min(k, self._steps_until_blocks_run_out(free))
@@ -573,11 +664,35 @@ class Scheduler:
     def _head_stays_blocked(self, free: int) -> bool:
         """The queue head was refused with at least as many free blocks and the same batch: still refused.
 
-        Free blocks only shrink while the batch decodes, and evictions only shrink the head's hit.
+        Free blocks only shrink while the batch decodes, and evictions only shrink the head's hit; a
+        registration since could have grown it.
         """
         b = self._blocked
         return (b is not None and b[0] is self.waiting[0] and b[1] == len(self.running)
-                and b[2] == self.num_decode and free <= b[3])
+                and b[2] == self.num_decode and free <= b[3] and b[4] == self._num_registrations)
+
+    def _steps_until_head_may_hit_more(self) -> int:
+        """Steps before a decode member caches the block the queue head misses first (its hit would grow).
+
+        Keys are chained, so the head's hit grows only when its first uncached key is registered, and a
+        member holding that key registers it at the same block index.
+        """
+        head = self.waiting[0]
+        keys = head.block_keys
+        if not keys or keys[0] not in self._reg_by_first_key:  # it shares no block with any such member
+            return 1 << 30
+        hk = self.pool.num_cached_hits(keys, len(keys))
+        if hk >= len(keys):
+            return 1 << 30
+        key = keys[hk]
+        bs = self.block_size
+        best = 1 << 30
+        for r in self._reg_by_first_key[keys[0]]:
+            if r.next_reg <= hk < len(r.block_keys) and r.block_keys[hk] == key:
+                # it caches block hk in the step where prompt + outputs reaches (hk + 1) * bs
+                s = (hk + 1) * bs - r.num_prompt_tokens - self._member_output(r)
+                best = min(best, max(s, 0))
+        return best
 
     def _steps_until_blocks_run_out(self, free: int) -> int:
         """Decode steps the group can take before the free blocks cannot cover a step's allocations."""
@@ -618,6 +733,10 @@ class Scheduler:
             used += pc[(-(D + s)) % bs]
             block_seconds += used * durations[s]
         self.pool.allocate(used - used0)
+        if self.num_reg_members:  # output blocks filled during the run, step by step in running order
+            for s in range(j):
+                for r in self._crossing(D + s):
+                    self._register_member(r, D + s)
         stats.kv_used_block_seconds += block_seconds
         if used > stats.kv_peak_used_blocks:
             stats.kv_peak_used_blocks = used
