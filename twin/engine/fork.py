@@ -15,7 +15,7 @@ from bisect import bisect_left
 from collections import OrderedDict, deque
 from itertools import accumulate
 
-from twin.engine.block_pool import BlockPool, Run
+from twin.engine.block_pool import BlockPool, Dup, Run
 from twin.engine.request import Request
 from twin.engine.scheduler import EngineStats, Scheduler, SchedulerOutput
 from twin.records import RequestLog
@@ -31,20 +31,32 @@ class ForkLog(RequestLog):
             setattr(self, col, {})
 
 
+def _same(runs: dict, x):
+    """The fork's copy of a shared mutable pool entry (a Run or a Dup), made once: the pool's queue, its
+    duplicate lists and the requests' handles must keep pointing at the same object."""
+    if isinstance(x, Run):
+        c = runs.get(id(x))
+        if c is None:
+            c = runs[id(x)] = Run(x.count)
+        return c
+    if isinstance(x, Dup):
+        c = runs.get(id(x))
+        if c is None:
+            c = runs[id(x)] = Dup(x.key, x.ref)
+        return c
+    return x
+
+
 def _fork_pool(pool: BlockPool, runs: dict) -> BlockPool:
     new = BlockPool(pool.num_gpu_blocks, pool.block_size, pool.enable_caching)
     for name, value in vars_of(pool).items():
         if name == "free_lru":
             lru: OrderedDict = OrderedDict()
             for entry in value:
-                if isinstance(entry, Run):
-                    r = runs.get(id(entry))
-                    if r is None:
-                        r = runs[id(entry)] = Run(entry.count)
-                    lru[r] = None
-                else:
-                    lru[entry] = None
+                lru[_same(runs, entry)] = None
             setattr(new, name, lru)
+        elif name == "dups":
+            setattr(new, name, {k: [_same(runs, d) for d in v] for k, v in value.items()})
         elif name == "event_sink":
             setattr(new, name, None)
         elif isinstance(value, dict):
@@ -89,14 +101,14 @@ def _make_request_copier():
     special = {"block_keys", "own_run", "keyed"}
     lines = ["def copy_into(r, new, runs):"]
     lines += [f"    new.{n} = r.{n}" for n in _attr_names(Request) if n not in special]
-    lines += ["    new.keyed = list(r.keyed)",
+    lines += ["    new.keyed = [h if h.__class__ is int else same(runs, h) for h in r.keyed]",
               "    run = r.own_run",
               "    if run is not None:",
               "        rr = runs.get(id(run))",
               "        if rr is None:",
               "            rr = runs[id(run)] = Run(run.count)",
               "        new.own_run = rr"]
-    ns: dict = {"Run": Run}
+    ns: dict = {"Run": Run, "same": _same}
     exec("\n".join(lines), ns)  # noqa: S102 - generated from the class's own attribute names
     return ns["copy_into"]
 
@@ -247,6 +259,10 @@ def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Schedule
             value = list(value)
         elif name == "stats":
             value = EngineStats()
+        elif name == "reg_buckets":
+            value = [{R(r): None for r in b} for b in value]
+        elif name == "_reg_by_first_key":
+            value = {k: {R(r): None for r in d} for k, d in value.items()}
         elif name == "_blocked":
             value = None if value is None else (R(value[0]), *value[1:])
         elif isinstance(value, (list, dict, deque)):
