@@ -90,6 +90,12 @@ class Cluster:
         assert self.engine_config.max_model_len is not None  # engine_config() fills it in
         self.max_model_len: int = self.engine_config.max_model_len
         self.max_tokens_cap = sc.workload.max_tokens
+        # what-if semantic batching: regroups an instance's waiting queue as requests enter it (twin.whatif.semantic)
+        self.queue_order: Callable[[object], None] | None = None
+        if sc.whatif.semantic_batching.enabled:
+            from twin.whatif.semantic import queue_order
+
+            self.queue_order = queue_order(sc, self.max_model_len)
         rs = sc.router
         self.dispatcher = Dispatcher(
             self.env, router, self.instances, scrape_interval_s=rs.scrape_interval_s,
@@ -221,6 +227,8 @@ class Cluster:
             return
         self.dispatcher.dispatched(i, view, inst.id)
         inst.add_request(r)
+        if self.queue_order is not None:
+            self.queue_order(inst.scheduler.waiting)
 
     def _reject(self, i: int, reason: str, detail: str) -> None:
         self.log.reject(i, reason, detail)

@@ -119,6 +119,7 @@ def summarize(result: SimResult) -> dict:
         "num_gpu_blocks": result.num_gpu_blocks,
         "engine_steps": sum(s.num_steps for s in stats),
         "roofline_ceiling_tok_s": ceiling,
+        "processed_tok_s": processed_rate,  # prompt tokens computed + generated, per second: <= the ceiling
         "physics_ok": bool(processed_rate <= ceiling * (1 + 1e-9)),
         "engine": engine_summary(sc, result.instances[0].config if result.instances else engine_config(sc),
                                  result.num_gpu_blocks, result.perf),
