@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import inspect
 import time
+from collections import deque
 from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable
@@ -91,7 +92,7 @@ class Cluster:
         self.max_model_len: int = self.engine_config.max_model_len
         self.max_tokens_cap = sc.workload.max_tokens
         # what-if semantic batching: regroups an instance's waiting queue as requests enter it (twin.whatif.semantic)
-        self.queue_order: Callable[[object], None] | None = None
+        self.queue_order: Callable[[deque], None] | None = None
         if sc.whatif.semantic_batching.enabled:
             from twin.whatif.semantic import queue_order
 
