@@ -277,3 +277,20 @@ def test_resource_estimator_learns_the_twin_and_reports_its_error():
     assert rep["kv_blocks_rel_err"] < 0.1
     b = [BIG_DECODE, SMALL_DECODE]
     assert est.step_time(b).shape == (2,)
+
+
+def test_summary_and_cli_say_which_actions_ran_and_which_numbers_are_assumptions(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps({"cluster": {"num_instances": 1}, "workload": {
+        "num_requests": 30, "arrival": {"rate": 10}, "lengths": {"kind": "fixed", "prompt_tokens": 200, "output_tokens": 20}},
+        "whatif": {"early_exit": {}, "precision": {"fp8_fraction": 0.5, "accuracy_note": "MMLU -0.3 (our eval)"},
+                   "semantic_batching": {"predictor": "oracle"}}}))
+    r = runner.invoke(app, ["simulate", str(path), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("what-if:"))
+    assert "semantic_batching (oracle lengths)" in line and "MMLU -0.3 (our eval)" in line
+    assert "whatif.early_exit.token_share" in line
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert set(s["whatif"]) == {"early_exit", "precision", "semantic_batching"}
+    assert s["perf_model"]["whatif"]["precision"]["accuracy_note"] == "MMLU -0.3 (our eval)"
+    assert s["perf_model"]["whatif"]["precision"]["accuracy"] == "not simulated"

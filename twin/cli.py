@@ -93,6 +93,14 @@ def print_summary(s: dict, console: Console) -> None:
     )
     if not s["physics_ok"]:
         console.print("[bold red]WARNING: processed tokens/s exceed the hardware's roofline ceiling: a model bug[/]")
+    if s.get("whatif"):
+        pm = s["perf_model"]
+        notes = [f"{k} ({v.get('predictor')} lengths)" if k == "semantic_batching" else k for k, v in s["whatif"].items()]
+        assumed = [a for a in pm.get("assumptions", []) if a.startswith("whatif.")]
+        acc = pm.get("whatif", {}).get("precision", {}).get("accuracy_note")
+        console.print("what-if: " + ", ".join(notes) + "; accuracy not simulated"
+                      + (f" (your note: {acc})" if acc else "")
+                      + (f"; ASSUMPTIONS: {', '.join(assumed)}" if assumed else ""), highlight=False, soft_wrap=True)
 
 
 def default_out(name: str, root: Path = Path("runs")) -> Path:

@@ -124,6 +124,7 @@ def summarize(result: SimResult) -> dict:
         "engine": engine_summary(sc, result.instances[0].config if result.instances else engine_config(sc),
                                  result.num_gpu_blocks, result.perf),
         "perf_model": result.perf.describe(),
+        "whatif": {k: v for k, v in sc.whatif.model_dump().items() if v["enabled"]},  # actions on (twin.whatif)
         "router": result.router_info,
         "gpu_seconds": fleet.gpu_seconds(result.sim_time_s) if fleet is not None
         else len(result.instances) * sc.cluster.tensor_parallel * result.sim_time_s,
