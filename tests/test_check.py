@@ -39,6 +39,10 @@ def test_ceilings_follow_the_datasheet():
     assert c.decode_tok_s < c.mixed_tok_s < c.prefill_tok_s
     assert c.max_concurrent_seqs == c.num_gpu_blocks // (2048 // 16)
     assert c.kv_capacity_tokens == c.num_gpu_blocks * 16
+    assert c.decode_bound == "memory (KV reads)"  # 2k-token contexts: KV reads outweigh the weights
+    short = ceilings(build_perf(sc), engine_config(sc), 64)
+    assert short.decode_bound == "compute" and short.max_concurrent_seqs > short.crossover_batch
+    assert short.decode_tok_s > 0.5 * short.compute_tok_s
 
 
 def test_per_gpu_ceilings_with_tensor_parallelism_and_fp8():

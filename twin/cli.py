@@ -715,7 +715,7 @@ def print_ceilings(c, console: Console) -> None:
               f"compute above {cross} tokens per step")
     t.add_row(f"decode, 1 sequence at {c.context:,}", fmt_rate(c.decode_batch1_tok_s), "memory (weights + KV reads)")
     t.add_row(f"decode, {c.max_concurrent_seqs:,} sequences at {c.context:,} (KV full)", fmt_rate(c.decode_tok_s),
-              "memory (KV reads)" if c.max_concurrent_seqs else "no sequence fits")
+              c.decode_bound or "?")
     t.add_row(f"mixed, prompt:output {c.mix[0]:g}:{c.mix[1]:g}", fmt_rate(c.mixed_tok_s), "prefill + decode time-shared")
     console.print(t)
     console.print(f"compute- and memory-bound cross at a batch of {cross} tokens per step (linear layers)",

@@ -53,6 +53,7 @@ class Ceilings:
     block_size: int
     mix: tuple[float, float]  # prompt : output tokens
     mixed_tok_s: float
+    decode_bound: str = ""  # what limits decode at the largest batch: KV reads, weight reads or compute
     notes: list[str] = field(default_factory=list)
 
     def per_traffic(self) -> dict[str, float]:
@@ -120,6 +121,13 @@ def ceilings(perf: StepTimeModel, cfg: EngineConfig, context: int, mix: tuple[fl
     else:
         decode = 0.0
         notes.append(f"a sequence of {context:,} tokens does not fit the KV cache ({blocks * bs:,} tokens)")
+    bound = "no sequence fits"
+    groups = getattr(ideal, "group_times", None)
+    if max_seqs >= 1 and groups is not None:
+        g = groups(StepBatch(num_decode_tokens=max_seqs, decode_context_tokens=max_seqs * context))
+        cross = crossover_batch(ideal) or 0
+        bound = ("memory (KV reads)" if g["decode_attn"] > g["linear"] else
+                 "compute" if max_seqs >= cross else "memory (weight reads)")
     p, o = mix
     share_p, share_o = p / (p + o), o / (p + o)
     if decode > 0:
@@ -127,7 +135,7 @@ def ceilings(perf: StepTimeModel, cfg: EngineConfig, context: int, mix: tuple[fl
     else:
         mixed = prefill if share_o == 0 else 0.0
     return Ceilings(gpu, model, dtype, kv_dtype, tp, context, compute, crossover_batch(ideal), prefill, batch1,
-                    decode, max_seqs, cfg.max_num_seqs, blocks * bs, blocks, bs, (p, o), mixed, notes)
+                    decode, max_seqs, cfg.max_num_seqs, blocks * bs, blocks, bs, (p, o), mixed, bound, notes)
 
 
 def parse_mix(text: str) -> tuple[float, float]:
