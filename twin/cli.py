@@ -30,7 +30,9 @@ def _router_failed(e: BaseException) -> None:
     cause = router_cause(e)
     err.print("".join(traceback.format_exception(type(cause), cause, cause.__traceback__)), highlight=False,
               markup=False, end="")
-    err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
     err.print("(set router.on_error: reject to count such requests as rejected and go on)", highlight=False)
     raise typer.Exit(1)
 
@@ -54,8 +56,10 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 def _fail(msg: str) -> None:
-    for line in str(msg).splitlines():
-        err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    for line in str(msg).splitlines():  # the message is data: brackets in it are not rich markup
+        err.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -93,6 +97,14 @@ def print_summary(s: dict, console: Console) -> None:
     )
     if not s["physics_ok"]:
         console.print("[bold red]WARNING: processed tokens/s exceed the hardware's roofline ceiling: a model bug[/]")
+    if s.get("whatif"):
+        pm = s["perf_model"]
+        notes = [f"{k} ({v.get('predictor')} lengths)" if k == "semantic_batching" else k for k, v in s["whatif"].items()]
+        assumed = [a for a in pm.get("assumptions", []) if a.startswith("whatif.")]
+        acc = pm.get("whatif", {}).get("precision", {}).get("accuracy_note")
+        console.print("what-if: " + ", ".join(notes) + "; accuracy not simulated"
+                      + (f" (your note: {acc})" if acc else "")
+                      + (f"; ASSUMPTIONS: {', '.join(assumed)}" if assumed else ""), highlight=False, soft_wrap=True)
 
 
 def default_out(name: str, root: Path = Path("runs")) -> Path:
@@ -155,7 +167,18 @@ def _report(sc, result, out: Optional[Path], quiet: bool, console: Console) -> d
         console.print(f"wrote {out / written[0]} and {', '.join(written[1:])} beside it"
                       + (" (no --out given)" if chosen else "") + f"; figures: twin plot {out}",
                       highlight=False, soft_wrap=True)
+    if not summary["physics_ok"]:
+        _physics_failed(summary, out)
     return summary
+
+
+def _physics_failed(summary: dict, out: Path) -> None:
+    """A run faster than its GPUs' roofline ceiling is a step-model bug, not a result: say so and exit 1."""
+    err.print(f"[bold red]error:[/] the run processed {summary['processed_tok_s']:,.0f} tokens/s, above the "
+              f"{summary['roofline_ceiling_tok_s']:,.0f} tokens/s its GPUs can compute at 100 % of peak FLOP/s: a "
+              f"step-model bug, not a result (files kept in {out} for debugging; twin check shows the ceilings)",
+              highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
 
 
 @app.command()
@@ -807,6 +830,110 @@ def predictor_eval(
         predictions.parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(predictions, index=False)
         console.print(f"wrote {predictions}", highlight=False)
+
+
+def _check_scenario(scenario: Optional[Path], set_: List[str], model: Optional[str], gpu: Optional[str],
+                    dtype: Optional[str], kv_cache_dtype: Optional[str], tp: Optional[int]):
+    """The scenario to check: SCENARIO's (with --set), or a one-instance cluster of --gpu and --model; the
+    --model/--gpu/--dtype/--kv-cache-dtype/--tp flags override the cluster either way."""
+    from twin.scenario import apply_overrides, parse_scenario, read_scenario_yaml
+
+    flags: dict[str, str] = {}
+    if scenario is not None:
+        raw = apply_overrides(read_scenario_yaml(scenario), set_, flags)
+        source, base = str(scenario), scenario.parent
+    else:
+        raw = apply_overrides({"name": "check", "cluster": {"num_instances": 1}, "workload": {
+            "num_requests": 1, "arrival": {"rate": 1.0},
+            "lengths": {"kind": "fixed", "prompt_tokens": 1, "output_tokens": 1}}}, set_, flags)
+        source, base = "twin check", Path(".")
+    cluster = raw.setdefault("cluster", {}) if isinstance(raw.get("cluster", {}), dict) else {}
+    for key, flag, value in (("model", "--model", model), ("hardware", "--gpu", gpu), ("dtype", "--dtype", dtype),
+                             ("kv_cache_dtype", "--kv-cache-dtype", kv_cache_dtype),
+                             ("tensor_parallel", "--tp", tp)):
+        if value is not None:
+            cluster[key] = value
+            flags[f"cluster.{key}"] = flag
+    return parse_scenario(raw, source, base, flags)
+
+
+def print_ceilings(c, console: Console) -> None:
+    """The ceilings of `twin check` as a table and a few lines."""
+    from twin.physics import fmt_rate
+
+    console.print(f"[bold]{c.model}[/] on [bold]{c.gpu}[/], weights {c.dtype}, KV cache {c.kv_cache_dtype}, "
+                  f"tensor parallel {c.tensor_parallel}; context {c.context:,} tokens; per GPU, at 100 % of peak "
+                  "FLOP/s and HBM bandwidth (the twin's ideal step model)", highlight=False, soft_wrap=True)
+    t = Table(title="physical ceilings, tokens/s per GPU")
+    for col in ("traffic", "ceiling", "bound by"):
+        t.add_column(col, justify="left" if col != "ceiling" else "right")
+    cross = f"{c.crossover_batch:,}" if c.crossover_batch else "?"
+    t.add_row("any (linear layers at peak FLOP/s)", fmt_rate(c.compute_tok_s), "compute")
+    t.add_row(f"prefill, {c.context:,}-token prompts", fmt_rate(c.prefill_tok_s),
+              f"compute above {cross} tokens per step")
+    t.add_row(f"decode, 1 sequence at {c.context:,}", fmt_rate(c.decode_batch1_tok_s), "memory (weights + KV reads)")
+    t.add_row(f"decode, {c.max_concurrent_seqs:,} sequences at {c.context:,} (KV full)", fmt_rate(c.decode_tok_s),
+              c.decode_bound or "?")
+    t.add_row(f"mixed, prompt:output {c.mix[0]:g}:{c.mix[1]:g}", fmt_rate(c.mixed_tok_s), "prefill + decode time-shared")
+    console.print(t)
+    console.print(f"compute- and memory-bound cross at a batch of {cross} tokens per step (linear layers)",
+                  highlight=False)
+    console.print(f"KV capacity: {c.kv_capacity_tokens:,} tokens per instance ({c.num_gpu_blocks:,} blocks of "
+                  f"{c.block_size}); at {c.context:,} tokens of context it holds {c.max_concurrent_seqs:,} sequences "
+                  f"at once (the engine's max_num_seqs: {c.max_num_seqs:,})", highlight=False, soft_wrap=True)
+    for n in c.notes:
+        console.print(f"note: {n}", highlight=False)
+
+
+@app.command()
+def check(
+    scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (default: one instance of --gpu/--model)"),
+    claim: Optional[str] = typer.Option(None, "--claim", help="a throughput claim: '1e9 tokens/min/GPU', "
+                                                              "'20k tok/s per instance'"),
+    model: Optional[str] = typer.Option(None, "--model", help="model (default: the scenario's, or Llama-3-8B)"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU (default: the scenario's, or H100-SXM-80GB)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="weights: bf16|fp16|fp8"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype", help="auto|bf16|fp16|fp8"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor parallel degree"),
+    context: int = typer.Option(2048, "--context", help="tokens of context per sequence (prompt length for prefill)"),
+    mix: str = typer.Option("5:1", "--mix", help="prompt:output tokens of mixed traffic (ShareGPT sample: ~5:1)"),
+    set_: List[str] = typer.Option([], "--set", help="override a scenario field: dotted.path=value"),
+) -> None:
+    """Physical ceilings (prefill, decode, mixed tokens/s per GPU, KV capacity) and whether a claim can be true.
+
+    With --claim, exits 1 when the claim exceeds the ceiling of every kind of traffic.
+    """
+    from twin.cluster import build_perf, engine_config
+    from twin.physics import ceilings, fmt_rate, judge, parse_claim, parse_mix
+
+    console = Console(width=max(Console().width, 110))
+    try:
+        parsed = parse_claim(claim) if claim is not None else None
+        ratio = parse_mix(mix)
+        if parsed is not None and parsed.per_named and gpu is None and scenario is None:
+            gpu = parsed.per_named  # "... per H100": check on that GPU
+        sc = _check_scenario(scenario, set_, model, gpu, dtype, kv_cache_dtype, tp)
+        c = ceilings(build_perf(sc), engine_config(sc), context, ratio)
+    except TwinInputError as e:
+        _fail(str(e))
+    print_ceilings(c, console)
+    if parsed is None:
+        return
+    want = parsed.per_gpu(c.tensor_parallel)
+    named = f" (the claim names {parsed.per_named})" if parsed.per_named and parsed.per_named != c.gpu else ""
+    console.print(f"claim {parsed.text!r} = {fmt_rate(want)} tokens/s per GPU{named}", highlight=False,
+                  soft_wrap=True)
+    verdicts = judge(parsed, c)
+    for v in verdicts:
+        if v.reachable:
+            console.print(f"  {v.traffic:8s} ceiling {fmt_rate(v.ceiling_tok_s)} tok/s: [green]physically "
+                          f"reachable[/] ({v.factor:.1%} of the ceiling; the simulation says what is achievable)",
+                          highlight=False)
+        else:
+            console.print(f"  {v.traffic:8s} ceiling {fmt_rate(v.ceiling_tok_s)} tok/s: [bold red]NOT physically "
+                          f"reachable[/], {v.factor:,.1f}x above the ceiling", highlight=False)
+    if not any(v.reachable for v in verdicts):
+        raise typer.Exit(1)
 
 
 def main() -> None:  # pragma: no cover

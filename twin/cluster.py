@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import inspect
 import time
+from collections import deque
 from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable
@@ -91,6 +92,12 @@ class Cluster:
         assert self.engine_config.max_model_len is not None  # engine_config() fills it in
         self.max_model_len: int = self.engine_config.max_model_len
         self.max_tokens_cap = sc.workload.max_tokens
+        # what-if semantic batching: regroups an instance's waiting queue as requests enter it (twin.whatif.semantic)
+        self.queue_order: Callable[[deque], None] | None = None
+        if sc.whatif.semantic_batching.enabled:
+            from twin.whatif.semantic import queue_order
+
+            self.queue_order = queue_order(sc, self.max_model_len)
         rs = sc.router
         self.dispatcher = Dispatcher(
             self.env, router, self.instances, scrape_interval_s=rs.scrape_interval_s,
@@ -233,6 +240,8 @@ class Cluster:
     def _to_engine(self, inst: Instance, r: Request, _event: object) -> None:
         self.in_transit[inst.id].pop(r.idx, None)
         inst.add_request(r)
+        if self.queue_order is not None:
+            self.queue_order(inst.scheduler.waiting)
 
     def _api_request_s(self, prompt_tokens: int) -> float:
         fn = getattr(self.perf, "api_request_s", None)

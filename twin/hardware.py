@@ -25,6 +25,8 @@ class GPUSpec:
     device_memory_bytes: float = 0.0  # what the driver reports to the framework; 0: take hbm_bytes
     device_memory_source: str = ""
     device_name: str = ""  # as torch.cuda.get_device_name() returns it
+    host_link: str = ""  # the link to host memory (pcie5-x16, nvlink-c2c, ...)
+    host_link_bandwidth: float = 0.0  # bytes/s per direction over that link; 0: unknown
 
     @property
     def device_memory(self) -> float:
@@ -64,4 +66,6 @@ def get_gpu(name: str) -> GPUSpec:
         device_memory_bytes=float(e.get("device_memory_gib", 0.0)) * GiB,
         device_memory_source=e.get("device_memory_source", ""),
         device_name=e.get("device_name", key),
+        host_link=e.get("host_link", ""),
+        host_link_bandwidth=float(e.get("host_link_bandwidth", 0.0)),
     )

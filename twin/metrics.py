@@ -119,10 +119,12 @@ def summarize(result: SimResult) -> dict:
         "num_gpu_blocks": result.num_gpu_blocks,
         "engine_steps": sum(s.num_steps for s in stats),
         "roofline_ceiling_tok_s": ceiling,
+        "processed_tok_s": processed_rate,  # prompt tokens computed + generated, per second: <= the ceiling
         "physics_ok": bool(processed_rate <= ceiling * (1 + 1e-9)),
         "engine": engine_summary(sc, result.instances[0].config if result.instances else engine_config(sc),
                                  result.num_gpu_blocks, result.perf),
         "perf_model": result.perf.describe(),
+        "whatif": {k: v for k, v in sc.whatif.model_dump().items() if v["enabled"]},  # actions on (twin.whatif)
         "router": result.router_info,
         "gpu_seconds": fleet.gpu_seconds(result.sim_time_s) if fleet is not None
         else len(result.instances) * sc.cluster.tensor_parallel * result.sim_time_s,

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from twin.errors import TwinInputError
 from twin.hardware import get_gpu
 from twin.models import get_model
+from twin.whatif.spec import EarlyExitSpec, PartialKVSpec, PrecisionSpec, SemanticBatchingSpec
 
 # GPUs one tensor-parallel group may span: vLLM's default multiprocessing executor runs a TP group inside one
 # node and refuses a world size above the node's GPU count (`ParallelConfig.__post_init__` in
@@ -279,6 +280,15 @@ class SimSpec(_Spec):
     timeline_interval_s: float = Field(1.0, ge=0, description="per-instance time series resolution (0 = off)")
 
 
+class WhatIfSpec(_Spec):
+    """Planner actions (twin.whatif): each off by default; giving its section turns it on."""
+
+    precision: PrecisionSpec = PrecisionSpec(enabled=False)
+    partial_kv: PartialKVSpec = PartialKVSpec(enabled=False)
+    early_exit: EarlyExitSpec = EarlyExitSpec(enabled=False)
+    semantic_batching: SemanticBatchingSpec = SemanticBatchingSpec(enabled=False)
+
+
 class Scenario(_Spec):
     name: str = "scenario"
     description: str = ""
@@ -289,6 +299,7 @@ class Scenario(_Spec):
     scaler: ScalerSpec = ScalerSpec()
     slo: SLOSpec = SLOSpec()
     sim: SimSpec = SimSpec()
+    whatif: WhatIfSpec = WhatIfSpec()
     base_dir: str = Field(".", exclude=True, description="where relative paths resolve (the file's folder)")
 
     @model_validator(mode="after")

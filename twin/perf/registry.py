@@ -38,5 +38,12 @@ STEP_MODELS: dict[str, Callable[["Scenario"], StepTimeModel]] = {"roofline": roo
 
 
 def build_perf(sc: "Scenario") -> StepTimeModel:
-    """The step model the scenario names (`cluster.perf.kind`)."""
-    return STEP_MODELS[sc.cluster.perf.kind](sc)
+    """The step model the scenario names (`cluster.perf.kind`), wrapped in the what-if actions' effects when
+    `whatif.precision`, `partial_kv` or `early_exit` is on (twin.whatif.model)."""
+    perf = STEP_MODELS[sc.cluster.perf.kind](sc)
+    w = sc.whatif
+    if w.precision.enabled or w.partial_kv.enabled or w.early_exit.enabled:
+        from twin.whatif.model import WhatIfModel
+
+        perf = WhatIfModel(perf, w)
+    return perf
