@@ -235,10 +235,13 @@ class Cluster:
             self.log.status[i] = RequestStatus.WAITING  # arrived: queued in the API server
             self.env.timeout(delay).callbacks.append(partial(self._to_engine, inst, r))
         else:
-            inst.add_request(r)
+            self._enter_engine(inst, r)
 
     def _to_engine(self, inst: Instance, r: Request, _event: object) -> None:
         self.in_transit[inst.id].pop(r.idx, None)
+        self._enter_engine(inst, r)
+
+    def _enter_engine(self, inst: Instance, r: Request) -> None:
         inst.add_request(r)
         if self.queue_order is not None:
             self.queue_order(inst.scheduler.waiting)
