@@ -75,3 +75,44 @@ def test_block_without_a_forecaster_is_a_loud_error_and_bad_params_are_refused()
         Block().choose(req(), fleet_of({"id": "a"}))
     with pytest.raises(ValueError):
         Block(objective="fastest")
+
+
+def test_a_configured_predictor_fills_the_view_and_learns_from_finishes():
+    seen = {}
+
+    class Spy:
+        name = "spy"
+
+        def choose(self, r, fleet):
+            seen[r.id] = r.predicted_output_tokens
+            return fleet.instances[0].id
+
+    outs = [10, 20, 30, 40]
+    stream = stream_of([0, 0.1, 0.2, 0.3], [100] * 4, outs)
+    res = run_checked(make_scenario(predictor={"name": "oracle"}), stream, router=Spy())
+    assert [seen[str(i)] for i in range(4)] == outs  # the oracle was handed the truth
+    from twin.metrics import summarize
+
+    assert summarize(res)["router"]["predictor"]["oracle"] is True
+    seen.clear()
+    run_checked(make_scenario(predictor={"name": "constant", "params": {"value": 7}}), stream, router=Spy())
+    assert set(seen.values()) == {7}
+    cl = Cluster(make_scenario(predictor={"name": "mean", "params": {"prior": 1000}}), stream, router=Spy())
+    cl.run()
+    assert seen["0"] == 1000 and seen["3"] < 1000  # it learned from the first finishes
+
+
+def test_block_with_an_oracle_predictor_beats_round_robin_on_ttft_under_load():
+    rng = np.random.default_rng(1)
+    n = 300
+    arr = np.cumsum(rng.exponential(1 / 25, n))
+    prompts = rng.integers(50, 3000, n)
+    outs = rng.integers(10, 400, n)
+    stream = stream_of(arr, prompts, outs)
+    base = {"cluster.num_instances": 3, "cluster.engine.max_num_batched_tokens": 1024}
+    rr = run_checked(make_scenario(**base, **{"router.name": "round-robin"}), stream)
+    blk = run_checked(make_scenario(**base, **{"router.name": "block", "router.params": {"objective": "ttft"}},
+                                    predictor={"name": "oracle"}), stream)
+    from twin.metrics import summarize
+
+    assert summarize(blk)["ttft_s"]["mean"] < summarize(rr)["ttft_s"]["mean"]

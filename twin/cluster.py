@@ -7,7 +7,7 @@ import inspect
 import time
 from collections import deque
 from functools import partial
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -104,6 +104,14 @@ class Cluster:
             prefix_index=prefix_index_kind(router, rs.prefix_index),
             prefix_index_capacity_blocks=rs.prefix_index_capacity_blocks, kv_event_delay_s=rs.kv_event_delay_s,
             on_error=rs.on_error)
+        self.predictor = None
+        if sc.predictor is not None:
+            from twin.policy.predictors import make_predictor
+
+            self.predictor = make_predictor(sc.predictor.name, **sc.predictor.params)
+            prime = getattr(self.predictor, "prime", None)
+            if prime is not None and stream.texts is not None:
+                prime([t for t in stream.texts if t])  # a text model embeds known prompts in batches
         if getattr(router, "needs_forecaster", False):
             from twin.forecaster import SimForecaster
 
@@ -182,8 +190,16 @@ class Cluster:
         keys = r.block_keys
         n_prompt = r.num_prompt_tokens // bs
         prefix = keys if len(keys) <= n_prompt else keys[:n_prompt]
-        return RequestView(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix, bs,
-                           None if r.session_id < 0 else str(r.session_id))
+        texts = self.stream.texts
+        view = RequestView(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix, bs,
+                           None if r.session_id < 0 else str(r.session_id),
+                           text=None if texts is None else texts[r.idx])
+        p = self.predictor
+        if p is None:
+            return view
+        if getattr(p, "needs_truth", False):  # the oracle (or noise around it) is handed the true length
+            p.reveal(view.id, r.max_tokens)
+        return replace(view, predicted_output_tokens=float(p.predict(view)))
 
     def arrivals(self):
         """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor."""
@@ -262,6 +278,10 @@ class Cluster:
     def _finished(self, i: int) -> None:
         """The engine finished request i: the books and the router's hook hear of it, then the session."""
         self.dispatcher.finished(i, int(self.log.output_tokens[i]))
+        if self.predictor is not None:
+            view = self.dispatcher.last_finished
+            if view is not None:
+                self.predictor.observe(view, int(self.log.output_tokens[i]))
         inst = self.instances[self.log.instance[i]]
         if inst.state == "draining":
             self.fleet.maybe_stop(inst)
@@ -342,6 +362,11 @@ class Cluster:
                 "prefix_index": None if d.index is None else d.index.kind,
                 "kv_event_delay_s": rs.kv_event_delay_s if d.bus is not None else None,
                 "kv_events_published": d.bus.published if d.bus is not None else 0,
+                "predictor": None if self.predictor is None else {
+                    "name": self.scenario.predictor.name,
+                    "describe": getattr(self.predictor, "describe", lambda: self.scenario.predictor.name)(),
+                    "oracle": bool(getattr(self.predictor, "is_oracle", False)
+                                   or getattr(self.predictor, "needs_truth", False))},
                 "scrapes": d.scrapes}
 
 

@@ -120,6 +120,7 @@ class Dispatcher:
         self._hook_finish = _has_hook(router, "on_finish")
         self.inflight: dict[int, list] = {}  # engine idx -> [view, instance id, first token time]
         self.scrapes = 0
+        self.last_finished: RequestView | None = None  # the view of the request `finished` was last told of
         if scrape_interval_s > 0:
             env.process(self._scraper())
 
@@ -216,7 +217,9 @@ class Dispatcher:
     def finished(self, idx: int, output_tokens: int) -> None:
         rec = self.inflight.pop(idx, None)
         if rec is None:
+            self.last_finished = None
             return
+        self.last_finished = rec[0]
         self.bookkeeping.finished(rec[0].id)
         now = self.env.now
         req = rec[0]

@@ -225,6 +225,25 @@ class WorkloadSpec(_Spec):
         return self
 
 
+class PredictorSpec(_Spec):
+    """The output-length predictor whose guesses routers see as `predicted_output_tokens` (twin.policy.predictors).
+
+    `oracle` reads the true length: reports then say so.
+    """
+
+    name: str
+    params: dict[str, Any] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _known_predictor(cls, v: str) -> str:
+        from twin.policy.predictors import PREDICTORS
+
+        if v not in PREDICTORS:
+            raise ValueError(f"unknown length predictor {v!r} (known: {', '.join(PREDICTORS)})")
+        return v
+
+
 class RouterSpec(_Spec):
     """The routing policy and the signals it sees (names and parameters as in the live controller's config)."""
 
@@ -296,6 +315,7 @@ class Scenario(_Spec):
     cluster: ClusterSpec
     workload: WorkloadSpec
     router: RouterSpec = RouterSpec()
+    predictor: Optional[PredictorSpec] = None
     scaler: ScalerSpec = ScalerSpec()
     slo: SLOSpec = SLOSpec()
     sim: SimSpec = SimSpec()
