@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import traceback
 from typing import Any, Mapping
@@ -251,24 +252,29 @@ class Controller:
         return True
 
     async def _check_kv_events(self, w: Worker) -> None:
-        """Start-up check: a prompt of one full block must come back as a BlockStored from this worker."""
+        """Start-up check: a prompt of one full block must come back as a BlockStored from this worker.
+
+        A fresh prompt is sent every second until an event arrives: ZMQ drops what a publisher sends before
+        its connection to our bound socket is up, and a prompt already cached produces no new event."""
         timeout = self.cfg.kv_events.startup_check_s
         if timeout <= 0 or self.kv is None:
             return
-        if self.kv.first_event.get(w.id) is not None and self.kv.first_event[w.id].is_set():
-            w.kv_events_seen = 1
-            return
+        ev = self.kv.first_event.get(w.id)
+        deadline = time.monotonic() + timeout
         bs = w.config.block_size
-        body: dict[str, Any] = {"prompt": [10 + (i * 7919) % 97 for i in range(bs + 1)], "max_tokens": 1}
-        if w.models:
-            body["model"] = w.models[0]
-        try:
-            async with self.session.post(w.url + "/v1/completions", json=body,
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            pass
-        if await self.kv.wait_first(w.id, timeout):
+        rng = random.Random()  # fresh tokens each time: a probe must not hit (or seed) the prefix cache
+        while ev is not None and not ev.is_set() and time.monotonic() < deadline:
+            body: dict[str, Any] = {"prompt": [rng.randrange(10, 100) for _ in range(bs + 1)], "max_tokens": 1}
+            if w.models:
+                body["model"] = w.models[0]
+            try:
+                async with self.session.post(w.url + "/v1/completions", json=body,
+                                             timeout=aiohttp.ClientTimeout(total=max(1.0, deadline - time.monotonic()))) as r:
+                    await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            await self.kv.wait_first(w.id, min(1.0, max(0.0, deadline - time.monotonic())))
+        if ev is not None and ev.is_set():
             w.kv_events_seen = 1
             log.info("worker %s: KV events arrive (lag %.1f ms)", w.id, 1e3 * self.kv.lag_s.get(w.id, 0.0))
         else:

@@ -135,7 +135,10 @@ class KVEventSubscriber:
             self.batches[worker_id] += 1
             if m is not None:
                 m.kv_event_lag.labels(worker_id).set(lag)
-            self.apply(worker_id, batch.events, batch.ts)
+            try:
+                self.apply(worker_id, batch.events, batch.ts)
+            except Exception:  # noqa: BLE001 - a bug here must not silently end the reader
+                log.exception("worker %s: applying KV events failed", worker_id)
             self.first_event[worker_id].set()
 
     def apply(self, worker_id: str, events: Any, ts: float | None = None) -> None:
