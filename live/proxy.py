@@ -340,7 +340,9 @@ class Proxy:
         finally:
             if out is not None:
                 m.requests.labels(w.id, status).inc()
-            n_out = max(0, events - 1 - (1 if chat else 0))  # minus [DONE] and chat's role chunk
+            # output tokens for on_finish: SSE events minus [DONE] and chat's role chunk; a lower bound, as vLLM
+            # merges tokens into one event when the client reads slower than it decodes
+            n_out = max(0, events - 1 - (1 if chat else 0))
             ctl.finished(req, w.id, time.monotonic(), n_out)
 
 

@@ -78,3 +78,15 @@ def test_overrides_and_api_key_env(tmp_path, monkeypatch):
 
 def test_binds_loopback_by_default():
     assert parse_config(OK).server.host == "127.0.0.1"
+
+
+def test_twin_live_command_bad_config_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from twin.cli import app
+
+    p = tmp_path / "live.yaml"
+    p.write_text("workers: []\n")
+    r = CliRunner().invoke(app, ["live", str(p)])
+    assert r.exit_code == 2
+    assert "give workers" in r.output
