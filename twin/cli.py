@@ -936,6 +936,20 @@ def check(
         raise typer.Exit(1)
 
 
+@app.command("live")
+def live_cmd(
+    config: Path = typer.Argument(..., help="live controller config (YAML; its router: block is a scenario's)"),
+    set_: List[str] = typer.Option([], "--set", help="override a config value: dotted.path=value"),
+    host: Optional[str] = typer.Option(None, "--host", help="listen address (default: server.host, 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, "--port", help="listen port (default: server.port)"),
+    log_level: str = typer.Option("info", "--log-level"),
+) -> None:
+    """Run the live controller: an OpenAI-compatible proxy routing to vLLM workers with a twin router."""
+    from live.cli import run
+
+    raise typer.Exit(run(config, set_, host, port, log_level))
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -1,0 +1,427 @@
+"""The controller's state and background work: registry, router, bookkeeping, indexes, scrapes, health, scaling.
+
+It is the live mirror of `twin.dispatcher.Dispatcher`: the router gets the same `RequestView`s and
+`FleetView`s, built from real signals. Gauges come from each worker's `/metrics` every
+`router.scrape_interval_s` (floored at `min_scrape_interval_s`); bookkeeping is updated at dispatch, first
+chunk and finish by the proxy (`live.proxy`); the approximate index is fed at dispatch, the precise one by
+KV events (`live.kv_subscriber`). All times a policy sees are `time.monotonic()` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import traceback
+from typing import Any, Mapping
+
+import aiohttp
+
+from twin.errors import TwinInputError
+from twin.policy.base import RouterBase, make_router
+from twin.policy.bookkeeping import Bookkeeping
+from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex
+from twin.policy.views import InstanceConfig
+
+from live.config import LiveConfig
+from live.kv_subscriber import KVEventSubscriber
+from live.metrics import ControllerMetrics
+from live.registry import Registry, Worker
+from live.scaling import as_action, make_scaler
+from live.signals import parse_metrics
+from live.tokens import PromptTokenizer
+
+log = logging.getLogger("llmtwin.live")
+
+
+def has_hook(router: Any, name: str) -> bool:
+    """The router has this hook and it is not RouterBase's no-op (as in twin.dispatcher)."""
+    fn = getattr(type(router), name, None)
+    return fn is not None and fn is not getattr(RouterBase, name)
+
+
+def build_router(cfg: LiveConfig) -> Any:
+    """The config's router by name and parameters, exactly as `twin.cluster.build_router` builds it."""
+    rs = cfg.router
+    try:
+        return make_router(rs.name, seed=cfg.seed, **rs.params)
+    except KeyError:
+        raise TwinInputError(f"router.name: unknown router {rs.name!r}") from None
+    except LookupError as e:
+        raise TwinInputError(f"router.name: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise TwinInputError(f"router.params: {e}") from None
+
+
+def prefix_index_kind(router: Any, wanted: str | None) -> str | None:
+    """Which index to build: none for routers that read none, else the config's or the router's choice
+    (the rule of `twin.cluster.prefix_index_kind`)."""
+    pref = getattr(router, "prefix_index", None)
+    if pref is None:
+        return None
+    if wanted is not None:
+        return wanted
+    return "approximate" if pref == "any" else pref
+
+
+class Controller:
+    """Everything but HTTP serving; `live.proxy` wraps it in an aiohttp application."""
+
+    def __init__(self, cfg: LiveConfig, router: Any = None) -> None:
+        self.cfg = cfg
+        self.metrics = ControllerMetrics()
+        self.router = router if router is not None else build_router(cfg)
+        self.router_name = getattr(self.router, "name", type(self.router).__name__)
+        self.bookkeeping = Bookkeeping()
+        kind = prefix_index_kind(self.router, cfg.router.prefix_index)
+        self.index_kind = kind
+        index: Any = None
+        if kind == "approximate":
+            index = ApproxPrefixIndex(cfg.router.prefix_index_capacity_blocks)
+        elif kind == "precise":
+            index = PreciseIndex()
+        # the precise index is kept from KV events whether or not the router reads it (observability)
+        self.precise: PreciseIndex = index if kind == "precise" else PreciseIndex()
+        self.registry = Registry(self.bookkeeping, index)
+        self.index = index
+        tk = cfg.tokenizer
+        mode = tk.mode
+        if mode == "auto":
+            mode = "local" if tk.path else ("worker" if kind is not None else "estimate")
+        path = str(cfg.resolve_path(tk.path)) if tk.path else None
+        self.tokenizer = PromptTokenizer(mode, path, tk.chars_per_token)
+        self.hook_dispatch = has_hook(self.router, "on_dispatch")
+        self.hook_first = has_hook(self.router, "on_first_token")
+        self.hook_finish = has_hook(self.router, "on_finish")
+        self.scaler = make_scaler(cfg.scaler.name, **cfg.scaler.params)
+        self.api_key = cfg.server.resolved_api_key()
+        self.session: aiohttp.ClientSession | None = None
+        self.kv: KVEventSubscriber | None = None
+        self.actuator: Any = None
+        self.tasks: list[asyncio.Task] = []
+        self.accepting = True
+        self._ids = 0
+        self._idle: dict[str, asyncio.Event] = {}
+        self.started = False
+        self.port: int | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        conn = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.server.max_connections_per_worker,
+                                    keepalive_timeout=60, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False,
+                                             timeout=aiohttp.ClientTimeout(total=None))
+        if any(w.kv_events_endpoint for w in cfg.workers) or (cfg.launcher and cfg.launcher.kv_events):
+            self.kv = KVEventSubscriber(self.precise, self.metrics)
+        for i, ws in enumerate(cfg.workers):
+            w = Worker(ws.id or f"w{i}", ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint)
+            w.config = self.launch_config({"max_num_batched_tokens": ws.max_num_batched_tokens,
+                                           "max_num_seqs": ws.max_num_seqs, "max_model_len": ws.max_model_len})
+            self.add_worker(w)
+        await asyncio.gather(*(self._first_contact(w) for w in self.registry))
+        if cfg.launcher is not None:
+            from live.launcher import LaunchSpec, LocalActuator
+
+            self.actuator = LocalActuator(cfg.launcher, self)
+            if cfg.launcher.num_workers:
+                await asyncio.gather(*(self.actuator.start(LaunchSpec()) for _ in range(cfg.launcher.num_workers)))
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._scrape_loop()), loop.create_task(self._health_loop())]
+        if cfg.scaler.name != "none":
+            self.tasks.append(loop.create_task(self._scale_loop()))
+        self.started = True
+
+    async def _first_contact(self, w: Worker) -> None:
+        if not await self.try_ready(w):
+            self.registry.set_state(w, "serving", time.monotonic())
+            self.registry.mark_down(w, time.monotonic(), w.last_error or "not ready at start",
+                                    self.cfg.health.backoff_initial_s, self.cfg.health.backoff_max_s)
+            log.warning("worker %s (%s): down at start: %s", w.id, w.url, w.last_error)
+
+    async def stop(self) -> None:
+        self.accepting = False
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self.tasks = []
+        if self.actuator is not None:
+            await self.actuator.close()
+        if self.kv is not None:
+            self.kv.close()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # -- registry ------------------------------------------------------------------------------------
+    def launch_config(self, args: Mapping[str, Any]) -> InstanceConfig:
+        """What a policy knows of a worker's launch arguments before its first scrape (vLLM's defaults)."""
+        d = InstanceConfig()
+
+        def get(k: str, default: int) -> int:
+            v = args.get(k)
+            return int(v) if v is not None else default
+
+        return InstanceConfig(num_gpu_blocks=0, block_size=get("block_size", d.block_size),
+                              max_num_seqs=get("max_num_seqs", d.max_num_seqs),
+                              max_num_batched_tokens=get("max_num_batched_tokens", d.max_num_batched_tokens),
+                              max_model_len=get("max_model_len", 0))
+
+    def add_worker(self, w: Worker) -> None:
+        self.registry.add(w)
+        self._idle[w.id] = asyncio.Event()
+        self._idle[w.id].set()
+        if self.kv is not None and w.kv_events_endpoint:
+            try:
+                self.kv.subscribe(w.id, w.kv_events_endpoint)
+            except Exception as e:  # noqa: BLE001 - the address is in use or malformed: say so, route anyway
+                log.error("worker %s: cannot bind KV-event endpoint %s: %s", w.id, w.kv_events_endpoint, e)
+
+    def retire(self, worker_id: str) -> None:
+        w = self.registry.get(worker_id)
+        if w is None:
+            return
+        self.registry.set_state(w, "stopped")
+        if self.kv is not None:
+            self.kv.unsubscribe(worker_id)
+        self.registry.remove(worker_id)
+        self._idle.pop(worker_id, None)
+
+    async def drain(self, worker_id: str) -> None:
+        """No new requests to it from now; returns after its last in-flight request ends."""
+        w = self.registry.get(worker_id)
+        if w is None:
+            return
+        self.registry.set_state(w, "draining")
+        log.info("worker %s: draining (%d in flight)", worker_id, self.bookkeeping.load(worker_id).requests)
+        ev = self._idle.get(worker_id)
+        if ev is not None and self.bookkeeping.load(worker_id).requests > 0:
+            ev.clear()
+            await ev.wait()
+
+    async def try_ready(self, w: Worker) -> bool:
+        """Models, launch config and one tiny completion; on success the worker is serving and healthy."""
+        try:
+            async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status != 200:
+                    w.last_error = f"/v1/models answered {r.status}"
+                    return False
+                data = await r.json(content_type=None)
+            cards = data.get("data", [])
+            w.models = tuple(c["id"] for c in cards)
+            mml = next((c.get("max_model_len") for c in cards if c.get("max_model_len")), None)
+            if mml and not w.config.max_model_len:
+                c = w.config
+                w.config = InstanceConfig(c.num_gpu_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+                                          int(mml))
+            await self.scrape(w)
+            if not await self.probe(w):
+                return False
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError) as e:
+            w.last_error = f"{type(e).__name__}: {e}"
+            return False
+        now = time.monotonic()
+        self.registry.mark_up(w)
+        self.registry.set_state(w, "serving", now)
+        log.info("worker %s (%s): serving %s, block size %d, %d KV blocks", w.id, w.url, ",".join(w.models),
+                 w.config.block_size, w.config.num_gpu_blocks)
+        if self.kv is not None and w.kv_events_endpoint:
+            asyncio.get_running_loop().create_task(self._check_kv_events(w))
+        return True
+
+    async def probe(self, w: Worker) -> bool:
+        """One tiny completion: a broken engine can answer 200 on /health and fail the first request."""
+        body = {"prompt": "hi", "max_tokens": 1, "temperature": 0}
+        if w.models:
+            body["model"] = w.models[0]
+        try:
+            async with self.session.post(w.url + "/v1/completions", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=self.cfg.health.timeout_s)) as r:
+                data = await r.read()
+                if r.status != 200 or b'"choices"' not in data:
+                    w.last_error = f"probe completion answered {r.status}: {data[:200]!r}"
+                    return False
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            w.last_error = f"probe completion failed: {type(e).__name__}: {e}"
+            return False
+        return True
+
+    async def _check_kv_events(self, w: Worker) -> None:
+        """Start-up check: a prompt of one full block must come back as a BlockStored from this worker.
+
+        A fresh prompt is sent every second until an event arrives: ZMQ drops what a publisher sends before
+        its connection to our bound socket is up, and a prompt already cached produces no new event."""
+        timeout = self.cfg.kv_events.startup_check_s
+        if timeout <= 0 or self.kv is None:
+            return
+        ev = self.kv.first_event.get(w.id)
+        deadline = time.monotonic() + timeout
+        bs = w.config.block_size
+        rng = random.Random()  # fresh tokens each time: a probe must not hit (or seed) the prefix cache
+        while ev is not None and not ev.is_set() and time.monotonic() < deadline:
+            body: dict[str, Any] = {"prompt": [rng.randrange(10, 100) for _ in range(bs + 1)], "max_tokens": 1}
+            if w.models:
+                body["model"] = w.models[0]
+            try:
+                async with self.session.post(w.url + "/v1/completions", json=body,
+                                             timeout=aiohttp.ClientTimeout(total=max(1.0, deadline - time.monotonic()))) as r:
+                    await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            await self.kv.wait_first(w.id, min(1.0, max(0.0, deadline - time.monotonic())))
+        if ev is not None and ev.is_set():
+            w.kv_events_seen = 1
+            log.info("worker %s: KV events arrive (lag %.1f ms)", w.id, 1e3 * self.kv.lag_s.get(w.id, 0.0))
+        else:
+            log.warning("worker %s: no KV event within %.0f s on %s: the precise index will not know its cache "
+                        "(is --kv-events-config's endpoint this address?)", w.id, timeout, w.kv_events_endpoint)
+
+    def fail(self, w: Worker, error: str) -> None:
+        """An upstream failure: the worker is down until a health probe succeeds."""
+        if self.registry.mark_down(w, time.monotonic(), error, self.cfg.health.backoff_initial_s,
+                                   self.cfg.health.backoff_max_s):
+            log.warning("worker %s: marked down: %s", w.id, error)
+
+    # -- background loops ----------------------------------------------------------------------------
+    async def scrape(self, w: Worker) -> bool:
+        t0 = time.perf_counter()
+        try:
+            async with self.session.get(w.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status != 200:
+                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message="not 200")
+                text = await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            w.scrape_failures += 1
+            self.metrics.scrape_errors.labels(w.id).inc()
+            if isinstance(e, aiohttp.ClientConnectorError) and w.state == "serving":
+                self.fail(w, f"/metrics: {e}")
+            return False
+        page = parse_metrics(text)
+        now = time.monotonic()
+        config = page.config(w.config) if page.cache_info else None
+        self.registry.update_gauges(w, page.gauges(now), config)
+        w.counters = page.values
+        w.last_scrape = now
+        self.metrics.scrape_duration.observe(time.perf_counter() - t0)
+        return True
+
+    async def _scrape_loop(self) -> None:
+        dt = self.cfg.scrape_interval_s
+        while True:
+            ws = [w for w in self.registry if w.state in ("serving", "draining") and w.healthy]
+            if ws:
+                await asyncio.gather(*(self.scrape(w) for w in ws))
+            await asyncio.sleep(dt)
+
+    async def _health_loop(self) -> None:
+        h = self.cfg.health
+        last: dict[str, float] = {}
+        while True:
+            now = time.monotonic()
+            due = []
+            for w in self.registry:
+                if w.state not in ("serving", "draining"):
+                    continue
+                if not w.healthy and now >= w.retry_at:
+                    due.append(w)
+                elif w.healthy and now - last.get(w.id, 0.0) >= h.interval_s:
+                    due.append(w)
+            for w in due:
+                last[w.id] = now
+            results = await asyncio.gather(*(self.probe(w) for w in due))
+            for w, ok in zip(due, results):
+                if ok:
+                    if self.registry.mark_up(w):
+                        log.info("worker %s: back up", w.id)
+                        await self.scrape(w)
+                else:
+                    self.fail(w, w.last_error)
+            await asyncio.sleep(min(0.5, h.interval_s))
+
+    async def _scale_loop(self) -> None:
+        dt = self.cfg.scaler.interval_s
+        while True:
+            await asyncio.sleep(dt)
+            try:
+                await self.scale_once()
+            except Exception:  # noqa: BLE001 - a scaler bug is logged, the proxy keeps serving
+                log.error("scaler %s raised:\n%s", self.cfg.scaler.name, traceback.format_exc())
+
+    async def scale_once(self) -> Any:
+        """Ask the scaler once and apply its action through the actuator."""
+        from live.launcher import LaunchSpec
+
+        fleet = self.registry.fleet_view(time.monotonic())
+        action = as_action(self.scaler.decide(fleet.now, fleet, None))
+        if action.is_noop:
+            return action
+        if self.actuator is None:
+            log.warning("scaler wants %s but no launcher is configured", action)
+            return action
+        log.info("scaling: add %d, drain %s (%s)", action.add, list(action.drain), action.reason)
+        jobs = [self.actuator.start(LaunchSpec(action.engine_args)) for _ in range(action.add)]
+        jobs += [self.actuator.drain(wid) for wid in action.drain]
+        await asyncio.gather(*jobs, return_exceptions=True)
+        return action
+
+    # -- bookkeeping (called by the proxy) -----------------------------------------------------------
+    def next_id(self) -> str:
+        self._ids += 1
+        return f"live-{self._ids}"
+
+    def dispatched(self, req: Any, worker_id: str, now: float) -> None:
+        expected = int(req.predicted_output_tokens or req.max_tokens or 0)
+        self.bookkeeping.dispatched(req.id, worker_id, req.num_prompt_tokens, expected)
+        if self.index is not None:
+            self.index.on_dispatch(req.prefix, worker_id, now)
+        if self.hook_dispatch:
+            self._call_hook("on_dispatch", req, worker_id, now)
+
+    def first_token(self, req: Any, worker_id: str, now: float) -> None:
+        self.bookkeeping.first_token(req.id)
+        if self.hook_first:
+            self._call_hook("on_first_token", req, worker_id, now)
+
+    def finished(self, req: Any, worker_id: str, now: float, output_tokens: int) -> None:
+        self.bookkeeping.finished(req.id)
+        if self.hook_finish:
+            self._call_hook("on_finish", req, worker_id, now, output_tokens)
+        if self.bookkeeping.load(worker_id).requests == 0:
+            ev = self._idle.get(worker_id)
+            if ev is not None:
+                ev.set()
+
+    def _call_hook(self, name: str, *args: Any) -> None:
+        try:
+            getattr(self.router, name)(*args)
+        except Exception:  # noqa: BLE001 - a hook bug must not drop the request; it is logged
+            log.error("router %s.%s raised:\n%s", self.router_name, name, traceback.format_exc())
+
+    def served_models(self) -> set[str]:
+        out: set[str] = set()
+        for w in self.registry:
+            out.update(w.models)
+        if self.cfg.model:
+            out.add(self.cfg.model)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """What an operator asks first: the workers, their states, signals and errors."""
+        now = time.monotonic()
+        return {"router": self.router_name, "prefix_index": self.index_kind, "tokenizer": self.tokenizer.mode,
+                "in_flight": self.bookkeeping.in_flight(), "accepting": self.accepting,
+                "workers": [{"id": w.id, "url": w.url, "state": w.view_state, "healthy": w.healthy,
+                             "models": list(w.models), "in_flight": self.bookkeeping.load(w.id).requests,
+                             "running": w.gauges.num_running, "waiting": w.gauges.num_waiting,
+                             "kv_usage": w.gauges.kv_usage, "block_size": w.config.block_size,
+                             "num_gpu_blocks": w.config.num_gpu_blocks, "max_model_len": w.config.max_model_len,
+                             "scrape_age_s": None if not w.last_scrape else now - w.last_scrape,
+                             "prefix_cache_hits": w.counters.get("prefix_hits"),
+                             "prefix_cache_queries": w.counters.get("prefix_queries"),
+                             "kv_blocks_indexed": self.precise.num_blocks(w.id),
+                             "last_error": w.last_error or None} for w in self.registry]}

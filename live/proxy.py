@@ -1,0 +1,397 @@
+"""The OpenAI-compatible proxy (aiohttp server and pooled aiohttp client) in front of the workers.
+
+Per request: parse and check the body, build the `RequestView` (token count and prefix hashes from the
+tokenizer, the client's `max_tokens`), ask the router, update the bookkeeping at dispatch, first chunk
+and finish, and pass the worker's answer through (streamed chunks as they come). A failure before the
+client got a byte is retried once on another worker; a failure mid-stream ends the stream with an SSE error
+event (vLLM's own form: `data: {"error": ...}` then `data: [DONE]`). The failing worker is marked down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+import traceback
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from twin.policy.views import Reject, RequestView
+
+from live.controller import Controller
+from live.hashing import chain_hashes
+from live.tokens import BadPrompt
+
+log = logging.getLogger("llmtwin.live")
+CTL: web.AppKey[Controller] = web.AppKey("controller", Controller)
+PROXY: web.AppKey["Proxy"] = web.AppKey("proxy")
+_UPSTREAM_FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionResetError)
+_CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
+
+
+def error(status: int, message: str, kind: str | None = None) -> web.Response:
+    """OpenAI's error body: {"error": {"message", "type", "code"}}."""
+    kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                    413: "RequestTooLargeError", 500: "InternalServerError", 502: "BadGatewayError",
+                    503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}.get(status, "Error")
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    return web.Response(status=status, text=body, content_type="application/json")
+
+
+def sse_error(message: str, code: int = 502) -> bytes:
+    return (b"data: " + json.dumps({"error": {"message": message, "type": "BadGatewayError", "param": None,
+                                              "code": code}}).encode() + b"\n\ndata: [DONE]\n\n")
+
+
+class _Retryable(Exception):
+    """The attempt failed before the client received anything: another worker may take it."""
+
+
+class Proxy:
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+        self.active = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        s = ctl.cfg.server
+        self.timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
+
+    # -- routes --------------------------------------------------------------------------------------
+    def authorized(self, request: web.Request) -> bool:
+        key = self.ctl.api_key
+        return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        ctl = self.ctl
+        cards: dict[str, dict] = {}
+        for w in ctl.registry:
+            if not w.routable:
+                continue
+            for m in w.models:
+                cards.setdefault(m, {"id": m, "object": "model", "owned_by": "vllm", "root": m,
+                                     "max_model_len": w.config.max_model_len or None})
+        if not cards:
+            return error(503, self._none_serving())
+        return web.json_response({"object": "list", "data": list(cards.values())})
+
+    async def health(self, request: web.Request) -> web.Response:
+        ctl = self.ctl
+        n = len(ctl.registry.routable())
+        status = 200 if n and ctl.accepting else 503
+        return web.json_response({"status": "ok" if status == 200 else "unavailable", "serving": n,
+                                  "workers": {w.id: w.view_state for w in ctl.registry}}, status=status)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        ctl = self.ctl
+        m = ctl.metrics
+        now = time.monotonic()
+        states: dict[str, int] = {"starting": 0, "serving": 0, "draining": 0, "stopped": 0}
+        for w in ctl.registry:
+            states[w.view_state] = states.get(w.view_state, 0) + 1
+            m.inflight.labels(w.id).set(ctl.bookkeeping.load(w.id).requests)
+            if w.last_scrape:
+                m.scrape_age.labels(w.id).set(now - w.last_scrape)
+        for s, n in states.items():
+            m.workers.labels(s).set(n)
+        return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
+
+    async def workers(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        return web.json_response(self.ctl.status())
+
+    # -- generation ----------------------------------------------------------------------------------
+    def _none_serving(self) -> str:
+        ws = list(self.ctl.registry)
+        if not ws:
+            return "no worker is registered"
+        why = "; ".join(f"{w.id}: {w.view_state}" + (f" ({w.last_error})" if w.last_error else "") for w in ws)
+        return f"no worker is serving ({why})"
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        self.active += 1
+        self.idle.clear()
+        try:
+            resp = await self._generate_inner(request, chat)
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self.idle.set()
+        return resp
+
+    async def _generate_inner(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        ctl = self.ctl
+        m = ctl.metrics
+        if not self.authorized(request):
+            m.rejected.labels("auth").inc()
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        if not ctl.accepting:
+            m.rejected.labels("shutting_down").inc()
+            return error(503, "the controller is shutting down")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            m.rejected.labels("too_large").inc()
+            return error(413, f"request body over the limit of {ctl.cfg.server.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            m.rejected.labels("bad_json").inc()
+            return error(400, f"request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            m.rejected.labels("bad_json").inc()
+            return error(400, "request body must be a JSON object")
+        model = body.get("model")
+        served = ctl.served_models()
+        if model is not None and served and model not in served:
+            m.rejected.labels("unknown_model").inc()
+            return error(404, f"The model `{model}` does not exist (served: {', '.join(sorted(served))}).")
+        max_tokens = body.get("max_completion_tokens") if chat and "max_tokens" not in body else body.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            m.rejected.labels("bad_request").inc()
+            return error(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
+        t0 = time.perf_counter()
+        routable = ctl.registry.routable()
+        if not routable:
+            m.rejected.labels("none_serving").inc()
+            return error(503, self._none_serving())
+        try:
+            info = await ctl.tokenizer.tokenize(body, chat, ctl.session, routable[0].url, model)
+        except BadPrompt as e:
+            m.rejected.labels("bad_request").inc()
+            return error(400, str(e))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            ctl.fail(routable[0], f"/tokenize: {e}")
+            m.upstream_errors.labels(routable[0].id, "tokenize").inc()
+            return error(502, f"worker {routable[0].id} failed to tokenize the prompt: {e}")
+        mml = info.max_model_len or min((w.config.max_model_len for w in routable if w.config.max_model_len),
+                                        default=0)
+        if mml:
+            exact = info.token_ids is not None
+            need = (max_tokens or 0) + (info.num_tokens if exact else 0)
+            if need > mml:
+                m.rejected.labels("too_long").inc()
+                return error(400, f"This model's maximum context length is {mml} tokens. However, you requested "
+                                  f"{need} tokens ({info.num_tokens if exact else 'unknown'} in the prompt, "
+                                  f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                                  "max_tokens.")
+        bs = ctl.registry.block_size()
+        prefix = chain_hashes(info.token_ids, bs) if info.token_ids is not None else ()
+        now = time.monotonic()
+        session = request.headers.get("X-Session-Id") or (body.get("user") if isinstance(body.get("user"), str)
+                                                          else None)
+        prio = body.get("priority", 0)
+        req = RequestView(ctl.next_id(), now, info.num_tokens, max_tokens, prefix, bs, session,
+                          prio if isinstance(prio, int) else 0, None, info.text)
+        stream = bool(body.get("stream"))
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        tried: list[str] = []
+        last_error = ""
+        for attempt in (0, 1):
+            fleet = ctl.registry.fleet_view(time.monotonic(), tried)
+            if not fleet.instances:
+                if attempt:
+                    return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
+                m.rejected.labels("none_serving").inc()
+                return error(503, self._none_serving())
+            if attempt:
+                m.retries.inc()
+            try:
+                target = ctl.router.choose(req, fleet)
+            except Exception as e:  # noqa: BLE001 - a policy bug: logged with its traceback, answered 500/503
+                log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id, traceback.format_exc())
+                if ctl.cfg.router.on_error == "reject":
+                    m.rejected.labels("router_error").inc()
+                    return error(503, f"router error: {type(e).__name__}: {e}")
+                return error(500, f"router {ctl.router_name!r} raised {type(e).__name__}: {e}")
+            if attempt == 0:
+                m.decision_latency.observe(time.perf_counter() - t0)
+            if isinstance(target, Reject):
+                m.rejected.labels("router_reject").inc()
+                return error(503, f"rejected by router {ctl.router_name!r}: {target.reason}")
+            w = ctl.registry.get(target) if isinstance(target, str) else None
+            if w is None or not w.routable or target in tried:
+                return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
+            ctl.dispatched(req, w.id, time.monotonic())
+            try:
+                if stream:
+                    return await self._stream(request, req, w, path, raw, chat)
+                return await self._unary(req, w, path, raw)
+            except _Retryable as e:
+                last_error = str(e)
+                ctl.fail(w, last_error)
+                m.upstream_errors.labels(w.id, "before_first_byte").inc()
+                tried.append(w.id)
+                if not ctl.cfg.server.retry_before_first_byte:
+                    break
+                if attempt == 0:
+                    log.warning("request %s: worker %s failed before the first byte (%s); retrying elsewhere",
+                                req.id, w.id, last_error)
+        m.requests.labels(tried[-1] if tried else "-", "502").inc()
+        return error(502, f"upstream failed before the first byte on {', '.join(tried)}: {last_error}")
+
+    async def _unary(self, req: RequestView, w: Any, path: str, raw: bytes) -> web.Response:
+        ctl = self.ctl
+        out_tokens = 0
+        status = 502
+        try:
+            async with ctl.session.post(w.url + path, data=raw, timeout=self.timeout,
+                                        headers={"Content-Type": "application/json", "X-Request-Id": req.id}) as r:
+                data = await r.read()
+                status = r.status
+                if status >= 500:
+                    raise _Retryable(f"{w.id} answered {status}: {data[:200].decode(errors='replace')}")
+                ctl.first_token(req, w.id, time.monotonic())
+                if ctl.hook_finish and status == 200:
+                    try:
+                        out_tokens = int(json.loads(data).get("usage", {}).get("completion_tokens", 0))
+                    except (ValueError, AttributeError, TypeError):
+                        pass
+                ctl.metrics.requests.labels(w.id, str(status)).inc()
+                return web.Response(body=data, status=status,
+                                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+        except _UPSTREAM_FAILURES as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:
+            ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
+            ctl.metrics.requests.labels(w.id, "504").inc()
+            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:.0f} s")
+        finally:
+            ctl.finished(req, w.id, time.monotonic(), out_tokens)
+
+    async def _stream(self, request: web.Request, req: RequestView, w: Any, path: str, raw: bytes,
+                      chat: bool) -> web.StreamResponse:
+        ctl = self.ctl
+        m = ctl.metrics
+        events = 0
+        out: web.StreamResponse | None = None
+        status = "200"
+        try:
+            async with ctl.session.post(w.url + path, data=raw, timeout=self.timeout,
+                                        headers={"Content-Type": "application/json", "X-Request-Id": req.id}) as r:
+                if r.status != 200:
+                    data = await r.read()
+                    if r.status >= 500:
+                        raise _Retryable(f"{w.id} answered {r.status}: {data[:200].decode(errors='replace')}")
+                    m.requests.labels(w.id, str(r.status)).inc()
+                    return web.Response(body=data, status=r.status,
+                                        headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+                try:
+                    first = await r.content.readany()
+                except _UPSTREAM_FAILURES as e:
+                    raise _Retryable(f"{type(e).__name__}: {e}") from None
+                if not first:
+                    raise _Retryable(f"{w.id} closed the stream before its first chunk")
+                ctl.first_token(req, w.id, time.monotonic())
+                out = web.StreamResponse(status=200, headers={
+                    "Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+                await out.prepare(request)
+                events += first.count(b"data: ")
+                await out.write(first)
+                try:
+                    async for chunk in r.content.iter_any():
+                        events += chunk.count(b"data: ")
+                        await out.write(chunk)
+                except _CLIENT_GONE:
+                    status = "499"  # the client went away; leaving the block closes the upstream (vLLM aborts)
+                    return out
+                except _UPSTREAM_FAILURES as e:
+                    status = "502"
+                    msg = f"worker {w.id} failed mid-stream: {type(e).__name__}: {e}"
+                    ctl.fail(w, msg)
+                    m.upstream_errors.labels(w.id, "mid_stream").inc()
+                    try:
+                        await out.write(sse_error(msg))
+                    except _CLIENT_GONE:
+                        pass
+                except asyncio.TimeoutError:
+                    status = "504"
+                    m.upstream_errors.labels(w.id, "timeout").inc()
+                    try:
+                        await out.write(sse_error(f"worker {w.id} timed out mid-stream", 504))
+                    except _CLIENT_GONE:
+                        pass
+                try:
+                    await out.write_eof()
+                except _CLIENT_GONE:
+                    status = "499"
+                return out
+        except _UPSTREAM_FAILURES as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:
+            if out is not None:
+                return out
+            m.upstream_errors.labels(w.id, "timeout").inc()
+            status = "504"
+            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:.0f} s")
+        finally:
+            if out is not None:
+                m.requests.labels(w.id, status).inc()
+            # output tokens for on_finish: SSE events minus [DONE] and chat's role chunk; a lower bound, as vLLM
+            # merges tokens into one event when the client reads slower than it decodes
+            n_out = max(0, events - 1 - (1 if chat else 0))
+            ctl.finished(req, w.id, time.monotonic(), n_out)
+
+
+def build_app(ctl: Controller) -> web.Application:
+    app = web.Application(client_max_size=ctl.cfg.server.max_body_bytes)
+    proxy = Proxy(ctl)
+    app[CTL] = ctl
+    app[PROXY] = proxy
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.metrics)
+    app.router.add_get("/workers", proxy.workers)
+    return app
+
+
+async def serve(ctl: Controller, on_ready: Any = None, stop: asyncio.Event | None = None) -> None:
+    """Start the controller, listen, and on SIGTERM/SIGINT (or `stop`): stop accepting, let in-flight
+    requests finish (up to `server.shutdown_timeout_s`), stop launched workers, return."""
+    cfg = ctl.cfg
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    app = build_app(ctl)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                           shutdown_timeout=cfg.server.shutdown_timeout_s)
+    await runner.setup()
+    cleaned = False
+    try:
+        await ctl.start()
+        site = web.TCPSite(runner, cfg.server.host, cfg.server.port, backlog=1024)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else cfg.server.port
+        ctl.port = port
+        log.info("llmtwin live: listening on http://%s:%d, router %s, %d workers", cfg.server.host, port,
+                 ctl.router_name, len(ctl.registry))
+        if on_ready is not None:
+            on_ready(port)
+        await stop.wait()
+        log.info("shutting down: %d requests in flight", app[PROXY].active)
+        ctl.accepting = False
+        await runner.cleanup()  # closes the listener, waits for running handlers, then closes connections
+        cleaned = True
+    finally:
+        if not cleaned:
+            await runner.cleanup()
+        await ctl.stop()

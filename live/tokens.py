@@ -1,0 +1,127 @@
+"""A prompt's token ids, for the request view: from the worker's `/tokenize`, a local tokenizer, or an estimate.
+
+The token count feeds the bookkeeping and the context check; the ids feed the prefix hashes. `worker` asks
+a serving worker (exactly what vLLM will see, one extra round trip); `local` runs a Hugging Face tokenizer
+in process (needs `transformers`; the same files the worker loads); `estimate` counts characters
+(ASSUMPTION: `chars_per_token`, 4 by default) and yields no ids, so no prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from twin.errors import TwinInputError
+
+
+class BadPrompt(ValueError):
+    """The body's prompt or messages are not of a form the OpenAI API accepts (a 400 for the client)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInfo:
+    num_tokens: int
+    token_ids: Sequence[int] | None  # of the first prompt; None when only estimated
+    text: str | None
+    max_model_len: int | None = None  # from /tokenize, when it says
+
+
+def prompt_parts(body: dict, chat: bool) -> tuple[list[Any], str | None]:
+    """The prompts of a completions body (strings or token-id lists) or the messages of a chat body."""
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadPrompt("'messages' must be a non-empty list")
+        texts = []
+        for m in msgs:
+            if not isinstance(m, dict) or "role" not in m:
+                raise BadPrompt("each message must be an object with 'role' and 'content'")
+            c = m.get("content")
+            if isinstance(c, str):
+                texts.append(c)
+            elif isinstance(c, list):
+                texts.extend(p.get("text", "") for p in c if isinstance(p, dict))
+        return [msgs], "\n".join(texts)
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p], p
+    if isinstance(p, list) and p:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [p], None
+        if all(isinstance(x, str) for x in p):
+            return list(p), p[0]
+        if all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in p):
+            return list(p), None
+    raise BadPrompt("'prompt' must be a string, a list of strings, or token ids")
+
+
+class PromptTokenizer:
+    """Counts and ids of a request's prompt, by the configured mode."""
+
+    def __init__(self, mode: str, path: str | None = None, chars_per_token: float = 4.0) -> None:
+        if mode not in ("worker", "local", "estimate"):
+            raise ValueError(mode)
+        self.mode = mode
+        self.chars_per_token = chars_per_token
+        self._tok = None
+        if mode == "local":
+            if not path:
+                raise TwinInputError("tokenizer.mode local needs tokenizer.path (a Hugging Face tokenizer folder)")
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise TwinInputError("tokenizer.mode local needs the transformers package") from None
+            try:
+                self._tok = AutoTokenizer.from_pretrained(path)
+            except Exception as e:  # noqa: BLE001 - any load failure is bad config
+                raise TwinInputError(f"tokenizer.path {path}: cannot load a tokenizer ({e})") from None
+
+    def estimate(self, text: str) -> int:
+        return max(1, int(len(text) / self.chars_per_token + 0.5))
+
+    async def tokenize(self, body: dict, chat: bool, session: Any = None, worker_url: str | None = None,
+                       model: str | None = None) -> PromptInfo:
+        parts, text = prompt_parts(body, chat)
+        first = parts[0]
+        if not chat and isinstance(first, list):  # token ids given: nothing to tokenize
+            return PromptInfo(sum(len(p) if isinstance(p, list) else 0 for p in parts) or len(first), first, text)
+        if self.mode == "estimate" or (self.mode == "worker" and (session is None or worker_url is None)):
+            return PromptInfo(self._estimate_parts(parts, chat), None, text)
+        if self.mode == "local":
+            ids = self._local_ids(first, chat)
+            total = len(ids) + sum(len(self._local_ids(p, chat)) for p in parts[1:])
+            return PromptInfo(total, ids, text)
+        ids, mml = await self._worker_ids(session, worker_url, model, first, chat)
+        total = len(ids) + sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts[1:])
+        return PromptInfo(total, ids, text, mml)
+
+    def _estimate_parts(self, parts: list[Any], chat: bool) -> int:
+        if chat:
+            msgs = parts[0]
+            return sum(self.estimate(m.get("content") if isinstance(m.get("content"), str) else str(m.get("content")))
+                       for m in msgs) + 4 * len(msgs)
+        return sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts)
+
+    def _local_ids(self, prompt: Any, chat: bool) -> list[int]:
+        tok = self._tok
+        if chat:
+            out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) else out)
+        if isinstance(prompt, list):
+            return prompt
+        return tok(prompt)["input_ids"]
+
+    async def _worker_ids(self, session: Any, url: str, model: str | None, prompt: Any,
+                          chat: bool) -> tuple[list[int], int | None]:
+        """vLLM's `/tokenize` (`vllm/entrypoints/serve/tokenize`): {"tokens": [...], "max_model_len": N}."""
+        body: dict[str, Any] = {"messages": prompt, "add_generation_prompt": True} if chat else {"prompt": prompt}
+        if model:
+            body["model"] = model
+        async with session.post(url + "/tokenize", json=body) as resp:
+            data = await resp.json(content_type=None)
+            if resp.status != 200:
+                msg = data.get("error", data) if isinstance(data, dict) else data
+                if isinstance(msg, dict):
+                    msg = msg.get("message", msg)
+                raise BadPrompt(f"the worker could not tokenize the prompt: {msg}")
+        return data["tokens"], data.get("max_model_len")

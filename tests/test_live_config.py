@@ -1,0 +1,92 @@
+"""Live config: validated like scenarios, one clear line per problem, and the scenario's router block."""
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from live.cli import run  # noqa: E402
+from live.config import LiveConfig, load_config, parse_config  # noqa: E402
+from twin.errors import TwinInputError  # noqa: E402
+from twin.scenario import RouterSpec  # noqa: E402
+
+OK = {"workers": [{"url": "http://127.0.0.1:9"}]}
+
+
+def test_router_block_is_the_scenarios():
+    cfg = parse_config({**OK, "router": {"name": "p2c", "params": {"seed": 3}, "scrape_interval_s": 0.2}})
+    assert isinstance(cfg.router, RouterSpec)
+    assert cfg.router.name == "power-of-two"  # aliases resolve as in scenarios
+    assert cfg.scrape_interval_s == 0.2
+    assert LiveConfig.model_fields["router"].annotation is RouterSpec
+
+
+def test_zero_scrape_interval_is_floored():
+    cfg = parse_config({**OK, "router": {"scrape_interval_s": 0}})
+    assert cfg.scrape_interval_s == cfg.min_scrape_interval_s > 0
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({}, "give workers"),
+    ({**OK, "router": {"name": "nope"}}, "router.name: unknown router 'nope'"),
+    ({**OK, "server": {"prot": 1}}, "server.prot: unknown key"),
+    ({"workers": [{"url": "127.0.0.1:9"}]}, "workers.0.url: must start with http://"),
+    ({**OK, "server": {"port": 70000}}, "server.port"),
+    ({"workers": [{"id": "a", "url": "http://x"}, {"id": "a", "url": "http://y"}]}, "ids must be unique"),
+    ({**OK, "tokenizer": {"mode": "magic"}}, "tokenizer.mode"),
+    ([1, 2], "must be a YAML mapping"),
+])
+def test_bad_config_is_one_clear_line(raw, needle):
+    with pytest.raises(TwinInputError) as e:
+        parse_config(raw, "live.yaml")
+    assert needle in str(e.value)
+    assert "Traceback" not in str(e.value)
+
+
+def test_cli_exit_2_on_bad_config(tmp_path, capsys):
+    p = tmp_path / "live.yaml"
+    p.write_text("workers: [{url: http://127.0.0.1:9}]\nrouter: {name: no-such-router}\n")
+    assert run(p) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no-such-router" in err[0]
+    assert run(tmp_path / "missing.yaml") == 2
+    p.write_text("workers: [\n")
+    assert run(p) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_bad_router_params_and_scaler_are_one_line(tmp_path, capsys):
+    p = tmp_path / "live.yaml"
+    p.write_text("workers: [{url: http://127.0.0.1:9}]\nrouter: {name: random, params: {sead: 1}}\n")
+    assert run(p) == 2
+    assert "router.params" in capsys.readouterr().err
+    p.write_text("workers: [{url: http://127.0.0.1:9}]\nscaler: {name: nope}\n")
+    assert run(p) == 2
+    assert "scaler.name: unknown scaler" in capsys.readouterr().err
+
+
+def test_overrides_and_api_key_env(tmp_path, monkeypatch):
+    p = tmp_path / "live.yaml"
+    p.write_text("workers: [{url: http://127.0.0.1:9}]\nserver: {api_key_env: LLMTWIN_TEST_KEY}\n")
+    cfg = load_config(p, ["server.port=1234", "router.name=rr"])
+    assert cfg.server.port == 1234 and cfg.router.name == "round-robin"
+    monkeypatch.delenv("LLMTWIN_TEST_KEY", raising=False)
+    with pytest.raises(TwinInputError, match="LLMTWIN_TEST_KEY is not set"):
+        cfg.server.resolved_api_key()
+    monkeypatch.setenv("LLMTWIN_TEST_KEY", "s3cret")
+    assert cfg.server.resolved_api_key() == "s3cret"
+
+
+def test_binds_loopback_by_default():
+    assert parse_config(OK).server.host == "127.0.0.1"
+
+
+def test_twin_live_command_bad_config_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from twin.cli import app
+
+    p = tmp_path / "live.yaml"
+    p.write_text("workers: []\n")
+    r = CliRunner().invoke(app, ["live", str(p)])
+    assert r.exit_code == 2
+    assert "give workers" in r.output

@@ -1,0 +1,399 @@
+"""The proxy against fake vLLM workers on loopback: routing by the twin's routers, bookkeeping at dispatch,
+first chunk and finish, pass-through, retries, faults and bad input. Real workers: tests_vllm/test_live_*.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from live.config import parse_config  # noqa: E402
+from live.controller import Controller  # noqa: E402
+from live.proxy import serve  # noqa: E402
+from twin.policy import RouterBase  # noqa: E402
+
+METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="fake"}} {running}
+vllm:num_requests_waiting{{engine="0",model_name="fake"}} 0.0
+vllm:kv_cache_usage_perc{{engine="0",model_name="fake"}} 0.5
+vllm:prefix_cache_hits_total{{engine="0",model_name="fake"}} 0.0
+vllm:cache_config_info{{block_size="4",enable_prefix_caching="True",engine="0",num_gpu_blocks="100"}} 1.0
+"""
+
+
+class FakeWorker:
+    """Enough of vLLM's OpenAI server for the proxy: models, metrics, tokenize, completions (SSE or not)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mode = "ok"  # ok | error500 | die_mid_stream | die_before_headers
+        self.received: list[dict] = []
+        self.chunks = 5
+        self.delay = 0.0
+        self.port = 0
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "fake", "max_model_len": 64}]})
+
+    async def metrics(self, request):
+        return web.Response(text=METRICS.format(running=len(self.received)))
+
+    async def tokenize(self, request):
+        body = await request.json()
+        text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
+        return web.json_response({"tokens": [ord(c) % 200 for c in text], "count": len(text), "max_model_len": 64})
+
+    async def completions(self, request):
+        body = await request.json()
+        is_probe = body.get("prompt") == "hi" and body.get("max_tokens") == 1
+        if not is_probe:
+            self.received.append(body)
+        if self.mode == "error500":
+            return web.json_response({"error": {"message": "engine dead"}}, status=500)
+        if self.mode == "die_before_headers" and not is_probe:
+            request.transport.close()
+            await asyncio.sleep(1)
+        if not body.get("stream"):
+            await asyncio.sleep(self.delay)
+            return web.json_response({"id": "cmpl-1", "worker": self.name, "choices": [{"text": "x" * 3}],
+                                      "usage": {"completion_tokens": 3}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.chunks):
+            await resp.write(f"data: {json.dumps({'worker': self.name, 'i': i})}\n\n".encode())
+            await asyncio.sleep(self.delay)
+            if self.mode == "die_mid_stream" and i == 1:
+                request.transport.close()
+                return resp
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+class Recorder(RouterBase):
+    """Round-robin that records what the hooks tell it (a twin router would read the same calls)."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.calls: list[tuple] = []
+        self.seen_prefix: list[dict] = []
+
+    def choose(self, req, fleet):
+        self.seen_prefix.append(fleet.cached_blocks(req))
+        inst = fleet.instances[self.n % len(fleet.instances)]
+        self.n += 1
+        return inst.id
+
+    def on_dispatch(self, req, instance_id, now):
+        self.calls.append(("dispatch", req.id, instance_id, req.num_prompt_tokens, req.max_tokens))
+
+    def on_first_token(self, req, instance_id, now):
+        self.calls.append(("first", req.id, instance_id))
+
+    def on_finish(self, req, instance_id, now, output_tokens):
+        self.calls.append(("finish", req.id, instance_id, output_tokens))
+
+
+@contextlib.asynccontextmanager
+async def proxy(workers, router_obj=None, **cfg_extra):
+    raw = {"server": {"port": 0, "max_body_bytes": 4096, "request_timeout_s": 10},
+           "workers": [{"id": w.name, "url": w.url} for w in workers],
+           "router": {"scrape_interval_s": 0.05}, "health": {"interval_s": 0.2, "backoff_initial_s": 0.1,
+                                                             "backoff_max_s": 0.2}}
+    for k, v in cfg_extra.items():
+        raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v
+    ctl = Controller(parse_config(raw), router=router_obj)
+    stop = asyncio.Event()
+    ready = asyncio.get_running_loop().create_future()
+    task = asyncio.get_running_loop().create_task(serve(ctl, ready.set_result, stop))
+    port = await asyncio.wait_for(ready, 10)
+    ctl.test_stop = stop
+    async with aiohttp.ClientSession() as client:
+        try:
+            yield ctl, f"http://127.0.0.1:{port}", client
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
+
+
+async def fakes(n=2):
+    ws = [FakeWorker(f"w{i}") for i in range(n)]
+    for w in ws:
+        await w.start()
+    return ws
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_unary_and_stream_pass_through_with_bookkeeping_and_hooks():
+    async def main():
+        ws = await fakes()
+        rec = Recorder()
+        async with proxy(ws, rec) as (ctl, url, c):
+            async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": "hello", "max_tokens": 7}) as r:
+                assert r.status == 200
+                a = await r.json()
+            async with c.post(url + "/v1/completions",
+                              json={"prompt": "hello", "max_tokens": 5, "stream": True}) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                text = (await r.read()).decode()
+            assert ctl.bookkeeping.in_flight() == 0
+            assert all(ld.requests == 0 and ld.prompt_tokens == 0 and ld.decode_tokens == 0
+                       for ld in ctl.bookkeeping.loads.values())
+            page = await (await c.get(url + "/metrics")).text()
+        for w in ws:
+            await w.stop()
+        return a, text, rec, page
+
+    a, text, rec, page = run(main())
+    assert a["worker"] == "w0" and a["usage"]["completion_tokens"] == 3
+    assert text.count("data: ") == 6 and '"worker": "w1"' in text and text.endswith("data: [DONE]\n\n")
+    kinds = [c[0] for c in rec.calls]
+    assert kinds == ["dispatch", "first", "finish", "dispatch", "first", "finish"]
+    assert rec.calls[0][2:] == ("w0", 1, 7)  # prompt tokens from the estimate (5 chars / 4), the client's cap
+    assert rec.calls[2][3] == 3 and rec.calls[5][3] == 5  # output tokens: usage, then counted SSE events
+    assert 'llmtwin_requests_total{status="200",worker="w0"} 1.0' in page
+    assert "llmtwin_decision_latency_seconds_count 2.0" in page
+
+
+def test_router_by_name_from_config_round_robin():
+    async def main():
+        ws = await fakes()
+        async with proxy(ws, None, router={"name": "round-robin", "scrape_interval_s": 0.05}) as (ctl, url, c):
+            for _ in range(6):
+                async with c.post(url + "/v1/completions", json={"prompt": "p", "max_tokens": 1}) as r:
+                    assert r.status == 200
+            name = ctl.router_name
+        for w in ws:
+            await w.stop()
+        return ws, name
+
+    ws, name = run(main())
+    assert name == "round-robin"
+    assert [len(w.received) for w in ws] == [3, 3]
+
+
+def test_bad_input_is_4xx_with_a_message():
+    async def main():
+        ws = await fakes(1)
+        out = {}
+        async with proxy(ws, None, tokenizer={"mode": "worker"}) as (ctl, url, c):
+            async def post(key, data=None, js=None, path="/v1/completions"):
+                async with c.post(url + path, data=data, json=js) as r:
+                    out[key] = (r.status, await r.json())
+            await post("json", data=b"{not json")
+            await post("list", js=[1, 2])
+            await post("model", js={"model": "gpt-9", "prompt": "x"})
+            await post("big", data=json.dumps({"prompt": "x" * 10000}).encode())
+            await post("context", js={"prompt": "x" * 60, "max_tokens": 10})
+            await post("maxtok", js={"prompt": "x", "max_tokens": -3})
+            await post("noprompt", js={"max_tokens": 3})
+            await post("chatmsgs", js={"messages": "hi"}, path="/v1/chat/completions")
+        for w in ws:
+            await w.stop()
+        return out, ws[0].received
+
+    out, received = run(main())
+    assert out["json"][0] == 400 and "not valid JSON" in out["json"][1]["error"]["message"]
+    assert out["list"][0] == 400
+    assert out["model"][0] == 404 and "gpt-9" in out["model"][1]["error"]["message"]
+    assert out["big"][0] == 413 and "4096 bytes" in out["big"][1]["error"]["message"]
+    assert out["context"][0] == 400 and "maximum context length is 64" in out["context"][1]["error"]["message"]
+    assert out["maxtok"][0] == 400
+    assert out["noprompt"][0] == 400 and "prompt" in out["noprompt"][1]["error"]["message"]
+    assert out["chatmsgs"][0] == 400
+    assert received == []  # none of them reached a worker
+
+
+def test_api_key():
+    async def main():
+        ws = await fakes(1)
+        async with proxy(ws, None, server={"api_key": "k"}) as (ctl, url, c):
+            r1 = await c.post(url + "/v1/completions", json={"prompt": "x"})
+            r2 = await c.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer k"})
+            s = (r1.status, r2.status)
+        await ws[0].stop()
+        return s
+
+    assert run(main()) == (401, 200)
+
+
+def test_failure_before_first_byte_is_retried_once_elsewhere_and_marks_down():
+    async def main():
+        ws = await fakes()
+        rec = Recorder()
+        res = {}
+        async with proxy(ws, rec, health={"interval_s": 30, "backoff_initial_s": 30, "backoff_max_s": 30}) as (
+                ctl, url, c):
+            ws[0].mode = "error500"
+            async with c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+                res["first"] = (r.status, await r.json())
+            res["w0_state"] = ctl.registry.get("w0").view_state
+            async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                res["second"] = (r.status, (await r.read()).decode())
+            ws[1].mode = "die_before_headers"
+            async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                res["all_down"] = (r.status, await r.json())
+            async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                res["after"] = (r.status, await r.json())
+            res["inflight"] = ctl.bookkeeping.in_flight()
+            res["page"] = await (await c.get(url + "/metrics")).text()
+        for w in ws:
+            await w.stop()
+        return res
+
+    res = run(main())
+    assert res["first"][0] == 200 and res["first"][1]["worker"] == "w1"
+    assert res["w0_state"] == "stopped"
+    assert res["second"][0] == 200 and '"worker": "w1"' in res["second"][1]
+    assert res["all_down"][0] == 502 and "w1" in res["all_down"][1]["error"]["message"]
+    assert res["after"][0] == 503 and "no worker is serving" in res["after"][1]["error"]["message"]
+    assert res["inflight"] == 0
+    assert "llmtwin_retries_total 1.0" in res["page"]
+
+
+def test_worker_dying_mid_stream_gives_an_sse_error_and_later_requests_go_elsewhere():
+    async def main():
+        ws = await fakes()
+        res = {}
+        async with proxy(ws, None, router={"name": "round-robin"},
+                         health={"interval_s": 30, "backoff_initial_s": 30, "backoff_max_s": 30}) as (ctl, url, c):
+            ws[0].mode = "die_mid_stream"
+            ws[0].delay = ws[1].delay = 0.01
+            other = c.post(url + "/v1/completions", json={"prompt": "y", "stream": True})
+            async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                res["dying"] = (r.status, (await r.read()).decode())
+            async with other as r2:
+                res["other"] = (r2.status, (await r2.read()).decode())
+            res["state"] = ctl.registry.get("w0").view_state
+            for i in range(3):
+                async with c.post(url + "/v1/completions", json={"prompt": "z"}) as r:
+                    res[f"later{i}"] = (await r.json())["worker"]
+            res["inflight"] = ctl.bookkeeping.in_flight()
+        for w in ws:
+            await w.stop()
+        return res
+
+    res = run(main())
+    status, body = res["dying"]
+    assert status == 200
+    events = [e for e in body.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][len("data: "):])
+    assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
+    assert res["other"][0] == 200 and res["other"][1].endswith("data: [DONE]\n\n")  # the other one is not lost
+    assert res["other"][1].count('"worker": "w1"') == 5
+    assert res["state"] == "stopped"
+    assert [res[f"later{i}"] for i in range(3)] == ["w1"] * 3
+    assert res["inflight"] == 0
+
+
+def test_health_checks_bring_a_worker_back():
+    async def main():
+        ws = await fakes(1)
+        async with proxy(ws) as (ctl, url, c):
+            ws[0].mode = "error500"
+            r = await c.post(url + "/v1/completions", json={"prompt": "x"})
+            down = (r.status, ctl.registry.get("w0").healthy)
+            ws[0].mode = "ok"
+            for _ in range(100):
+                if ctl.registry.get("w0").healthy:
+                    break
+                await asyncio.sleep(0.05)
+            r = await c.post(url + "/v1/completions", json={"prompt": "x"})
+            up = (r.status, ctl.registry.get("w0").healthy)
+        await ws[0].stop()
+        return down, up
+
+    down, up = run(main())
+    assert down[0] in (502, 503) and down[1] is False  # the request or the health probe found it first
+    assert up == (200, True)
+
+
+def test_gauges_and_config_come_from_scrapes():
+    async def main():
+        ws = await fakes(1)
+        async with proxy(ws) as (ctl, url, c):
+            ws[0].received.extend([{}] * 3)
+            await asyncio.sleep(0.3)
+            v = ctl.registry.fleet.instances[0]
+            got = (v.num_running, v.kv_usage, v.block_size, v.num_gpu_blocks, v.config.max_model_len)
+        await ws[0].stop()
+        return got
+
+    assert run(main()) == (3, 0.5, 4, 100, 64)
+
+
+def test_prefix_hashes_reach_the_router_via_the_approximate_index():
+    class PrefixRR(Recorder):
+        prefix_index = "approximate"
+
+    async def main():
+        ws = await fakes()
+        rec = PrefixRR()
+        async with proxy(ws, rec) as (ctl, url, c):
+            assert ctl.tokenizer.mode == "worker" and ctl.index_kind == "approximate"
+            for _ in range(2):
+                async with c.post(url + "/v1/completions", json={"prompt": "abcdefghij", "max_tokens": 1}) as r:
+                    assert r.status == 200
+        for w in ws:
+            await w.stop()
+        return rec
+
+    rec = run(main())
+    assert rec.seen_prefix == [{}, {"w0": 2}]  # 10 tokens = 2 full blocks of 4, placed on w0 by the first
+
+
+def test_stop_finishes_in_flight_requests_and_refuses_new_ones():
+    """What SIGTERM does: serve()'s signal handler sets the same event (the real signal: tests_vllm)."""
+    async def main():
+        ws = await fakes(1)
+        ws[0].delay = 0.1
+        async with proxy(ws) as (ctl, url, c):
+            loop = asyncio.get_running_loop()
+            task = loop.create_task(c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}))
+            await asyncio.sleep(0.15)
+            ctl.test_stop.set()
+            r = await task
+            body = (await r.read()).decode()
+            try:
+                async with aiohttp.ClientSession() as c2:
+                    r2 = await c2.post(url + "/v1/completions", json={"prompt": "x"})
+                    late = r2.status
+            except aiohttp.ClientConnectionError:
+                late = "refused"
+        await ws[0].stop()
+        return r.status, body, late
+
+    status, body, late = run(main())
+    assert status == 200 and body.endswith("data: [DONE]\n\n") and body.count('"i"') == 5
+    assert late in ("refused", 503)

