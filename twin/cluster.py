@@ -353,6 +353,16 @@ class Cluster:
         return SimResult(self.scenario, self.log, self.instances, float(env.now), wall, self.num_blocks,
                          self.perf, self.stream.stats.to_dict(), self.router_info(), self.timeline, self.fleet)
 
+    def predictor_info(self) -> dict | None:
+        """The length predictor's name, and whether it reads the truth (oracle, or noise around it)."""
+        spec = self.scenario.predictor
+        if self.predictor is None or spec is None:
+            return None
+        describe = getattr(self.predictor, "describe", None)
+        return {"name": spec.name, "describe": describe() if describe is not None else spec.name,
+                "oracle": bool(getattr(self.predictor, "is_oracle", False)
+                               or getattr(self.predictor, "needs_truth", False))}
+
     def router_info(self) -> dict:
         """What routed this run, for the report: name, parameters, signals and prefix index."""
         d = self.dispatcher
@@ -362,11 +372,7 @@ class Cluster:
                 "prefix_index": None if d.index is None else d.index.kind,
                 "kv_event_delay_s": rs.kv_event_delay_s if d.bus is not None else None,
                 "kv_events_published": d.bus.published if d.bus is not None else 0,
-                "predictor": None if self.predictor is None else {
-                    "name": self.scenario.predictor.name,
-                    "describe": getattr(self.predictor, "describe", lambda: self.scenario.predictor.name)(),
-                    "oracle": bool(getattr(self.predictor, "is_oracle", False)
-                                   or getattr(self.predictor, "needs_truth", False))},
+                "predictor": self.predictor_info(),
                 "scrapes": d.scrapes}
 
 
