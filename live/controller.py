@@ -29,6 +29,7 @@ from live.kv_subscriber import KVEventSubscriber
 from live.metrics import ControllerMetrics
 from live.registry import Registry, Worker
 from live.scaling import as_action, make_scaler
+from twin.policy.signals import RecentWindow
 from live.signals import parse_metrics
 from live.tokens import PromptTokenizer
 
@@ -95,6 +96,10 @@ class Controller:
         self.hook_first = has_hook(self.router, "on_first_token")
         self.hook_finish = has_hook(self.router, "on_finish")
         self.scaler = make_scaler(cfg.scaler.name, **cfg.scaler.params)
+        # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it
+        self.signals = RecentWindow()
+        self.registry.fleet.signals = self.signals
+        self._first_token_at: dict[str, float] = {}
         self.api_key = cfg.server.resolved_api_key()
         self.session: aiohttp.ClientSession | None = None
         self.kv: KVEventSubscriber | None = None
@@ -357,7 +362,7 @@ class Controller:
         from live.launcher import LaunchSpec
 
         fleet = self.registry.fleet_view(time.monotonic())
-        action = as_action(self.scaler.decide(fleet.now, fleet, None))
+        action = as_action(self.scaler.decide(fleet.now, fleet, None), fleet)
         if action.is_noop:
             return action
         if self.actuator is None:
@@ -377,6 +382,7 @@ class Controller:
     def dispatched(self, req: Any, worker_id: str, now: float) -> None:
         expected = int(req.predicted_output_tokens or req.max_tokens or 0)
         self.bookkeeping.dispatched(req.id, worker_id, req.num_prompt_tokens, expected)
+        self.signals.arrived(now, req.num_prompt_tokens)
         if self.index is not None:
             self.index.on_dispatch(req.prefix, worker_id, now)
         if self.hook_dispatch:
@@ -384,11 +390,16 @@ class Controller:
 
     def first_token(self, req: Any, worker_id: str, now: float) -> None:
         self.bookkeeping.first_token(req.id)
+        self._first_token_at.setdefault(req.id, now)
         if self.hook_first:
             self._call_hook("on_first_token", req, worker_id, now)
 
     def finished(self, req: Any, worker_id: str, now: float, output_tokens: int) -> None:
         self.bookkeeping.finished(req.id)
+        ft = self._first_token_at.pop(req.id, None)
+        if ft is not None and output_tokens > 0:  # completed requests only: failures carry no latency
+            self.signals.finished(now, ft - req.arrival_time, now - req.arrival_time, req.num_prompt_tokens,
+                                  output_tokens)
         if self.hook_finish:
             self._call_hook("on_finish", req, worker_id, now, output_tokens)
         if self.bookkeeping.load(worker_id).requests == 0:

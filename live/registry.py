@@ -145,7 +145,8 @@ class Registry:
         if not ex:
             return fleet
         return FleetView(now, [v for v in fleet.instances if v.id not in ex], fleet.bookkeeping,
-                         fleet.prefix_index, fleet.forecaster, fleet.all_instances, fleet.extras)
+                         fleet.prefix_index, fleet.forecaster, fleet.all_instances, signals=fleet.signals,
+                         extras=fleet.extras)
 
     def block_size(self) -> int:
         """The hash block size: the serving workers' own (vLLM CPU: 128; GPU: 16 by default)."""

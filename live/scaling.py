@@ -72,11 +72,17 @@ SCALERS: dict[str, type] = {"none": NoScaler, "static": StaticScaler}
 def make_scaler(name: str, **params: Any) -> Scaler:
     """A scaler by registry name or `module:Class` / `file.py:Class`; bad names or parameters are one line."""
     from twin.policy.base import _load_object
+    from twin.policy.scalers import SCALERS as TWIN_SCALERS
 
     try:
-        cls = SCALERS[name] if name in SCALERS else _load_object(name)
+        if name in SCALERS:
+            cls = SCALERS[name]
+        elif name in TWIN_SCALERS:  # the very scaler objects the twin evaluated: threshold, queue, throughput...
+            cls = TWIN_SCALERS[name]
+        else:
+            cls = _load_object(name)
     except KeyError:
-        raise TwinInputError(f"scaler.name: unknown scaler {name!r} (known: {', '.join(SCALERS)}; "
+        raise TwinInputError(f"scaler.name: unknown scaler {name!r} (known: {', '.join({**SCALERS, **TWIN_SCALERS})}; "
                              "or module:Class, file.py:Class)") from None
     except LookupError as e:
         raise TwinInputError(f"scaler.name: {e}") from None
@@ -89,11 +95,24 @@ def make_scaler(name: str, **params: Any) -> Scaler:
     return obj
 
 
-def as_action(obj: Any) -> ScaleAction:
-    """Accept any object with `add` / `drain` (a scaler from another package), or None for no action."""
+def as_action(obj: Any, fleet: FleetView | None = None) -> ScaleAction:
+    """Accept any object with `add` / `drain`, a twin scaler's `ScaleAction(target)` (turned into starts, or
+    drains of the least loaded workers, as the simulator's fleet does), or None for no action."""
     if obj is None:
         return NOOP
     if isinstance(obj, ScaleAction):
         return obj
+    target = getattr(obj, "target", None)
+    if fleet is not None and hasattr(obj, "target") and not hasattr(obj, "add"):
+        if target is None:
+            return NOOP
+        active = [v for v in fleet.all_instances if v.state in ("starting", "serving")]
+        reason = str(getattr(obj, "reason", ""))
+        if target > len(active):
+            return ScaleAction(add=int(target) - len(active), reason=reason)
+        if target < len(active):
+            order = sorted(active, key=lambda v: (v.state != "starting", v.inflight_requests, -v.started_at))
+            return ScaleAction(drain=tuple(v.id for v in order[:len(active) - int(target)]), reason=reason)
+        return NOOP
     return ScaleAction(int(getattr(obj, "add", 0) or 0), tuple(getattr(obj, "drain", ()) or ()),
                        dict(getattr(obj, "engine_args", {}) or {}), str(getattr(obj, "reason", "")))
