@@ -190,3 +190,27 @@ def test_the_twin_scaler_without_an_oracle_uses_the_measured_rate_and_holds_a_ca
     cl, res = run_with(sc, steady(300, rate=5), None)
     assert cl.fleet.scaler.last["rate"] > 0
     assert len(cl.fleet.active()) >= 1 and (res.log.status == 4).all()
+
+
+def test_the_online_chunk_planner_changes_the_chunk_when_long_prompts_arrive_and_new_instances_take_it():
+    rng = np.random.default_rng(3)
+    short = np.arange(0, 60, 0.1)  # short prompts, then a long-prompt phase
+    long_ = 60 + np.arange(0, 60, 0.1)  # ~45k prompt tokens/s: more than 256-token steps can prefill
+    arr = np.concatenate([short, long_])
+    prompts = np.concatenate([rng.integers(50, 200, len(short)), rng.integers(3000, 6000, len(long_))])
+    outs = np.concatenate([rng.integers(20, 60, len(short)), rng.integers(5, 20, len(long_))])
+    sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 3, "cluster.startup_delay_s": 5.0,
+                          "cluster.engine.max_num_batched_tokens": 256, "cluster.engine.max_num_seqs": 64,
+                          "slo.ttft_s": 2.0, "scaler.name": "none"},
+                       chunk_plan={"online": True, "interval_s": 20.0, "window_s": 30.0, "min_requests": 30,
+                                   "candidates": [256, 2048, 8192], "apply": "all"})
+    cl = Cluster(sc, stream_of(arr, prompts, outs))
+    res = cl.run()
+    changes = cl.fleet.chunk_planner.changes
+    assert changes and changes[0][0] > 60.0  # it re-planned after the shift to long prompts
+    assert changes[0][1].max_num_batched_tokens > 256
+    restarted = [i for i in cl.instances if i.index > 0]
+    assert restarted and all(i.config.max_num_batched_tokens == changes[0][1].max_num_batched_tokens
+                             for i in restarted)
+    assert cl.instances[0].state == "stopped"  # the old instance was drained after its requests
+    assert (res.log.status == 4).all()

@@ -131,6 +131,8 @@ class Cluster:
             self.fleet.scaler = scaler
         for inst in self.instances:
             self.fleet.register_initial(inst)
+        if sc.chunk_plan.online:
+            self.env.process(self.fleet.chunk_process())
         if getattr(self.fleet.scaler, "name", "") != "none":
             self._prepare_scaler()
             self.env.process(self.fleet.scaler_process())
@@ -278,6 +280,9 @@ class Cluster:
     def _finished(self, i: int) -> None:
         """The engine finished request i: the books and the router's hook hear of it, then the session."""
         self.dispatcher.finished(i, int(self.log.output_tokens[i]))
+        planner = self.fleet.chunk_planner
+        if planner is not None:
+            planner.observe(float(self.log.arrival_s[i]), int(self.log.prompt_tokens[i]), int(self.log.output_tokens[i]))
         if self.predictor is not None:
             view = self.dispatcher.last_finished
             if view is not None:

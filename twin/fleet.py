@@ -7,6 +7,7 @@ restarted. Every instance is billed from its start (start-up included) to its st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from twin.errors import TwinInputError
 from twin.policy.scalers import ACTIVE, ScaleAction, make_scaler
@@ -40,6 +41,7 @@ class Fleet:
     gpus_per_instance: int
     lifetimes: dict = field(default_factory=dict)
     events: list = field(default_factory=list)
+    chunk_planner: Any = None  # twin.policy.chunk.OnlineChunkPlanner when chunk_plan.online
 
     def __post_init__(self) -> None:
         sc = self.cluster.scenario.scaler
@@ -134,6 +136,48 @@ class Fleet:
             d.fleet.now = self.env.now
             self.decisions += 1
             self.apply(self.scaler.decide(self.env.now, d.fleet, forecast))
+
+    def chunk_process(self):
+        """The online chunk planner: observe finished requests, re-plan every interval, apply changes."""
+        from dataclasses import replace as dc_replace
+
+        from twin.planning import TwinEvaluator, slo_of
+        from twin.policy.chunk import DEFAULT_CHUNKS, ChunkPlanner, EngineKnobs, OnlineChunkPlanner
+
+        cl = self.cluster
+        spec = cl.scenario.chunk_plan
+        sc = cl.scenario
+        quiet = sc.model_copy(update={  # the evaluator's own runs: no scaler, no planner, no timeline
+            "scaler": sc.scaler.model_copy(update={"name": "none", "params": {}}),
+            "chunk_plan": spec.model_copy(update={"online": False}),
+            "sim": sc.sim.model_copy(update={"timeline_interval_s": 0.0, "max_sim_time_s": None})})
+        ec = cl.engine_config
+        current = EngineKnobs(ec.max_num_batched_tokens)
+        planner = OnlineChunkPlanner(ChunkPlanner(TwinEvaluator(quiet), tuple(spec.candidates) or DEFAULT_CHUNKS),
+                                     current, window_s=spec.window_s, min_requests=spec.min_requests,
+                                     shift_threshold=spec.shift_threshold, margin=spec.margin)
+        self.chunk_planner = planner
+        slo = slo_of(sc)
+        while True:
+            yield self.env.timeout(spec.interval_s)
+            knobs = planner.step(self.env.now, slo)
+            if knobs is None:
+                continue
+            cl.engine_config = dc_replace(cl.engine_config, **knobs.as_engine_args())
+            self.events.append(ScaleEvent(self.env.now, "engine", "-", len(self.active()),
+                                          f"chunk planner: {knobs.label()}"))
+            if spec.apply == "all":  # roll every instance: start replacements, drain the old ones once they serve
+                old = [i for i in self.active()]
+                for _ in old:
+                    self.start("restart with " + knobs.label())
+                label = knobs.label()
+
+                def retire(_event, old=old, label=label) -> None:
+                    for inst in old:
+                        if inst.state in ACTIVE:
+                            self.drain(inst, "replaced: " + label)
+
+                self.env.timeout(self.startup_delay_s).callbacks.append(retire)
 
     def gpu_seconds(self, end: float) -> float:
         total = 0.0

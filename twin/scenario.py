@@ -285,6 +285,22 @@ class ScalerSpec(_Spec):
         return v
 
 
+class ChunkPlanSpec(_Spec):
+    """The online chunk planner (twin.policy.chunk.OnlineChunkPlanner) during a run: re-plan
+    max_num_batched_tokens on a sliding window of finished requests; a change applies to instances started
+    after it (`apply: new`), or restarts every instance with the new knobs (`apply: all`, paying the
+    start-up delay), as the live launcher does when it (re)starts workers."""
+
+    online: bool = False
+    interval_s: float = Field(60.0, gt=0)
+    window_s: float = Field(120.0, gt=0)
+    min_requests: int = Field(50, ge=1)
+    candidates: list[int] = []  # empty: the planner's default ladder 256..16384
+    shift_threshold: float = Field(0.25, gt=0)
+    margin: float = Field(0.05, ge=0)
+    apply: Literal["new", "all"] = "new"
+
+
 class SLOSpec(_Spec):
     """A request meets the SLOs when every set bound holds; goodput counts such requests per second."""
 
@@ -317,6 +333,7 @@ class Scenario(_Spec):
     router: RouterSpec = RouterSpec()
     predictor: Optional[PredictorSpec] = None
     scaler: ScalerSpec = ScalerSpec()
+    chunk_plan: ChunkPlanSpec = ChunkPlanSpec()
     slo: SLOSpec = SLOSpec()
     sim: SimSpec = SimSpec()
     whatif: WhatIfSpec = WhatIfSpec()
