@@ -15,10 +15,10 @@ $(VENV)/.base: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# the test venv also has the predictor and live extras (torch CPU first, from the local wheel: never a CUDA build)
+# the test venv also has the predictor, live, plan (statsmodels) and ray extras (torch CPU first, from the local wheel: never a CUDA build)
 $(VENV)/.dev: $(VENV)/.base
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,predict,live]'
+	$(PY) -m pip install -q -e '.[dev,predict,live,plan,ray]'
 	touch $@
 
 $(FAST)/.compiled: pyproject.toml setup.py $(shell find twin -name "*.py" -o -name "*.yaml")

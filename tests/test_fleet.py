@@ -214,3 +214,16 @@ def test_the_online_chunk_planner_changes_the_chunk_when_long_prompts_arrive_and
                              for i in restarted)
     assert cl.instances[0].state == "stopped"  # the old instance was drained after its requests
     assert (res.log.status == 4).all()
+
+
+def test_load_predictors_follow_a_trend_and_fall_back_on_short_history():
+    from twin.policy.forecast import make_load_predictor
+
+    ramp = [10.0 + 2.0 * k for k in range(20)]  # +2 req/s per interval
+    for name in ("holt-winters", "arima"):
+        p = make_load_predictor(name)
+        nxt = p.predict(ramp)
+        assert nxt > ramp[-1] + 0.5, (name, nxt)  # it extrapolates the trend, unlike a moving average
+        assert p.predict([5.0, 5.0]) == pytest.approx(5.0)  # too short or flat: the moving average
+    assert make_load_predictor("moving-average", window=3).predict(ramp) == pytest.approx(sum(ramp[-3:]) / 3)
+    assert make_load_predictor("constant").predict(ramp) == ramp[-1]
