@@ -583,10 +583,15 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
         s = int(np.searchsorted(ends, t - 1e-9))
         return s if s < len(ends) and abs(ends[s] - t) <= 1e-7 else -1
 
+    # relative errors, each against max(observed, a quarter of that metric's median): a request whose tokens
+    # all reached the client at once (a starved API server) has a TPOT near 0 and would otherwise dominate
+    floors = {k: 0.25 * float(np.nanmedian(v[fin_o])) if np.any(fin_o) else 0.0
+              for k, v in (("ttft", obs_ttft), ("e2e", obs_e2e), ("tpot", obs_tpot))}
+    theta = np.array(profile_vector(profile))
     for i in range(log.n):
         if not fin_o[i]:
             continue
-        if log.status[i] != 4:
+        if log.status[i] != 4:  # finished for real, not in the twin: a large penalty, not a silent drop
             sq += 9.0
             cnt += 1
             continue
@@ -601,18 +606,18 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
         g_fin[6] += 1.0
         a = log.arrival_s[i]
         n_out = int(log.output_tokens[i])
-        cand = [(obs_ttft[i], A[sf] - a, g_first), (obs_e2e[i], A[se] - a, g_fin)]
+        cand = [("ttft", obs_ttft[i], A[sf] - a, g_first), ("e2e", obs_e2e[i], A[se] - a, g_fin)]
         if n_out > 1 and np.isfinite(obs_tpot[i]):
-            cand.append((obs_tpot[i], (A[se] - A[sf]) / (n_out - 1), (G[se] - G[sf]) / (n_out - 1)))
-        for y, c0, g in cand:
-            if not (np.isfinite(y) and y > 0):
+            cand.append(("tpot", obs_tpot[i], (A[se] - A[sf]) / (n_out - 1), (G[se] - G[sf]) / (n_out - 1)))
+        for name, y, c0, g in cand:
+            if not np.isfinite(y):
                 continue
-            pred = c0 + float(g @ np.array(profile_vector(profile)))
-            if pred > 0:
-                sq += math.log(pred / y) ** 2
-                cnt += 1
-            rows.append(w * g / y)
-            targets.append(w * (y - c0) / y)
+            d = max(y, floors[name], 1e-9)
+            pred = c0 + float(g @ theta)
+            sq += ((pred - y) / d) ** 2
+            cnt += 1
+            rows.append(w * g / d)
+            targets.append(w * (y - c0) / d)
     return np.array(rows), np.array(targets), np.array([]), sq / max(cnt, 1)
 
 
@@ -622,48 +627,61 @@ def profile_vector(profile: Profile) -> list[float]:
 
 
 def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None = None, iterations: int = 12,
-                 ridge: float = 1e-5, progress: Callable[[int, float], None] | None = None) -> FitResult:
+                 ridge: float = 1e-5, progress: Callable[[int, float], None] | None = None,
+                 tie_attn: bool = False) -> FitResult:
     """Gauss-Newton on a fixed schedule: simulate, write each request's times as linear in the parameters for
     that run's batches (exact, since step time is linear in the coefficients), solve non-negative least
     squares on the relative errors, re-simulate with the solution; keep the best run. One simulation per
-    observation per iteration."""
+    observation per iteration (plus a line search over at most four more). `tie_attn`: one coefficient for
+    attention and the linear layers (where noisy data cannot tell the two prefill terms apart)."""
     if not obs_list:
         raise TwinInputError("twin calibrate: give at least one observation folder")
     t0 = time.perf_counter()
     theta = np.array([(init or initial_params(obs_list))[k] for k in FIT_PARAMS], dtype=float)
+    M = np.eye(len(FIT_PARAMS))  # full parameters = M @ the fitted ones
+    if tie_attn:
+        theta[1] = theta[0]
+        M = np.delete(M, 1, axis=1)
+        M[1, 0] = 1.0
     theta0 = theta.copy()
-    best, best_cost, history, sims = theta.copy(), float("inf"), [], 0
-    for it in range(iterations + 1):
-        prof = Profile.from_params(dict(zip(FIT_PARAMS, theta)))
+    history, sims = [], 0
+
+    def system(th: np.ndarray):
+        nonlocal sims
+        prof = Profile.from_params(dict(zip(FIT_PARAMS, th)))
         parts = [_linear_system(o, prof) for o in obs_list]
         sims += len(obs_list)
-        cost = float(np.mean([c for *_, c in parts]))
-        history.append({"iteration": it, "cost": cost, **dict(zip(FIT_PARAMS, theta.tolist()))})
-        if progress is not None:
-            progress(it, cost)
-        if cost < best_cost:
-            best, best_cost = theta.copy(), cost
-        elif it > 0:  # the schedule moved against us: step back halfway (in log space) toward the best
-            theta = np.sqrt(np.maximum(theta, 1e-12) * np.maximum(best, 1e-12))
-            continue
-        if it == iterations:
-            break
-        R = np.vstack([r for r, *_ in parts if len(r)])
+        return parts, float(np.mean([c for *_, c in parts]))
+
+    parts, cost = system(theta)
+    history.append({"iteration": 0, "cost": cost, **dict(zip(FIT_PARAMS, theta.tolist()))})
+    for it in range(1, iterations + 1):
+        R = np.vstack([r for r, *_ in parts if len(r)]) @ M
         y = np.concatenate([t for _, t, *_ in parts if len(t)])
         scale = np.linalg.norm(R, axis=0)
         scale[scale == 0] = 1.0
-        Rn = R / scale
-        lam = math.sqrt(ridge * len(y) / len(theta))
+        k = R.shape[1]
+        lam = math.sqrt(ridge * len(y) / k)
         # a weak pull toward the starting point (relative): directions the data cannot see stay where they began
-        anchor = np.maximum(theta0 * scale, 1e-30)
-        Ra = np.vstack([Rn, lam * np.diag(1.0 / anchor)])
-        ya = np.concatenate([y, lam * np.ones(len(theta))])
-        new = nnls(Ra, ya) / scale
-        if np.allclose(new, theta, rtol=1e-4, atol=1e-12):
-            theta = new
+        red0 = theta0 @ M / M.sum(axis=0)
+        anchor = np.maximum(red0 * scale, 1e-30)
+        Ra = np.vstack([R / scale, lam * np.diag(1.0 / anchor)])
+        ya = np.concatenate([y, lam * np.ones(k)])
+        target = np.maximum(M @ (nnls(Ra, ya) / scale), 1e-6 * theta0)  # > 0: the line search is in log space
+        moved = False
+        for alpha in (1.0, 0.5, 0.25, 0.1):  # the batches shift with the parameters: accept only what helps
+            cand = np.exp((1 - alpha) * np.log(theta) + alpha * np.log(target))
+            c_parts, c_cost = system(cand)
+            if c_cost < cost:
+                theta, parts, moved = cand, c_parts, cost - c_cost > 1e-4 * cost
+                cost = c_cost
+                break
+        history.append({"iteration": it, "cost": cost, **dict(zip(FIT_PARAMS, theta.tolist()))})
+        if progress is not None:
+            progress(it, cost)
+        if not moved:
             break
-        theta = new
-    return FitResult(Profile.from_params(dict(zip(FIT_PARAMS, best))), best_cost, history, sims,
+    return FitResult(Profile.from_params(dict(zip(FIT_PARAMS, theta))), cost, history, sims,
                      time.perf_counter() - t0)
 
 
