@@ -217,6 +217,7 @@ def test_the_online_chunk_planner_changes_the_chunk_when_long_prompts_arrive_and
 
 
 def test_load_predictors_follow_a_trend_and_fall_back_on_short_history():
+    pytest.importorskip("statsmodels")  # the [plan] extra: in the test venv, not in the compiled one
     from twin.policy.forecast import make_load_predictor
 
     ramp = [10.0 + 2.0 * k for k in range(20)]  # +2 req/s per interval
