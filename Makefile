@@ -14,7 +14,7 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,plan]'
 	touch $@
 
 $(FAST)/.compiled: pyproject.toml setup.py $(HOT)
