@@ -107,7 +107,7 @@ class TokenizerSpec(_Spec):
 
 
 class KVEventSpec(_Spec):
-    startup_check_s: float = Field(20.0, ge=0, description="how long to wait for a worker's first KV event")
+    startup_check_s: float = Field(60.0, ge=0, description="how long to wait for a worker's first KV event")
 
 
 class ScalerSpec(_Spec):
