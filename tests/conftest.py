@@ -15,7 +15,10 @@ BASE = {
     "name": "test",
     "seed": 1,
     "cluster": {"num_instances": 1, "hardware": "H100", "model": "Llama-3-8B",
-                "engine": {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64},
+                # the synchronous engine loop: exact timings in engine-level tests (tests/test_async.py covers
+                # async scheduling, vLLM's GPU default)
+                "engine": {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64,
+                           "async_scheduling": False},
                 # engine-level tests: no API-server time (tests/test_api_time.py covers it)
                 "perf": {"api_request_overhead_s": 0.0, "api_prompt_token_s": 0.0, "api_output_token_s": 0.0}},
     "workload": {"num_requests": 10, "arrival": {"process": "poisson", "rate": 5},

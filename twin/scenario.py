@@ -58,7 +58,7 @@ class PerfSpec(_Spec):
 class EngineSpec(_Spec):
     """vLLM engine arguments, by their vLLM names. `max_num_batched_tokens` / `max_num_seqs` unset (null)
     take vLLM's defaults for the GPU (twin.engine.defaults); `gpu_memory_utilization` defaults to 0.92 as
-    in vLLM 0.32 (`vllm/config/cache.py: CacheConfig`)."""
+    in vLLM 0.32 (`vllm/config/cache.py: CacheConfig`); `async_scheduling` is on, as vLLM on GPUs."""
 
     block_size: int = Field(16, gt=0)
     max_num_batched_tokens: Optional[int] = Field(None, gt=0)
@@ -72,6 +72,10 @@ class EngineSpec(_Spec):
     activation_reserve_gb: float = Field(3.3, ge=0)  # ASSUMPTION, GB (1e9 bytes); see EngineConfig
     num_gpu_blocks_override: Optional[int] = Field(None, ge=2)
     max_model_len: Optional[int] = Field(None, gt=0)
+    # vLLM resolves async scheduling on for GPU engines (`config/vllm.py`; the CPU build forces it off): the
+    # scheduler plans step k+1 while the GPU runs step k and processes outputs one step later
+    # (twin.engine.scheduler). false: the synchronous engine loop (`EngineCore.step`).
+    async_scheduling: bool = True
 
     @model_validator(mode="after")
     def _budget_covers_seqs(self) -> "EngineSpec":

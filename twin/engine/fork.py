@@ -141,11 +141,11 @@ class EngineFork:
     # -- arrivals --------------------------------------------------------------------------------------
     def add_request(self, r: Request) -> None:
         """`r` arrives at the fork's current time (an interruption of a decode run in progress, as in Instance)."""
-        self.scheduler.add_request(r)
+        self.scheduler.add_request(r, self.now)
         if self.pending_run is not None:
             k, durations, ends, _t0 = self.pending_run
             now = self.now
-            j = min(bisect_left(ends, now) + 1, k)
+            j = min(bisect_left(ends, now) + (2 if self.scheduler.async_scheduling else 1), k)
             self.pending_run = None
             if now < ends[j - 1]:
                 self.pending_tail = (j, durations, ends, now)
@@ -197,10 +197,15 @@ class EngineFork:
         if not self._finish_pending(until):
             self.now = max(self.now, until)
             return self.now
+        asy = sched.async_scheduling
         while sched.has_unfinished_requests():
             if stop is not None and stop():
                 break
             now = self.now
+            if asy:  # Instance._run_async's boundary
+                if sched.is_idle():
+                    sched.wake(now)
+                sched.admit_inbox()
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
             if k >= 2:
                 durations = sched.decode_run_durations(k)
@@ -215,9 +220,16 @@ class EngineFork:
                 self.steps += k
                 continue
             out = sched.schedule(now)
+            if asy:
+                released = sched.release_finished()
+                if out.is_empty:
+                    sched.prev_gpu_s = 0.0
+                    if not released and not sched.inbox:
+                        raise RuntimeError(f"fork: scheduler made no progress with {len(sched.waiting)} waiting")
+                    continue
             if out.is_empty:
                 raise RuntimeError(f"fork: scheduler made no progress with {len(sched.waiting)} waiting")
-            t = now + self.perf.step_time(out.batch())
+            t = now + sched.step_duration(out)
             if t > until:
                 self.pending_step = (out, t)
                 self.now = until
@@ -265,6 +277,12 @@ def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Schedule
             value = {k: {R(r): None for r in d} for k, d in value.items()}
         elif name == "_blocked":
             value = None if value is None else (R(value[0]), *value[1:])
+        elif name == "finishing":
+            value = [R(r) for r in value]
+        elif name == "inbox":
+            value = [(R(r), t) for r, t in value]
+        elif name == "run_gpu_s":
+            value = list(value)
         elif isinstance(value, (list, dict, deque)):
             raise TypeError(f"fork: Scheduler.{name} ({type(value).__name__}) needs an explicit copy rule")
         setattr(new, name, value)

@@ -40,6 +40,8 @@ class EngineConfig:
     activation_reserve_gb: float = 3.3
     num_gpu_blocks_override: int | None = None
     max_model_len: int | None = None
+    # vLLM resolves `async_scheduling` on for GPU engines (`config/vllm.py`); see twin.engine.scheduler
+    async_scheduling: bool = True
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -49,6 +51,7 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
             watermark=self.watermark,
+            async_scheduling=self.async_scheduling,
         )
 
 
@@ -110,6 +113,8 @@ class Instance:
 
     # -- the step loop -------------------------------------------------------------------------------
     def run(self):
+        if self.scheduler.async_scheduling:
+            yield from self._run_async()
         env = self.env
         sched = self.scheduler
         while True:
@@ -153,11 +158,66 @@ class Instance:
             self.pending_step = None
             sched.update_from_output(out, env.now)
 
+    def _run_async(self):
+        """`run` under async scheduling: vLLM's `EngineCore.step_with_batch_queue` (see twin.engine.scheduler).
+
+        At each step boundary: update(k) (finished requests keep their blocks), the decision for step k+1 as
+        made when step k started (arrivals up to then), then step k's finished requests are freed. Mirrored
+        by `EngineFork.advance`."""
+        env = self.env
+        sched = self.scheduler
+        while True:
+            if sched.is_idle():
+                if not sched.inbox:
+                    self._wakeup = env.event()
+                    yield self._wakeup
+                    self._wakeup = None
+                sched.wake(env.now)
+            sched.admit_inbox()
+            k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
+            if k >= 2:
+                t0 = env.now
+                durations = sched.decode_run_durations(k)
+                ends = list(accumulate(durations, initial=t0))[1:]
+                self._run = ends
+                self.pending_run = (k, durations, ends, t0)
+                self._interruptible = True
+                j = k
+                try:
+                    yield env.timeout(ends[-1] - t0)
+                except simpy.Interrupt:
+                    # an arrival during step s: step s+1 was decided before it, so it sees it at s+2
+                    j = min(bisect_left(ends, env.now) + 2, k)
+                self._interruptible = False
+                self._run = None
+                self.pending_run = None
+                self.num_wakeups += 1
+                if env.now < ends[j - 1]:
+                    self.pending_tail = (j, durations, ends, env.now)
+                    yield env.timeout(ends[j - 1] - env.now)
+                    self.pending_tail = None
+                sched.commit_decode_run(j, durations, ends)
+                continue
+            self.num_wakeups += 1
+            out = sched.schedule(env.now)
+            released = sched.release_finished()
+            if out.is_empty:
+                # nothing to run as decided: decide again now, after the frees, with nothing to overlap
+                sched.prev_gpu_s = 0.0
+                if not released and not sched.inbox:
+                    raise RuntimeError(f"{self.id}: scheduler made no progress with {len(sched.waiting)} waiting")
+                continue
+            dt = sched.step_duration(out)
+            self.pending_step = (out, env.now + dt)
+            yield env.timeout(dt)
+            self.pending_step = None
+            sched.update_from_output(out, env.now)
+
     def add_request(self, r: Request) -> None:
         """Dispatch: the request joins the waiting queue; a sleeping or fast-forwarding engine is woken."""
         self.num_dispatched += 1
         self.log.instance[r.idx] = self.index
-        self.scheduler.add_request(r)
+        self.scheduler.add_request(r, self.env.now)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
         elif self._interruptible:
@@ -175,7 +235,7 @@ class Instance:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self.scheduler.inbox)
 
     @property
     def free_blocks(self) -> int:

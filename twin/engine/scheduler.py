@@ -13,6 +13,31 @@ a heap keyed by the value of `D` at which each member reaches its `max_tokens`. 
 as they fill, as vLLM's `allocate_slots` caches every block full within the tokens it schedules: members
 whose block keys cover their output sit in per-phase buckets (`reg_buckets`), so a step touches only the
 members that cross a block boundary in it.
+
+Async scheduling (`async_scheduling`, vLLM's `AsyncScheduler` driven by `EngineCore.step_with_batch_queue`
+with a batch queue of depth 2, `vllm/v1/core/sched/async_scheduler.py`, `vllm/v1/engine/core.py`): the
+engine loop calls `schedule(k+1)` while step k runs on the GPU, then `update_from_output(k)`. The twin keeps
+its own call order (update(k), then schedule(k+1)) and reproduces what that reordering changes:
+
+- *The decision is made one step earlier*: schedule(k+1) sees only requests that reached the engine by the
+  start of step k (`inbox` holds later ones until `admit_inbox`), and its SCHEDULED time is that start.
+- *Outputs are processed one step later*: a request that finished in step k still holds its blocks and its
+  seat in `running` during schedule(k+1), getting no token (vLLM's max_tokens check on
+  `num_output_placeholders` in `Scheduler.schedule`), and is freed after it (`finishing`, `release_finished`):
+  its blocks serve schedule(k+2). It can still be taken as a preemption victim in schedule(k+1), as in vLLM.
+- *Output blocks are cached one step later*: `allocate_slots` caches only tokens already known, and the token
+  sampled in step k is known only after schedule(k+1), so a decode caches the block its last token filled
+  one step after the synchronous engine would (`_reg_lag`). A member preempted with a token in flight has
+  that block uncached (`update_from_output` skips caching for preempted requests).
+- *Decode tokens are optimistic*: a request whose final prefill chunk ran in step k is scheduled a decode in
+  k+1 from a placeholder; its blocks and budget are those of the synchronous decode, so nothing changes there.
+- *Timing*: schedule(k+1) and its input preparation run on the CPU while the GPU runs step k, so the CPU part
+  of a step (`host_time_s` of the step model) is hidden up to the previous step's GPU time: a step lasts
+  step_time - min(cpu, previous step's GPU time). After an idle engine (or an empty schedule) nothing was
+  running to hide behind, so the first step pays its CPU in full.
+
+Not modelled: a decode member skipped for budget under async caches its blocks on the synchronous lag
+afterwards (vLLM: no placeholder for the skipped step); such skips need a long-prefill threshold.
 """
 
 from __future__ import annotations
@@ -42,6 +67,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduler_reserve_full_isl: bool = True  # vLLM 0.32 admission gate: room for the whole sequence
     watermark: float = 0.0
+    async_scheduling: bool = False  # vLLM's AsyncScheduler + batch queue (see `Scheduler` docstring)
 
 
 @dataclass
@@ -54,6 +80,8 @@ class SchedulerOutput:
     decode_context: int = 0
     skipped: list[Request] = field(default_factory=list)  # decode members that got no token
     preempted: list[Request] = field(default_factory=list)
+
+    t_decided: float = -1.0  # when vLLM made this decision (async: the start of the step before)
 
     def batch(self) -> StepBatch:
         b = StepBatch(num_decode_tokens=self.num_decode, decode_context_tokens=self.decode_context,
@@ -145,16 +173,75 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * pool.num_gpu_blocks)
         self._blocked: tuple | None = None  # (head, len(running), num_decode, free) when it was refused
         self.on_finish: Callable[[int], None] | None = None  # told each finished request's index
+        # async scheduling (see the module docstring)
+        self.async_scheduling: bool = config.async_scheduling
+        self._reg_lag: int = 1 if config.async_scheduling else 0  # decode steps output caching lags by
+        self.inbox: list[tuple[Request, float]] = []  # (request, time it reached the engine), not yet visible
+        self.finishing: list[Request] = []  # finished in the last step, blocks held through the next schedule
+        self.next_decision_t: float = 0.0  # start of the step in flight: when the next decision is made
+        self.prev_gpu_s: float = 0.0  # GPU time of the step in flight, which the next step's CPU hides behind
+        self.run_gpu_s: list[float] = []  # GPU time of each step of the planned decode run
+        self._host_s: Callable[[int], float] | None = getattr(perf, "host_time_s", None)
         self.on_first_token: Callable[[int, float], None] | None = None  # told (index, time) of each first token
 
     # ---------------------------------------------------------------------------------------------
-    def add_request(self, r: Request) -> None:
+    def add_request(self, r: Request, now: float = 0.0) -> None:
+        """The request reaches the engine at `now`; under async scheduling it waits in `inbox` until a
+        decision made after `now` (vLLM drains its input queue only before `schedule()`)."""
         r.status = RequestStatus.WAITING
-        self.waiting.append(r)
+        if self.async_scheduling:
+            self.inbox.append((r, now))
+        else:
+            self.waiting.append(r)
         self.log.status[r.idx] = RequestStatus.WAITING
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.inbox)
+
+    # -- async scheduling: the loop's bookkeeping (Instance.run and EngineFork.advance call these) --------
+    def is_idle(self) -> bool:
+        """Nothing running or queued: the next arrival starts the engine afresh."""
+        return not self.running and not self.waiting
+
+    def wake(self, now: float) -> None:
+        """An idle engine starts again: the next decision is made now, with no GPU work to hide behind."""
+        self.next_decision_t = now
+        self.prev_gpu_s = 0.0
+
+    def admit_inbox(self) -> bool:
+        """Requests that reached the engine by the next decision's time join the waiting queue (in order)."""
+        inbox = self.inbox
+        if not inbox:
+            return False
+        t = self.next_decision_t
+        i = 0
+        while i < len(inbox) and inbox[i][1] <= t:
+            self.waiting.append(inbox[i][0])
+            i += 1
+        if i:
+            del inbox[:i]
+        return i > 0
+
+    def release_finished(self) -> bool:
+        """After schedule(k+1), update_from_output(k) frees the requests that finished in step k."""
+        if not self.finishing:
+            return False
+        for r in self.finishing:
+            self._free_request(r, preempted=False)
+            self.running.remove(r)
+        self.finishing = []
+        return True
+
+    def step_duration(self, out: SchedulerOutput) -> float:
+        """The step's wall time: the step model's, less (async) the CPU hidden behind the step before it."""
+        b = out.batch()
+        x = self.perf.step_time(b)
+        if not self.async_scheduling:
+            return x
+        c = self._host_s(b.num_requests) if self._host_s is not None else 0.0
+        hidden = c if c < self.prev_gpu_s else self.prev_gpu_s
+        self.prev_gpu_s = x - c
+        return x - hidden
 
     @property
     def num_used_blocks(self) -> int:
@@ -163,7 +250,8 @@ class Scheduler:
     def inflight_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: queued requests plus the rest of partial prefills."""
         return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + sum(
-            r.num_tokens - r.num_computed_tokens for r in self.prefilling)
+            r.num_tokens - r.num_computed_tokens for r in self.prefilling) + sum(
+            r.num_tokens for r, _ in self.inbox)
 
     # -- the decode group --------------------------------------------------------------------------
     def _member_output(self, r: Request) -> int:
@@ -313,11 +401,14 @@ class Scheduler:
                                  self.block_size))
         r.next_reg = end
 
-    def _free_request(self, r: Request, preempted: bool) -> None:
-        """Release all blocks in vLLM's order: tail first; hashed blocks to the LRU tail."""
+    def _free_request(self, r: Request, preempted: bool, in_flight: int = 0) -> None:
+        """Release all blocks in vLLM's order: tail first; hashed blocks to the LRU tail.
+
+        `in_flight` computed tokens are not known yet (async: a preempted decode's last one), so the block
+        they fill is freed uncached."""
         pool = self.pool
         bs = self.block_size
-        computed = r.num_computed_tokens
+        computed = r.num_computed_tokens - in_flight
         if r.next_reg < len(r.block_keys):  # every full computed block is registered; no-op normally
             self._register_full_blocks(r, computed)
         full = computed // bs
@@ -378,13 +469,24 @@ class Scheduler:
 
     # -- preemption --------------------------------------------------------------------------------
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
+        in_flight = 0
+        if r.status is RequestStatus.FINISHED:  # async: finished in the step in flight, not yet freed
+            self.finishing.remove(r)
+            self._free_request(r, preempted=False)
+            r.num_preemptions += 1
+            self.stats.num_preemptions += 1
+            self.log.preemptions[r.idx] = r.num_preemptions
+            out.preempted.append(r)
+            return
         if r.in_decode:
+            if self.async_scheduling and r.d_base < self.D:  # it decoded in the step in flight
+                in_flight = 1
             self._leave_group(r)
         else:
             self.prefilling.remove(r)
             if r.num_output_tokens > 0 and r.last_output_time < 0:
                 r.last_output_time = self.group_last_out
-        self._free_request(r, preempted=True)
+        self._free_request(r, preempted=True, in_flight=in_flight)
         r.status = RequestStatus.PREEMPTED
         r.num_computed_tokens = 0
         r.num_preemptions += 1
@@ -396,9 +498,17 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
-        """vLLM's `schedule()`: Phase A over running, Phase B over waiting if nobody was preempted."""
+        """vLLM's `schedule()`: Phase A over running, Phase B over waiting if nobody was preempted.
+
+        `now` is when the step starts; under async scheduling vLLM decided it at `next_decision_t`, the start
+        of the step before (its SCHEDULED time), and the next decision is made now."""
         cfg = self.config
         out = SchedulerOutput(t_start=now)
+        if self.async_scheduling:
+            out.t_decided = self.next_decision_t
+            self.next_decision_t = now
+        else:
+            out.t_decided = now
         budget = cfg.max_num_batched_tokens
         thr = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
 
@@ -449,9 +559,9 @@ class Scheduler:
         self.pool.allocate(need)
         out.num_decode = nd
         out.decode_context = self.decode_context
-        cross = self._crossing(self.D) if self.num_reg_members else []
+        D = self.D - self._reg_lag  # the group counter whose output blocks are cached now
+        cross = self._crossing(D) if self.num_reg_members else []
         ci = 0
-        D = self.D
         for r, n in zip(pre, wants):
             if n:
                 while ci < len(cross) and cross[ci].run_seq < r.run_seq:  # registrations in running order
@@ -480,12 +590,16 @@ class Scheduler:
         pool = self.pool
         running = self.running
         target = (-self.D) % bs  # a member needs a new block this step iff its phase equals this
-        fills = (-self.D - 1) % bs  # ... and fills one iff its phase equals this
+        reg_d = self.D - self._reg_lag  # async: the block a member's known tokens fill lags one step
+        fills = (-reg_d - 1) % bs  # ... and caches a filled one iff its phase equals this
         free = pool.get_num_free_blocks()
         pending = 0
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
+            if r.status is RequestStatus.FINISHED:  # async: finished in the step in flight, gets nothing
+                i += 1
+                continue
             if r.in_decode:
                 n = 1
                 nb = 1 if r.phase == target else 0
@@ -511,7 +625,7 @@ class Scheduler:
                     break
             pending += nb
             if r.reg_pending and r.phase == fills:
-                self._register_member(r, self.D)
+                self._register_member(r, reg_d)
             if not r.in_decode:
                 pool.allocate(pending)
                 free -= pending
@@ -559,7 +673,7 @@ class Scheduler:
             r.num_computed_tokens = hit_tokens
             if r.num_cached_tokens < 0:  # first admission: vLLM records SCHEDULED and prefix stats
                 r.num_cached_tokens = hit_tokens
-                log.scheduled_s[r.idx] = now
+                log.scheduled_s[r.idx] = out.t_decided
                 log.cached_tokens[r.idx] = hit_tokens
                 self.stats.prefix_cache_queries += r.num_prompt_tokens
                 self.stats.prefix_cache_hits += hit_tokens
@@ -625,8 +739,11 @@ class Scheduler:
         return finished
 
     def _finish(self, r: Request, t_end: float) -> None:
-        self._free_request(r, preempted=False)
-        self.running.remove(r)
+        if self.async_scheduling:
+            self.finishing.append(r)  # freed after the next schedule (release_finished)
+        else:
+            self._free_request(r, preempted=False)
+            self.running.remove(r)
         r.status = RequestStatus.FINISHED
         log = self.log
         log.finish_s[r.idx] = t_end
@@ -641,7 +758,7 @@ class Scheduler:
 
         k < 2 means: take a normal step instead.
         """
-        if self.prefilling or self.stale or not self.num_decode:
+        if self.prefilling or self.stale or not self.num_decode or self.finishing or self.inbox:
             return 0
         free = self.pool.get_num_free_blocks()
         if self.waiting and not self._head_stays_blocked(free):
@@ -690,7 +807,7 @@ class Scheduler:
         for r in self._reg_by_first_key[keys[0]]:
             if r.next_reg <= hk < len(r.block_keys) and r.block_keys[hk] == key:
                 # it caches block hk in the step where prompt + outputs reaches (hk + 1) * bs
-                s = (hk + 1) * bs - r.num_prompt_tokens - self._member_output(r)
+                s = (hk + 1) * bs - r.num_prompt_tokens - self._member_output(r) + self._reg_lag
                 best = min(best, max(s, 0))
         return best
 
@@ -719,7 +836,20 @@ class Scheduler:
         return full * self.num_decode + sum(pc[(-(D + s)) % bs] for s in range(rest))
 
     def decode_run_durations(self, k: int) -> list[float]:
-        return self.perf.decode_run_times(self.num_decode, self.decode_context, k)
+        """The run's step durations, each as `step_duration` would give it step by step."""
+        xs = self.perf.decode_run_times(self.num_decode, self.decode_context, k)
+        if not self.async_scheduling:
+            return xs
+        c = self._host_s(self.num_decode) if self._host_s is not None else 0.0
+        g_prev = self.prev_gpu_s
+        gpu = []
+        out = []
+        for x in xs:
+            out.append(x - (c if c < g_prev else g_prev))
+            g_prev = x - c
+            gpu.append(g_prev)
+        self.run_gpu_s = gpu
+        return out
 
     def commit_decode_run(self, j: int, durations: list[float], ends: list[float]) -> list[Request]:
         """Apply the first j steps of a planned run that ended at ends[j-1]."""
@@ -734,9 +864,10 @@ class Scheduler:
             block_seconds += used * durations[s]
         self.pool.allocate(used - used0)
         if self.num_reg_members:  # output blocks filled during the run, step by step in running order
+            lag = self._reg_lag
             for s in range(j):
-                for r in self._crossing(D + s):
-                    self._register_member(r, D + s)
+                for r in self._crossing(D + s - lag):
+                    self._register_member(r, D + s - lag)
         stats.kv_used_block_seconds += block_seconds
         if used > stats.kv_peak_used_blocks:
             stats.kv_peak_used_blocks = used
@@ -748,6 +879,10 @@ class Scheduler:
         stats.num_steps += j
         stats.busy_time_s += t_end - (ends[0] - durations[0])
         stats.generated_tokens += nd * j
+        if self.async_scheduling:  # the next decision was made as step j started
+            self.next_decision_t = ends[j - 2] if j >= 2 else ends[0] - durations[0]
+            self.prev_gpu_s = self.run_gpu_s[j - 1]
+            self.run_gpu_s = []
         self.D += j
         self.decode_context += nd * j
         self.group_last_out = t_end

@@ -127,6 +127,10 @@ class FittedModel:
         return self.roofline.api_token_s()
 
     # -- step time ------------------------------------------------------------------------------------------
+    def host_time_s(self, num_requests: int) -> float:
+        """The CPU terms (what async scheduling overlaps with the GPU; twin.perf.roofline)."""
+        return self._step_s + self._req_s * num_requests
+
     def _rest(self, t: int, sampled: int, reqs: int) -> float:
         g = self.basis
         x = self._c_lin * g._linear(t)

@@ -18,6 +18,13 @@ its own roofline, on one GPU's share of the work (tensor parallel degree `tp`):
 - CPU: `step_overhead_s` per step plus `per_request_overhead_s` per scheduled request (input preparation,
   sampling and output handling grow with the batch).
 
+The overlap split (`host_time_s`): under vLLM's async scheduling the CPU term above runs while the GPU
+computes the previous step (scheduling, input preparation and output processing of step k+1 overlap step k;
+`EngineCore.step_with_batch_queue`), so the engine (twin.engine.scheduler `step_duration`) hides it up to the
+previous step's GPU time: only its excess over that, or all of it after an idle engine, stays on the critical
+path. Everything else (the five groups) is GPU time and never overlaps. ASSUMPTION: the whole CPU term is host
+work that can overlap; with CUDA graphs a decode step's launches are one graph replay.
+
 Attention and the LM head stay 16-bit when the weights are FP8 (vLLM's FP8 quantisation covers the linear
 layers only; the KV cache is FP8 only with `kv_cache_dtype: fp8`, which halves the KV bytes).
 
@@ -141,6 +148,10 @@ class RooflineModel:
         return self.api_output_token_s
 
     # -- step time --------------------------------------------------------------------------------------
+    def host_time_s(self, num_requests: int) -> float:
+        """The CPU part of a step's time (what async scheduling overlaps with the previous step's GPU time)."""
+        return self.step_overhead_s + self.per_request_overhead_s * num_requests
+
     def _linear(self, t: int) -> float:
         """Linear-layer group time for t tokens."""
         c = self._lin_s * t

@@ -236,6 +236,10 @@ class WhatIfModel:
         tokens = t_pre + nd * (1.0 - self._exit_share * q)
         return self._c["allreduce"] * (self._ar_fixed * (1.0 - q + q * read) + self._ar_s * tokens)
 
+    def host_time_s(self, num_requests: int) -> float:
+        """The CPU terms (what async scheduling overlaps with the GPU; twin.perf.roofline)."""
+        return self._step_s + self._req_s * num_requests
+
     def _rest(self, t_pre: int, nd: int, sampled: int, reqs: int) -> float:
         """Linear + LM head + all-reduce + CPU, in one fixed order (as the roofline's `_rest`)."""
         x = self._c["linear"] * self._linear(t_pre, nd)
