@@ -33,7 +33,7 @@ def test_compiled_build_gives_the_pure_python_results(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     scenario = root / "scenarios" / "quickstart.yaml"
-    overrides = ["workload.num_requests=400", "cluster.engine.num_gpu_blocks_override=3000",
+    overrides = ["workload.num_requests=400", "cluster.engine.num_gpu_blocks_override=2000",
                  "workload.sessions={turns_mean: 3, think_time_s: 2}", "workload.on_too_long=reject"]
     sc = load_scenario(scenario, overrides)
     compiled = simulate(sc, build_stream(sc)).log.to_frame()

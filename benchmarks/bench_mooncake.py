@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Prefix-heavy replay speed (issue 13, section 4): simulated requests per wall second on Mooncake-style traces.
+
+Mooncake prompts are named by 512-token hash ids, about 800 engine blocks per request; the block pool does
+per-block work on allocate, release and register, so these replays run far slower than ShareGPT-style load.
+Target (issue 13): >= 20,000 req/s in the compiled build, no slower than before in pure Python.
+
+  .venv/bin/python benchmarks/bench_mooncake.py                 # pure Python
+  .venv-fast/bin/python benchmarks/bench_mooncake.py            # the compiled build (make compiled)
+  .venv/bin/python benchmarks/bench_mooncake.py --set cluster.engine.async_scheduling=false --repeat 3
+
+Prints one line per scenario (the fastest of --repeat runs of Cluster.run; building the stream is outside
+the timing) and the share of the run spent in the block pool's per-block methods (a cProfile pass).
+No timed assertions: it prints numbers, it never fails on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = {
+    # the shipped conversation sample on the scenario's own cluster (4 x 2 x H200, Qwen2.5-32B)
+    "mooncake-replay.yaml": (ROOT / "scenarios" / "mooncake-replay.yaml", []),
+    # the same sample on one instance: every request through one engine's pool
+    "mooncake sample, 1 instance": (ROOT / "scenarios" / "mooncake-replay.yaml", ["cluster.num_instances=1"]),
+}
+POOL_FUNCS = ("release_keyed", "allocate", "_register_full_blocks", "touch", "engine_block_keys", "<listcomp>")
+
+
+def one_run(path, overrides):
+    from twin.cluster import Cluster
+    from twin.scenario import load_scenario
+    from twin.workload import build_stream
+
+    sc = load_scenario(path, overrides)
+    stream = build_stream(sc)
+    cl = Cluster(sc, stream)
+    t0 = time.perf_counter()
+    res = cl.run()
+    return time.perf_counter() - t0, int((res.log.status == 4).sum()), len(stream), cl
+
+
+def pool_share(path, overrides) -> float:
+    from twin.cluster import Cluster
+    from twin.scenario import load_scenario
+    from twin.workload import build_stream
+
+    sc = load_scenario(path, overrides)
+    cl = Cluster(sc, build_stream(sc))
+    pr = cProfile.Profile()
+    pr.enable()
+    cl.run()
+    pr.disable()
+    st = pstats.Stats(pr)
+    total = st.total_tt
+    per_block = sum(v[2] for (f, _, name), v in st.stats.items() if name in POOL_FUNCS
+                    and ("block_pool" in f or "scheduler" in f or "request" in f))
+    return per_block / total if total else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", action="append", default=[], help="extra override dotted.path=value")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args()
+    import twin.engine.scheduler as s
+
+    build = "compiled" if not s.__file__.endswith(".py") else "pure Python"
+    print(f"build: {build}")
+    for name, (path, ov) in SCENARIOS.items():
+        ov = [*ov, *args.set]
+        best = None
+        for _ in range(args.repeat):
+            wall, fin, n, _cl = one_run(path, ov)
+            best = wall if best is None else min(best, wall)
+        line = f"{name:32s} {n:6d} requests ({fin} finished)  {n / best:9,.0f} req/wall-s  ({best:.3f} s)"
+        if not args.no_profile and build == "pure Python":
+            line += f"  per-block pool work {pool_share(path, ov):.0%} of the run (cProfile)"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
