@@ -24,7 +24,7 @@ $(VENV)/.dev: $(VENV)/.base
 $(FAST)/.compiled: pyproject.toml setup.py $(shell find twin -name "*.py" -o -name "*.yaml")
 	python3 -m venv $(FAST)
 	$(FAST)/bin/python -m pip install -q --upgrade pip setuptools wheel mypy
-	LLMTWIN_COMPILE=1 $(FAST)/bin/python -m pip install -q --no-build-isolation '.[dev]'
+	LLMTWIN_COMPILE=1 $(FAST)/bin/python -m pip install -q --no-build-isolation '.[dev,plan]'
 	touch $@
 
 .PHONY: quickstart test test-vllm compiled test-compiled bench clean
