@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 import aiohttp
 
-from twin.errors import TwinInputError
-from twin.policy.base import RouterBase, make_router
+from twin.policy.base import build_router as build_router_from
+from twin.policy.base import has_hook, prefix_index_kind
 from twin.policy.bookkeeping import Bookkeeping
 from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex
 from twin.policy.views import InstanceConfig
@@ -36,34 +36,9 @@ from live.tokens import PromptTokenizer
 log = logging.getLogger("llmtwin.live")
 
 
-def has_hook(router: Any, name: str) -> bool:
-    """The router has this hook and it is not RouterBase's no-op (as in twin.dispatcher)."""
-    fn = getattr(type(router), name, None)
-    return fn is not None and fn is not getattr(RouterBase, name)
-
-
 def build_router(cfg: LiveConfig) -> Any:
-    """The config's router by name and parameters, exactly as `twin.cluster.build_router` builds it."""
-    rs = cfg.router
-    try:
-        return make_router(rs.name, seed=cfg.seed, **rs.params)
-    except KeyError:
-        raise TwinInputError(f"router.name: unknown router {rs.name!r}") from None
-    except LookupError as e:
-        raise TwinInputError(f"router.name: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise TwinInputError(f"router.params: {e}") from None
-
-
-def prefix_index_kind(router: Any, wanted: str | None) -> str | None:
-    """Which index to build: none for routers that read none, else the config's or the router's choice
-    (the rule of `twin.cluster.prefix_index_kind`)."""
-    pref = getattr(router, "prefix_index", None)
-    if pref is None:
-        return None
-    if wanted is not None:
-        return wanted
-    return "approximate" if pref == "any" else pref
+    """The config's router by name and parameters, exactly as the simulator builds it."""
+    return build_router_from(cfg.router, cfg.seed)
 
 
 class Controller:

@@ -16,14 +16,13 @@ import simpy
 from twin.engine.defaults import resolve_batch_limits
 from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
 from twin.engine.request import Request, RequestStatus, engine_block_keys
-from twin.errors import TwinInputError
 from twin.hardware import get_gpu
 from twin.models import get_model
 from twin.dispatcher import Dispatcher, RouterError
 from twin.perf.base import StepTimeModel
 from twin.perf.registry import build_perf
-from twin.policy import make_router
-from twin.policy.base import Router
+from twin.policy.base import Router, prefix_index_kind
+from twin.policy.base import build_router as build_router_from
 from twin.policy.scalers import Scaler
 from twin.policy.views import Reject, RequestView
 from twin.records import RequestLog
@@ -383,24 +382,7 @@ class Cluster:
 
 def build_router(sc: Scenario) -> Router:
     """The scenario's router by name or `module:Class`; bad names or parameters are one line."""
-    try:
-        return make_router(sc.router.name, seed=sc.seed, **sc.router.params)
-    except KeyError:
-        raise TwinInputError(f"router.name: unknown router {sc.router.name!r}") from None
-    except LookupError as e:
-        raise TwinInputError(f"router.name: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise TwinInputError(f"router.params: {e}") from None
-
-
-def prefix_index_kind(router: object, wanted: str | None) -> str | None:
-    """The prefix index to build: none for routers that read none, else the scenario's or the router's choice."""
-    pref = getattr(router, "prefix_index", None)
-    if pref is None:
-        return None
-    if wanted is not None:
-        return wanted
-    return "approximate" if pref == "any" else pref
+    return build_router_from(sc.router, sc.seed)
 
 
 def simulate(sc: Scenario, stream: RequestStream, progress=None, router=None) -> SimResult:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import simpy
 
-from twin.policy.base import RouterBase
+from twin.policy.base import has_hook
 from twin.policy.bookkeeping import Bookkeeping
 from twin.policy.kv_events import KVEvent
 from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex
@@ -76,12 +76,6 @@ class KVEventBus:
                 s.apply(inst, ev, ts)
 
 
-def _has_hook(router: Any, hook: str) -> bool:
-    """The router has this hook and it is not RouterBase's no-op (skipping no-ops keeps dispatch cheap)."""
-    fn = getattr(type(router), hook, None)
-    return fn is not None and fn is not getattr(RouterBase, hook)
-
-
 class Dispatcher:
     """Builds the fleet view for each decision and keeps it honest (stale gauges, fresh books)."""
 
@@ -115,9 +109,9 @@ class Dispatcher:
         self.signals = RecentWindow()
         self.fleet = FleetView(env.now, [], self.bookkeeping, self.index, signals=self.signals)
         self._refresh_lists()
-        self._hook_dispatch = _has_hook(router, "on_dispatch")
-        self._hook_first = _has_hook(router, "on_first_token")
-        self._hook_finish = _has_hook(router, "on_finish")
+        self._hook_dispatch = has_hook(router, "on_dispatch")
+        self._hook_first = has_hook(router, "on_first_token")
+        self._hook_finish = has_hook(router, "on_finish")
         self.inflight: dict[int, list] = {}  # engine idx -> [view, instance id, first token time]
         self.scrapes = 0
         self.last_finished: RequestView | None = None  # the view of the request `finished` was last told of

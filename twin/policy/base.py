@@ -140,6 +140,36 @@ def _takes_kwargs(cls: type) -> bool:
         return True
 
 
+def has_hook(router: Any, name: str) -> bool:
+    """The router has hook `name` and it is not RouterBase's no-op (skipping no-ops keeps dispatch cheap)."""
+    fn = getattr(type(router), name, None)
+    return fn is not None and fn is not getattr(RouterBase, name)
+
+
+def build_router(spec: Any, seed: int | None) -> Router:
+    """A scenario's or live config's `router:` block as a router; bad names or parameters are one line."""
+    from twin.errors import TwinInputError
+
+    try:
+        return make_router(spec.name, seed=seed, **spec.params)
+    except KeyError:
+        raise TwinInputError(f"router.name: unknown router {spec.name!r}") from None
+    except LookupError as e:
+        raise TwinInputError(f"router.name: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise TwinInputError(f"router.params: {e}") from None
+
+
+def prefix_index_kind(router: Any, wanted: str | None) -> str | None:
+    """The prefix index to build: none for routers that read none, else the configured or the router's choice."""
+    pref = getattr(router, "prefix_index", None)
+    if pref is None:
+        return None
+    if wanted is not None:
+        return wanted
+    return "approximate" if pref == "any" else pref
+
+
 def hook(router: Any, name: str) -> Callable[..., None] | None:
     """The router's hook `name`, or None for routers without it (plain objects need not subclass)."""
     return getattr(router, name, None)
