@@ -51,8 +51,22 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="print the installed llmtwin version and exit")) -> None:
+                                       help="print the installed llmtwin version and exit"),
+          spec_files: List[Path] = typer.Option([], "--specs", metavar="FILE",
+                                                help="your own GPU/model specs (YAML with hardware: and/or "
+                                                     "models:), merged over the built-ins; repeatable; also "
+                                                     "the LLMTWIN_SPECS environment variable")) -> None:
     """llmtwin: a digital twin of a vLLM serving cluster."""
+    from twin import specs as spec_tables
+
+    if spec_files:
+        spec_tables.use_files([str(p) for p in spec_files])
+    if spec_tables.user_files():
+        try:  # a bad spec file is one line now, not an error at every field that looks a spec up
+            spec_tables.load("hardware.yaml")
+            spec_tables.load("models.yaml")
+        except TwinInputError as e:
+            _fail(f"{'--specs' if spec_files else spec_tables.ENV_VAR}: {e}")
 
 
 def _fail(msg: str) -> None:
@@ -222,28 +236,41 @@ def validate(
 
 @app.command()
 def specs() -> None:
-    """List the GPUs and models the twin knows."""
+    """List the GPUs and models the twin knows, with the figures it sizes from and where each comes from."""
+    from twin import specs as spec_tables
     from twin.hardware import get_gpu, known_gpus
     from twin.models import get_model, known_models
 
+    try:
+        gpus = [get_gpu(n) for n in known_gpus()]
+        models = [get_model(n) for n in known_models()]
+    except TwinInputError as e:
+        _fail(str(e))
     console = Console()
     t = Table(title="GPUs")
-    for c in ("name", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB", "HBM TB/s"):
-        t.add_column(c)
-    for n in known_gpus():
-        g = get_gpu(n)
+    for c in ("name", "bf16 TFLOP/s", "fp8 TFLOP/s", "memory GiB", "HBM TB/s", "GPUs/node", "spec"):
+        t.add_column(c, no_wrap=c == "name")
+    for g in gpus:
         fp8 = g.peak_flops.get("fp8")
-        t.add_row(n, f"{g.peak_flops['bf16'] / 1e12:.0f}", f"{fp8 / 1e12:.0f}" if fp8 else "-",
-                  f"{g.hbm_bytes / 1e9:.0f}", f"{g.hbm_bandwidth / 1e12:.2f}")
+        mem = f"{g.device_memory / 2**30:.2f}" + ("" if g.device_memory_bytes else " (datasheet)")
+        t.add_row(g.name, f"{g.peak_flops['bf16'] / 1e12:.4g}", f"{fp8 / 1e12:.4g}" if fp8 else "-", mem,
+                  f"{g.hbm_bandwidth / 1e12:.2f}", str(g.gpus_per_node or "?"),
+                  spec_tables.origin("hardware.yaml", g.name))
     console.print(t)
     t = Table(title="Models")
-    for c in ("name", "layers", "hidden", "heads/kv", "params", "KV KiB/token (16-bit)"):
-        t.add_column(c)
-    for n in known_models():
-        m = get_model(n)
-        t.add_row(n, str(m.num_layers), str(m.hidden_size), f"{m.num_heads}/{m.num_kv_heads}",
-                  f"{m.num_params / 1e9:.1f} B", f"{m.kv_bytes_per_token() // 1024}")
+    for c in ("name", "layers", "hidden", "heads/kv", "params", "context", "KV KiB/token", "spec"):
+        t.add_column(c, no_wrap=c == "name")
+    for m in models:
+        t.add_row(m.name, str(m.num_layers), str(m.hidden_size), f"{m.num_heads}/{m.num_kv_heads}",
+                  f"{m.num_params / 1e9:.1f} B", f"{m.max_model_len:,}", f"{m.kv_bytes_per_token() // 1024}",
+                  spec_tables.origin("models.yaml", m.name))
     console.print(t)
+    console.print("memory GiB: what the driver reports to the framework (vLLM sizes its KV cache from it); "
+                  "context: max_model_len; KV per token in 16-bit. Add or correct entries with --specs FILE or "
+                  f"{spec_tables.ENV_VAR}. Sources:", highlight=False)
+    for x in [*gpus, *models]:
+        if x.source:
+            console.print(f"  {x.name}: {' '.join(x.source.split())}", highlight=False, soft_wrap=True)
 
 
 # replay flags by the workload.trace (or workload.arrival) field they set, so an error names the flag

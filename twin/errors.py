@@ -26,7 +26,7 @@ def spec_entry_errors(spec_file: str):
                     raise
                 found = specs.resolve(specs.load(spec_file), name)
                 entry = f"entry {found[0] if found else name!r}"
-                where = Path(specs.__file__).with_name(spec_file)
+                where = specs.spec_file_of(spec_file, found[0]) if found else Path(specs.__file__).with_name(spec_file)
                 if isinstance(e, KeyError):
                     raise TwinInputError(f"{where}: {entry}: missing field {e.args[0]!r}") from None
                 raise TwinInputError(f"{where}: {entry}: a field has a bad value ({e})") from None

@@ -27,6 +27,7 @@ class GPUSpec:
     device_name: str = ""  # as torch.cuda.get_device_name() returns it
     host_link: str = ""  # the link to host memory (pcie5-x16, nvlink-c2c, ...)
     host_link_bandwidth: float = 0.0  # bytes/s per direction over that link; 0: unknown
+    gpus_per_node: int = 0  # GPUs one node (baseboard) holds: a TP group's ceiling; 0: unknown (scenario assumes 8)
 
     @property
     def device_memory(self) -> float:
@@ -68,4 +69,5 @@ def get_gpu(name: str) -> GPUSpec:
         device_name=e.get("device_name", key),
         host_link=e.get("host_link", ""),
         host_link_bandwidth=float(e.get("host_link_bandwidth", 0.0)),
+        gpus_per_node=int(e.get("gpus_per_node", 0)),
     )
