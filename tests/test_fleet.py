@@ -1,6 +1,7 @@
 """A fleet that grows and drains: start-up delay paid, drains lose nothing, scalers decide as their sources say."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from twin.policy.signals import RecentWindow
 
 from conftest import make_scenario, run_checked, stream_of
 from policy_fakes import fleet_of
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Script:
@@ -228,3 +231,29 @@ def test_load_predictors_follow_a_trend_and_fall_back_on_short_history():
         assert p.predict([5.0, 5.0]) == pytest.approx(5.0)  # too short or flat: the moving average
     assert make_load_predictor("moving-average", window=3).predict(ramp) == pytest.approx(sum(ramp[-3:]) / 3)
     assert make_load_predictor("constant").predict(ramp) == ramp[-1]
+
+
+def test_capacity_of_short_requests_is_confirmed_with_full_length_probes():
+    """Short requests at a high rate: the request cap made probes a few seconds long, too short for a slowly
+    growing queue to show, and the rate came out about 25 % high. The measured rate must hold for a probe of the
+    full length, and a rate 15 % above it must not."""
+    from twin.capacity import measure_capacity
+    from twin.metrics import slo_mask
+    from twin.scenario import load_scenario
+    from twin.workload import RequestStream
+
+    sc = load_scenario(ROOT / "scenarios" / "quickstart.yaml", ["slo.ttft_s=0.5", "slo.tpot_s=0.05"])
+    p, o = np.full(200, 60), np.full(200, 20)
+    cap = measure_capacity(sc, p, o, probe_s=10.0, max_requests=500)
+    assert any(n > 500 for n in (int(r * 10.0) for r, _ in cap.probes))  # full-length probes were run
+
+    def later_half_attainment(rate: float) -> float:
+        rng = np.random.default_rng(7)
+        n = int(rate * 10.0)
+        one = sc.model_copy(update={"cluster": sc.cluster.model_copy(update={"num_instances": 1})})
+        log = Cluster(one, RequestStream(np.cumsum(rng.exponential(1 / rate, n)), p[:1].repeat(n),
+                                         o[:1].repeat(n))).run().log
+        return float(slo_mask(log, sc.slo)[n // 2:].mean())
+
+    assert later_half_attainment(cap.req_s) >= 0.85
+    assert later_half_attainment(cap.req_s * 1.15) < 0.9

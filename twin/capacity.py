@@ -27,7 +27,9 @@ def measure_capacity(sc, prompt_tokens=None, output_tokens=None, attainment: flo
 
     Request lengths are drawn from `prompt_tokens`/`output_tokens` (the run's own stream) or, without them,
     from the scenario's workload. Each probe lasts about `probe_s` simulated seconds of arrivals, long enough
-    for an overloaded queue to show, within [min_requests, max_requests] requests.
+    for an overloaded queue to show, within [min_requests, max_requests] requests; where that cap made the
+    probes shorter than `probe_s`, the result is confirmed (and refined) with full-length probes of up to
+    10 x max_requests. A probe is judged on its later half of arrivals, where a growing queue shows.
     """
     from twin.cluster import Cluster
     from twin.metrics import slo_mask
@@ -53,12 +55,14 @@ def measure_capacity(sc, prompt_tokens=None, output_tokens=None, attainment: flo
     probes = []
     mean_tokens = float(np.mean(prompt_tokens + output_tokens))
 
-    def attained(rate: float) -> float:
-        n = int(min(max(rate * probe_s, min_requests), max_requests))
+    def attained(rate: float, cap: int = max_requests) -> float:
+        n = int(min(max(rate * probe_s, min_requests), cap))
         idx = rng.integers(0, len(prompt_tokens), n)
         stream = RequestStream(np.cumsum(rng.exponential(1.0 / rate, n)), prompt_tokens[idx], output_tokens[idx])
         res = Cluster(one, stream).run()
-        got = float(slo_mask(res.log, s).mean())
+        # judged on the later half of arrivals: an overloaded queue grows over the probe, so early requests see
+        # a near-empty engine and a short probe (many short requests, max_requests) would flatter the rate
+        got = float(slo_mask(res.log, s)[n // 2:].mean())
         probes.append((rate, got))
         return got
 
@@ -75,4 +79,19 @@ def measure_capacity(sc, prompt_tokens=None, output_tokens=None, attainment: flo
             lo = mid
         else:
             hi = mid
+    # Short requests at a high rate: max_requests caps the probe below probe_s of arrivals, too short for a
+    # slowly growing queue to show. Confirm with a full-length probe and bisect down with such probes if it fails.
+    full = int(max(lo * probe_s, min_requests))
+    if full > max_requests:
+        long_cap = int(min(full, 10 * max_requests))
+        if attained(lo, long_cap) < attainment:
+            hi, lo = lo, lo * 0.7
+            while attained(lo, long_cap) < attainment and lo > hi / 64:
+                hi, lo = lo, lo * 0.7
+            for _ in range(max(2, iterations // 2)):
+                mid = (lo * hi) ** 0.5
+                if attained(mid, long_cap) >= attainment:
+                    lo = mid
+                else:
+                    hi = mid
     return Capacity(lo, mean_tokens, attainment, tuple(probes))
