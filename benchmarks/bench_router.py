@@ -23,7 +23,6 @@ import argparse
 import cProfile
 import csv
 import gc
-import platform
 import pstats
 import random
 import sys
@@ -49,18 +48,9 @@ TARGET_US = {16: 20.0, 256: 200.0}
 
 
 def machine_info() -> str:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-    load = ", load average %.1f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
-    return (f"{cpu}, {os.cpu_count()} CPUs{load}, Python {platform.python_version()} "
-            f"({platform.python_implementation()})")
+    from twin.machine import describe
+
+    return describe()
 
 
 def reference_loop_us(n: int) -> float:

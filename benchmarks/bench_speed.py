@@ -49,26 +49,10 @@ MILLION = 1_000_000
 # machine description
 # ---------------------------------------------------------------------------------------------------
 def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count()
-    mem_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = int(line.split()[1]) / 2**20
-                break
-    except OSError:
-        pass
+    from twin.machine import machine  # twin/__init__.py is empty: this imports nothing else of twin
+
+    m = machine()
+    cpu, usable, mem_gib = m["cpu"], m["usable_cores"], m["mem_gib"]
     commit = "unknown"
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

@@ -45,6 +45,20 @@ def _statsmodels():
     return tsa
 
 
+def _one_step(history: Sequence[float], min_history: int, model) -> float:
+    """A statsmodels model's one-step forecast (never negative); a 3-point moving average while history is short
+    or flat, where the fit is meaningless."""
+    h = [float(x) for x in history]
+    if len(h) < min_history or max(h) == min(h):
+        return MovingAverage(3).predict(h)
+    tsa = _statsmodels()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return max(0.0, float(model(tsa, h).fit().forecast(1)[0]))
+
+
 class HoltWinters:
     """Additive-trend exponential smoothing (statsmodels `ExponentialSmoothing`); falls back while history is short."""
 
@@ -54,16 +68,8 @@ class HoltWinters:
         self.min_history = min_history
 
     def predict(self, history: Sequence[float]) -> float:
-        h = [float(x) for x in history]
-        if len(h) < self.min_history or max(h) == min(h):
-            return MovingAverage(3).predict(h)
-        tsa = _statsmodels()
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fit = tsa.ExponentialSmoothing(h, trend="add", initialization_method="estimated").fit()
-            return max(0.0, float(fit.forecast(1)[0]))
+        return _one_step(history, self.min_history,
+                         lambda tsa, h: tsa.ExponentialSmoothing(h, trend="add", initialization_method="estimated"))
 
 
 class Arima:
@@ -76,16 +82,7 @@ class Arima:
         self.min_history = min_history
 
     def predict(self, history: Sequence[float]) -> float:
-        h = [float(x) for x in history]
-        if len(h) < self.min_history or max(h) == min(h):
-            return MovingAverage(3).predict(h)
-        tsa = _statsmodels()
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fit = tsa.ARIMA(h, order=self.order).fit()
-            return max(0.0, float(fit.forecast(1)[0]))
+        return _one_step(history, self.min_history, lambda tsa, h: tsa.ARIMA(h, order=self.order))
 
 
 LOAD_PREDICTORS = {"constant": Constant, "moving-average": MovingAverage, "holt-winters": HoltWinters,
