@@ -89,7 +89,7 @@ class Mirror:
             rec.worker = worker
             return
         rec = Mirrored(req.id, float(req.arrival_time), int(req.num_prompt_tokens), req.max_tokens,
-                       tuple(req.prefix or ()), int(req.block_size or 16), worker)
+                       tuple(req.prefix or ()), int(req.prefix_block_size or 16), worker)
         self.records.append(rec)
         self.by_id[req.id] = rec
         self.total += 1
