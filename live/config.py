@@ -149,6 +149,8 @@ class ShadowSpec(_Spec):
         "engine settings over what the workers report (scenario `engine:` names), e.g. async_scheduling: false"))
     chunk_sizes: list[int] = Field(default_factory=list, description=(
         "max_num_batched_tokens alternatives (empty: half and double the current one)"))
+    carry_in_flight: bool = Field(True, description=(
+        "start each forecast from the requests in flight now (else from idle engines); see live.shadow"))
     alternatives: bool = Field(True, description="also forecast +1 / -1 instance and the chunk sizes")
     slo: SLOSpec = Field(default_factory=SLOSpec, description="goodput and the twin scaler's attainment use it")
     load: ShadowLoadSpec = Field(default_factory=ShadowLoadSpec)
@@ -204,6 +206,8 @@ class LiveConfig(_Spec):
             raise ValueError("scaler twin reads the shadow twin's forecasts: set shadow.enabled: true (and "
                              "shadow.hardware, shadow.model)")
         if self.scaler.name == "twin":
+            if self.scaler.params.get("oracle"):
+                raise ValueError("scaler.params.oracle: the live controller cannot see the future; drop oracle")
             slo = self.scaler.params.get("slo") or self.shadow.slo.model_dump(exclude_none=True)
             if not slo:
                 raise ValueError("scaler twin chooses the smallest fleet meeting an SLO: give shadow.slo (ttft_s, "

@@ -13,10 +13,11 @@ the forecast made for it is scored against what the proxy measured in it (`llmtw
 and a history at `/shadow`). The `twin` scaler reads `ShadowFleetForecaster.attainment`, the live side of the
 simulator's `twin.forecaster.FleetForecaster`.
 
-ASSUMPTIONS of the forecast (documented in the README, "Shadow mode"): each simulation starts from idle
-engines (requests in flight at the window's start are not carried over); every instance of a variant serves
-from the window's start (no start-up delay); requests still running when the window is cut get the client's
-`max_tokens`, else the window's mean output length.
+ASSUMPTIONS of the forecast (documented in the README, "Shadow mode"; each is settable or pluggable): the
+next window's arrivals come from the load model (`shadow.load`); each simulation starts from idle engines
+plus the requests in flight now (`shadow.carry_in_flight`, see `with_in_flight`); every instance of a variant
+serves from the window's start (no start-up delay); requests still running when a window is cut get the
+client's `max_tokens`, else the window's mean output length.
 """
 
 from __future__ import annotations
@@ -132,18 +133,24 @@ class WindowLoad:
     window_s: float
     hash_ids: list | None = None
     hash_block_size: int = 16
+    carried: int = 0  # the first `carried` entries are requests in flight now (offset 0), not the window's
+    tpot_s: float | None = None  # the observed window's median TPOT (streamed requests), when known
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return len(self.offsets) - self.carried
 
     @property
     def rate(self) -> float:
         return len(self) / self.window_s if self.window_s > 0 else 0.0
 
+    def part(self, idx: np.ndarray) -> tuple:
+        return (self.offsets[idx], self.prompt_tokens[idx], self.output_tokens[idx],
+                None if self.hash_ids is None else [self.hash_ids[i] for i in idx])
+
     def to_stream(self):
         from twin.workload.stream import RequestStream, TraceStats
 
-        order = np.argsort(self.offsets, kind="stable")
+        order = np.argsort(self.offsets, kind="stable")  # stable: the carried ones (offset 0, first) stay first
         hashes = None if self.hash_ids is None else [self.hash_ids[i] for i in order]
         return RequestStream(self.offsets[order], self.prompt_tokens[order], self.output_tokens[order], hashes,
                              self.hash_block_size, stats=TraceStats("live shadow", len(self), len(self)))
@@ -209,21 +216,51 @@ def make_load_model(name: str, params: dict) -> LoadModel:
         raise TwinInputError(f"shadow.load.params: {e}") from None
 
 
+def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, max_requests: int) -> WindowLoad:
+    """Prepend the requests in flight at `now` (offset 0), so the forecast starts from the backlog rather than
+    idle engines. ASSUMPTIONS: one still waiting for its first token needs its whole prompt; one decoding is
+    re-prefilled (the twin cannot copy a worker's KV cache) and needs its expected output (the client's cap,
+    else the window's mean) less what it produced at the window's median TPOT."""
+    running = list(running)[-max_requests:]
+    if not running:
+        return load
+    outs = [int(x) for x in load.output_tokens[load.carried:]] or [16]
+    mean_out = max(1, round(sum(outs) / len(outs)))
+    prompt = np.array([max(1, r.prompt_tokens) for r in running], dtype=np.int64)
+    left = []
+    for r in running:
+        expect = min(r.max_tokens, mean_out) if r.max_tokens else mean_out
+        made = 0 if r.first_token is None or load.tpot_s is None else int((now - r.first_token) / load.tpot_s)
+        left.append(max(1, expect - made))
+    hashes = None
+    if load.hash_ids is not None or any(r.prefix for r in running):
+        window_h = load.hash_ids if load.hash_ids is not None else [None] * len(load.offsets)
+        hashes = [list(r.prefix) or None for r in running] + list(window_h)
+    return WindowLoad(np.concatenate([np.zeros(len(running)), load.offsets]),
+                      np.concatenate([prompt, load.prompt_tokens]),
+                      np.concatenate([np.array(left, dtype=np.int64), load.output_tokens]), load.window_s, hashes,
+                      load.hash_block_size, load.carried + len(running), load.tpot_s)
+
+
 def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests: int) -> WindowLoad:
     """The window's pattern stretched to `rate` req/s (times scaled) and repeated over `horizon_s`, at most
     `max_requests` requests (the horizon is cut, not thinned). For the scaler's look-ahead."""
+    c = load.carried
+    ct, cp, co, ch = load.part(np.arange(c))
     if len(load) == 0 or (rate is not None and rate <= 0):
-        return WindowLoad(np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64), horizon_s)
+        return WindowLoad(ct, cp, co, horizon_s, ch, load.hash_block_size, c)
     scale = 1.0 if rate is None or load.rate <= 0 else load.rate / rate
     span = load.window_s * scale
     reps = max(1, math.ceil(horizon_s / span))
-    t = np.concatenate([load.offsets * scale + k * span for k in range(reps)])
-    idx = np.tile(np.arange(len(load)), reps)
+    t = np.concatenate([load.offsets[c:] * scale + k * span for k in range(reps)])
+    idx = c + np.tile(np.arange(len(load)), reps)
     keep = np.flatnonzero(t < horizon_s)[:max_requests]
     t, idx = t[keep], idx[keep]
-    hashes = None if load.hash_ids is None else [load.hash_ids[i] for i in idx]
     horizon = horizon_s if len(keep) < max_requests else float(t[-1]) + 1e-9
-    return WindowLoad(t, load.prompt_tokens[idx], load.output_tokens[idx], horizon, hashes, load.hash_block_size)
+    _, p, o, h = load.part(idx)
+    hashes = None if h is None else (ch or []) + h
+    return WindowLoad(np.concatenate([ct, t]), np.concatenate([cp, p]), np.concatenate([co, o]), horizon, hashes,
+                      load.hash_block_size, c)
 
 
 # -- the twin: scenario, variants, one run ------------------------------------------------------------------
@@ -325,12 +362,14 @@ def _q(values, q: str) -> float | None:
     return None if v is None else float(v)
 
 
-def forecast_metrics(result: Any, window_s: float, slo: Any) -> dict:
-    """TTFT/TPOT/ITL/E2E/queue quantiles, goodput and SLO attainment of a simulated window."""
+def forecast_metrics(result: Any, window_s: float, slo: Any, carried: int = 0) -> dict:
+    """TTFT/TPOT/ITL/E2E/queue quantiles, goodput and SLO attainment of a simulated window's own requests
+    (the `carried` in-flight ones first in the log are load, not counted; ITL is per step, so counts them)."""
     from twin.metrics import itl_samples, slo_mask, weighted_quantiles
 
     lg = result.log
-    fin = lg.status == 4
+    mine = np.arange(lg.n) >= carried
+    fin = (lg.status == 4) & mine
     ttft = (lg.first_token_s - lg.arrival_s)[fin]
     e2e = (lg.finish_s - lg.arrival_s)[fin]
     multi = fin & (lg.output_tokens > 1)
@@ -338,12 +377,14 @@ def forecast_metrics(result: Any, window_s: float, slo: Any) -> dict:
     queue = (lg.scheduled_s - lg.arrival_s)[fin]
     iv, iw = itl_samples(result)
     itl = weighted_quantiles(iv, iw, [0.5])[0] if len(iv) else float("nan")
-    good = int(slo_mask(lg, slo).sum())
+    good = int((slo_mask(lg, slo) & mine).sum())
+    n = int(mine.sum())
     return {"ttft_p50": _q(ttft, "p50"), "ttft_p99": _q(ttft, "p99"), "tpot_p50": _q(tpot, "p50"),
             "itl_p50": None if math.isnan(itl) else float(itl), "e2e_p50": _q(e2e, "p50"),
             "e2e_p99": _q(e2e, "p99"), "queue_p50": _q(queue, "p50"),
             "goodput_req_s": good / window_s if window_s > 0 else None,
-            "attainment": good / lg.n if lg.n else 1.0, "requests": int(lg.n), "finished": int(fin.sum())}
+            "attainment": good / n if n else 1.0, "requests": n, "finished": int(fin.sum()),
+            "carried_in_flight": int(carried)}
 
 
 @dataclass
@@ -377,7 +418,7 @@ def run_job(job: ShadowJob) -> dict[str, dict]:
         except (TwinInputError, ValueError) as e:  # a variant vLLM would refuse (e.g. chunk < max_num_seqs)
             out[v.label] = {"error": str(e).splitlines()[0]}
             continue
-        m = forecast_metrics(res, job.load.window_s, res.scenario.slo)
+        m = forecast_metrics(res, job.load.window_s, res.scenario.slo, job.load.carried)
         m["num_instances"] = v.num_instances
         m["engine"] = dict(v.engine)
         m["sim_wall_s"] = time.perf_counter() - t0
@@ -388,7 +429,7 @@ def run_job(job: ShadowJob) -> dict[str, dict]:
 def attainment_job(job: ShadowJob) -> float:
     """SLO attainment of the job's single variant (the scaler's question)."""
     res = simulate(job, job.variants[0])
-    return float(forecast_metrics(res, job.load.window_s, res.scenario.slo)["attainment"])
+    return float(forecast_metrics(res, job.load.window_s, res.scenario.slo, job.load.carried)["attainment"])
 
 
 # -- realised: what the proxy measured -----------------------------------------------------------------------
@@ -477,23 +518,33 @@ class Shadow:
         wcfg = serving[0].config if serving else None
         return len(serving), base_engine(self.ctl.cfg, wcfg)
 
-    def build_job(self, now: float) -> ShadowJob | None:
-        """The job for the window after `now`, or None (and why, counted) when there is nothing to run."""
-        n, engine = self.fleet_size_and_engine()
-        if n == 0:
-            self.metrics.skipped.labels("no_worker").inc()
-            return None
+    def window_load(self, now: float, count: bool = True) -> WindowLoad:
+        """The next window's load from the last one (the load model), plus what is in flight now."""
         start = now - self.window_s
         recs = self.mirror.window(start, now)
         cap = self.spec.max_requests
         if len(recs) > cap:  # cost bound: the most recent requests, over their own (shorter) span
             recs = recs[-cap:]
             start = recs[0].arrival
-            self.metrics.truncated.inc()
-        if not recs:
+            if count:
+                self.metrics.truncated.inc()
+        load = self.load_model.next_window(recs, start, now - start)
+        load.tpot_s = realised_metrics(recs)["tpot_p50"]
+        if self.spec.carry_in_flight:
+            running = [r for r in self.mirror.records if r.arrival < now and not r.done]
+            load = with_in_flight(load, running, now, cap)
+        return load
+
+    def build_job(self, now: float) -> ShadowJob | None:
+        """The job for the window after `now`, or None (and why, counted) when there is nothing to run."""
+        n, engine = self.fleet_size_and_engine()
+        if n == 0:
+            self.metrics.skipped.labels("no_worker").inc()
+            return None
+        load = self.window_load(now)
+        if len(load) == 0:
             self.metrics.skipped.labels("no_requests").inc()
             return None
-        load = self.load_model.next_window(recs, start, now - start)
         return ShadowJob(self.ctl.cfg, engine, variants(self.ctl.cfg, n, engine), load, self.api,
                          max_sim_time_s=max(60.0, 20 * self.window_s))
 
@@ -588,9 +639,7 @@ class Shadow:
     def fleet_forecaster(self, now: float) -> "ShadowFleetForecaster":
         """A forecaster over the last window, for a scaler decision (its simulations run where it is called)."""
         n, engine = self.fleet_size_and_engine()
-        start = now - self.window_s
-        recs = self.mirror.window(start, now)
-        load = self.load_model.next_window(recs, start, self.window_s)
+        load = self.window_load(now, count=False)
         return ShadowFleetForecaster(self.ctl.cfg, engine, load, self.api, self.spec.max_requests)
 
 
@@ -619,7 +668,7 @@ class ShadowFleetForecaster:
             return self._cache[key]
         self.calls += 1
         load = reshape(self.load, horizon_s, rate, self.max_requests)
-        if len(load) == 0:
+        if len(load) == 0:  # no window requests: nothing can miss the SLO
             return 1.0
         slo_raw = {k: getattr(slo, k, None) for k in ("ttft_s", "tpot_s", "e2e_s")}
         cfg = self.cfg.model_copy(update={"shadow": self.cfg.shadow.model_copy(

@@ -18,7 +18,7 @@ from live.config import parse_config  # noqa: E402
 from live.controller import Controller  # noqa: E402
 from live.registry import Worker  # noqa: E402
 from live.shadow import (Mirror, Mirrored, PoissonLoad, ReplayLoad, ShadowJob, WindowLoad, base_engine,  # noqa: E402
-                         error_ratios, realised_metrics, reshape, run_job, variants)
+                         error_ratios, realised_metrics, reshape, run_job, variants, with_in_flight)
 from twin.errors import TwinInputError  # noqa: E402
 from twin.policy.views import InstanceConfig, RequestView  # noqa: E402
 from test_live_proxy import fakes, proxy  # noqa: E402
@@ -82,6 +82,42 @@ def test_reshape_scales_rate_repeats_and_caps():
     assert len(reshape(base, 30.0, 0.0, 100)) == 0
 
 
+def test_in_flight_requests_are_carried_as_backlog_not_counted():
+    base = WindowLoad(np.array([1.0, 6.0]), np.array([30, 40]), np.array([10, 10]), 10.0, tpot_s=0.1)
+    running = [Mirrored("w", 99.0, 50, None),  # waiting: whole prompt, the window's mean output
+               Mirrored("d", 98.0, 60, 100, first_token=99.0)]  # decoding for 1 s at 0.1 s/token: 10 made
+    load = with_in_flight(base, running, 100.0, 100)
+    assert load.carried == 2 and len(load) == 2 and load.rate == pytest.approx(0.2)
+    assert load.offsets.tolist() == [0.0, 0.0, 1.0, 6.0]
+    assert load.prompt_tokens.tolist() == [50, 60, 30, 40]
+    assert load.output_tokens.tolist() == [10, 1, 10, 10]  # min(cap 100, mean 10) - 10 made -> at least 1
+    long = reshape(load, 20.0, None, 100)  # the backlog once, the window's pattern repeated
+    assert long.carried == 2 and long.offsets.tolist() == [0.0, 0.0, 1.0, 6.0, 11.0, 16.0]
+    stream = load.to_stream()
+    assert stream.prompt_tokens.tolist()[:2] == [50, 60]  # carried ones first: the metrics skip them
+
+
+def test_a_backlog_slows_the_forecast_and_is_not_counted_as_window_requests():
+    cfg = cfg_of(alternatives=False)
+    eng = base_engine(cfg, WCFG)
+    window = _load(20, 10.0)
+    backlog = [Mirrored(f"b{i}", 0.0, 400, 200) for i in range(60)]
+    idle = run_job(ShadowJob(cfg, eng, variants(cfg, 1, eng), window))["current"]
+    busy = run_job(ShadowJob(cfg, eng, variants(cfg, 1, eng), with_in_flight(window, backlog, 1.0, 1000)))["current"]
+    assert idle["requests"] == busy["requests"] == 20 and busy["carried_in_flight"] == 60
+    assert busy["ttft_p50"] > idle["ttft_p50"] and busy["e2e_p50"] > idle["e2e_p50"]
+
+
+def test_a_job_pickles_for_the_process_executor():
+    import pickle
+
+    cfg = cfg_of(executor="process", alternatives=False)
+    eng = base_engine(cfg, WCFG)
+    job = ShadowJob(cfg, eng, variants(cfg, 1, eng), _load(10, 5.0))
+    again = pickle.loads(pickle.dumps(job))
+    assert run_job(again)["current"]["finished"] == 10
+
+
 def test_variants_current_and_alternatives():
     cfg = cfg_of()
     eng = base_engine(cfg, WCFG)
@@ -143,6 +179,9 @@ def test_config_errors_are_one_line():
         parse_config({"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin"}})
     with pytest.raises(TwinInputError, match="give shadow.slo"):
         parse_config({"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin"}, "shadow": SHADOW})
+    with pytest.raises(TwinInputError, match="cannot see the future"):
+        parse_config({"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin", "params": {"oracle": True}},
+                      "shadow": {**SHADOW, "slo": {"ttft_s": 1.0}}})
     assert parse_config({"workers": [{"url": "http://x:1"}]}).shadow.enabled is False
 
 
