@@ -366,8 +366,13 @@ class Controller:
         if self.shadow is not None and getattr(self.scaler, "needs_forecaster", False):
             # the twin scaler simulates in its decide(): a thread keeps the event loop serving meanwhile
             forecast = self.shadow.fleet_forecaster(fleet.now)
+            signals = None
+            if fleet.signals is not None:  # a copy: the loop keeps appending to the original meanwhile
+                signals = RecentWindow(fleet.signals.horizon_s)
+                signals.arrivals.extend(fleet.signals.arrivals)
+                signals.completions.extend(fleet.signals.completions)
             view = FleetView(fleet.now, list(fleet.instances), fleet.bookkeeping, fleet.prefix_index, forecast,
-                             list(fleet.all_instances), signals=fleet.signals, extras=fleet.extras)
+                             list(fleet.all_instances), signals=signals, extras=fleet.extras)
             decided = await asyncio.to_thread(self.scaler.decide, view.now, view, forecast)
         else:
             decided = self.scaler.decide(fleet.now, fleet, None)

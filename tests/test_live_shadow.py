@@ -213,20 +213,19 @@ def test_controller_shadow_end_to_end_with_fake_workers():
             assert all(r.ok and r.worker in ("w0", "w1") for r in recs)
             assert sorted({r.stream for r in recs}) == [False, True]
             assert {r.output_tokens for r in recs} == {3, 5}  # usage (unary), SSE events (streamed)
-            scored = []
-            for _ in range(60):  # the loop runs every 0.4 s: wait for a forecast and its scoring
+            scored, page = [], ""
+            for _ in range(60):  # the loop runs every 0.4 s; traffic keeps flowing so every window has some
                 await asyncio.sleep(0.2)
+                async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": "x",
+                                                                 "stream": True}) as r:
+                    await r.read()
+                sent += 1
+                async with c.get(url + "/metrics") as r:
+                    page = await r.text()
                 scored = [h for h in sh.history if h["error_ratio"]]
-                if scored and sh.latest:
+                if scored and 'variant="current"' in page and "llmtwin_shadow_forecast_error_ratio{" in page:
                     break
-                if not sh.latest:  # keep a window's worth of traffic flowing
-                    async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": "x",
-                                                                     "stream": True}) as r:
-                        await r.read()
-                    sent += 1
             assert scored, list(sh.history)
-            async with c.get(url + "/metrics") as r:
-                page = (await r.text())
             async with c.get(url + "/shadow") as r:
                 status = await r.json()
             assert sh.mirror.total == sent

@@ -60,7 +60,10 @@ def test_shadow_forecasts_and_scores_itself_on_real_workers(two_workers):
                 statuses += list(pool.map(one, range(sent, sent + 6)))
                 sent += 6
                 page = httpx.get(rc.url + "/metrics", timeout=30).text
-                if series(page, "llmtwin_shadow_forecast_error_ratio") and sent >= 24:
+                fc = series(page, "llmtwin_shadow_forecast_seconds")
+                # gauges are cleared after a window without requests: stop on a page that has them all
+                if (series(page, "llmtwin_shadow_forecast_error_ratio") and sent >= 24
+                        and all(f'{{metric="e2e_p50",variant="{v}"}}' in fc for v in VARIANTS)):
                     break
                 time.sleep(0.5)
         shadow = json.loads(httpx.get(rc.url + "/shadow", timeout=30).text)
