@@ -337,7 +337,10 @@ def check_config(cfg: "LiveConfig") -> None:
         build_perf(sc)
         engine_config(sc)
     except (TwinInputError, OSError, KeyError) as e:
-        raise ValueError(f"@shadow: {e}") from None
+        lines = [ln.replace("shadow [current]: cluster.", "shadow.", 1) for ln in str(e).splitlines()]
+        first = lines[0]
+        msg = "; ".join([first[len("shadow."):] if first.startswith("shadow.") else first] + lines[1:])
+        raise ValueError(f"@shadow.{msg}" if first.startswith("shadow.") else f"@shadow: {msg}") from None
 
 
 def variants(cfg: "LiveConfig", n: int, engine: dict) -> list[Variant]:

@@ -173,9 +173,11 @@ def test_config_errors_are_one_line():
         parse_config({"workers": [{"url": "http://x:1"}], "shadow": {"enabled": True}})
     with pytest.raises(TwinInputError, match="shadow.load.name: unknown load model 'psychic'"):
         cfg_of(load={"name": "psychic"})
-    with pytest.raises(TwinInputError, match="unknown key"):
+    with pytest.raises(TwinInputError, match=r"shadow\.engine\.max_batched: unknown key"):
         cfg_of(engine={"max_batched": 3})
-    with pytest.raises(TwinInputError, match="does not exist|No such file|not a file"):
+    with pytest.raises(TwinInputError, match=r"shadow\.hardware: unknown GPU 'H900'"):
+        cfg_of(hardware="H900")
+    with pytest.raises(TwinInputError, match="nowhere.yaml is not a file"):
         cfg_of(perf={"kind": "fitted", "fit_path": "nowhere.yaml"})
     with pytest.raises(TwinInputError, match="set shadow.enabled: true"):
         parse_config({"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin"}})
