@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
 from twin.scenario import PerfSpec, RouterSpec, SLOSpec, _format_error, apply_overrides
@@ -147,7 +147,7 @@ class ShadowSpec(_Spec):
         "the step model, as in a scenario: {kind: roofline} or {kind: fitted, fit_path: FILE} (`twin calibrate`)"))
     engine: dict[str, Any] = Field(default_factory=dict, description=(
         "engine settings over what the workers report (scenario `engine:` names), e.g. async_scheduling: false"))
-    chunk_sizes: list[int] = Field(default_factory=list, description=(
+    chunk_sizes: list[PositiveInt] = Field(default_factory=list, description=(
         "max_num_batched_tokens alternatives (empty: half and double the current one)"))
     carry_in_flight: bool = Field(True, description=(
         "start each forecast from the requests in flight now (else from idle engines); see live.shadow"))
