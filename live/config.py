@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
-from twin.scenario import RouterSpec, _format_error, apply_overrides
+from twin.scenario import PerfSpec, RouterSpec, SLOSpec, _format_error, apply_overrides
 
 
 class _Spec(BaseModel):
@@ -118,6 +118,66 @@ class ScalerSpec(_Spec):
     interval_s: float = Field(10.0, gt=0)
 
 
+class ShadowLoadSpec(_Spec):
+    """How the shadow twin guesses the next window's arrivals from the last one (`live.shadow.LOAD_MODELS`).
+
+    ASSUMPTION (user-settable): `replay` assumes the next window looks like the last one (the same arrivals,
+    shifted forward one window); `poisson` keeps only its rate and its (prompt, output) pairs."""
+
+    name: str = "replay"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ShadowSpec(_Spec):
+    """Shadow mode (`live.shadow`): mirror observed arrivals into the twin, forecast the next window's latency
+    under the current configuration and alternatives, export forecasts and their realised error."""
+
+    enabled: bool = False
+    interval_s: float = Field(10.0, gt=0, description="how often the shadow twin runs")
+    window_s: Optional[float] = Field(None, gt=0, description="the observed window replayed (default: interval_s)")
+    max_requests: int = Field(2000, gt=0, description=(
+        "cost bound: at most this many of the window's most recent requests are simulated (the window shrinks "
+        "to their span, so the rate is kept)"))
+    hardware: Optional[str] = Field(None, description="the workers' GPU (twin/specs/hardware.yaml), e.g. CPU-2core-AVX512")
+    model: Optional[str] = Field(None, description="the served model's shapes (twin/specs/models.yaml), e.g. tiny-llama")
+    dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"
+    tensor_parallel: int = Field(1, gt=0)
+    perf: PerfSpec = Field(default_factory=PerfSpec, description=(
+        "the step model, as in a scenario: {kind: roofline} or {kind: fitted, fit_path: FILE} (`twin calibrate`)"))
+    engine: dict[str, Any] = Field(default_factory=dict, description=(
+        "engine settings over what the workers report (scenario `engine:` names), e.g. async_scheduling: false"))
+    chunk_sizes: list[PositiveInt] = Field(default_factory=list, description=(
+        "max_num_batched_tokens alternatives (empty: half and double the current one)"))
+    carry_in_flight: bool = Field(True, description=(
+        "start each forecast from the requests in flight now (else from idle engines); see live.shadow"))
+    alternatives: bool = Field(True, description="also forecast +1 / -1 instance and the chunk sizes")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="goodput and the twin scaler's attainment use it")
+    load: ShadowLoadSpec = Field(default_factory=ShadowLoadSpec)
+    executor: Literal["thread", "process"] = Field("thread", description=(
+        "where simulations run: a thread (shares the GIL with the proxy) or a child process"))
+    history: int = Field(20, gt=0, description="scored windows kept for /shadow")
+    min_scored_requests: int = Field(1, gt=0, description="a window is scored when it has this many finished requests")
+
+    @property
+    def window(self) -> float:
+        return self.window_s if self.window_s is not None else self.interval_s
+
+    @model_validator(mode="after")
+    def _names(self) -> "ShadowSpec":
+        if not self.enabled:
+            return self
+        missing = [k for k in ("hardware", "model") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"shadow.enabled needs {' and '.join(missing)}: name the workers' GPU and model as "
+                             "in a scenario (twin/specs/hardware.yaml, models.yaml), e.g. CPU-2core-AVX512, tiny-llama")
+        from live.shadow import LOAD_MODELS
+
+        if self.load.name not in LOAD_MODELS:
+            raise ValueError(f"@load.name: unknown load model {self.load.name!r} (known: {', '.join(LOAD_MODELS)})")
+        return self
+
+
 class LiveConfig(_Spec):
     name: str = "live"
     seed: int = 0
@@ -132,6 +192,7 @@ class LiveConfig(_Spec):
     tokenizer: TokenizerSpec = TokenizerSpec()
     kv_events: KVEventSpec = KVEventSpec()
     scaler: ScalerSpec = ScalerSpec()
+    shadow: ShadowSpec = ShadowSpec()
     base_dir: str = Field(".", exclude=True)
 
     @model_validator(mode="after")
@@ -141,6 +202,20 @@ class LiveConfig(_Spec):
         ids = [w.id for w in self.workers if w.id]
         if len(ids) != len(set(ids)):
             raise ValueError("workers: ids must be unique")
+        if self.scaler.name == "twin" and not self.shadow.enabled:
+            raise ValueError("scaler twin reads the shadow twin's forecasts: set shadow.enabled: true (and "
+                             "shadow.hardware, shadow.model)")
+        if self.scaler.name == "twin":
+            if self.scaler.params.get("oracle"):
+                raise ValueError("scaler.params.oracle: the live controller cannot see the future; drop oracle")
+            slo = self.scaler.params.get("slo") or self.shadow.slo.model_dump(exclude_none=True)
+            if not slo:
+                raise ValueError("scaler twin chooses the smallest fleet meeting an SLO: give shadow.slo (ttft_s, "
+                                 "tpot_s, e2e_s) or scaler.params.slo")
+        if self.shadow.enabled:
+            from live.shadow import check_config
+
+            check_config(self)  # builds the twin once: names, engine keys and the perf profile are checked now
         return self
 
     @property

@@ -22,7 +22,7 @@ from twin.policy.base import build_router as build_router_from
 from twin.policy.base import has_hook, prefix_index_kind
 from twin.policy.bookkeeping import Bookkeeping
 from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex
-from twin.policy.views import InstanceConfig
+from twin.policy.views import FleetView, InstanceConfig
 
 from live.config import LiveConfig
 from live.kv_subscriber import KVEventSubscriber
@@ -34,6 +34,19 @@ from live.signals import parse_metrics
 from live.tokens import PromptTokenizer
 
 log = logging.getLogger("llmtwin.live")
+
+
+def prepare_scaler_slo(scaler: Any, cfg: LiveConfig) -> None:
+    """A scaler with an `slo` attribute gets `shadow.slo` when it has none (as the simulator's fleet gives it
+    the scenario's), and a mapping given in `scaler.params.slo` becomes the scenario's SLO object."""
+    from twin.scenario import SLOSpec
+
+    if not hasattr(scaler, "slo"):
+        return
+    if scaler.slo is None:
+        scaler.slo = cfg.shadow.slo
+    elif isinstance(scaler.slo, dict):
+        scaler.slo = SLOSpec(**scaler.slo)
 
 
 def build_router(cfg: LiveConfig) -> Any:
@@ -71,6 +84,15 @@ class Controller:
         self.hook_first = has_hook(self.router, "on_first_token")
         self.hook_finish = has_hook(self.router, "on_finish")
         self.scaler = make_scaler(cfg.scaler.name, **cfg.scaler.params)
+        # shadow mode (live.shadow): the twin forecasts the next window from mirrored arrivals
+        self.shadow: Any = None
+        if cfg.shadow.enabled:
+            from live.shadow import Shadow
+
+            self.shadow = Shadow(self)
+            prepare_scaler_slo(self.scaler, cfg)
+        # unary answers are parsed for their output tokens when a hook or the shadow twin wants them
+        self.wants_output_tokens = self.hook_finish or self.shadow is not None
         # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it
         self.signals = RecentWindow()
         self.registry.fleet.signals = self.signals
@@ -111,6 +133,8 @@ class Controller:
         self.tasks = [loop.create_task(self._scrape_loop()), loop.create_task(self._health_loop())]
         if cfg.scaler.name != "none":
             self.tasks.append(loop.create_task(self._scale_loop()))
+        if self.shadow is not None:
+            self.tasks.append(loop.create_task(self.shadow.loop()))
         self.started = True
 
     async def _first_contact(self, w: Worker) -> None:
@@ -134,6 +158,8 @@ class Controller:
             await self.actuator.close()
         if self.kv is not None:
             self.kv.close()
+        if self.shadow is not None:
+            self.shadow.close()
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -337,7 +363,20 @@ class Controller:
         from live.launcher import LaunchSpec
 
         fleet = self.registry.fleet_view(time.monotonic())
-        action = as_action(self.scaler.decide(fleet.now, fleet, None), fleet)
+        if self.shadow is not None and getattr(self.scaler, "needs_forecaster", False):
+            # the twin scaler simulates in its decide(): a thread keeps the event loop serving meanwhile
+            forecast = self.shadow.fleet_forecaster(fleet.now)
+            signals = None
+            if fleet.signals is not None:  # a copy: the loop keeps appending to the original meanwhile
+                signals = RecentWindow(fleet.signals.horizon_s)
+                signals.arrivals.extend(fleet.signals.arrivals)
+                signals.completions.extend(fleet.signals.completions)
+            view = FleetView(fleet.now, list(fleet.instances), fleet.bookkeeping, fleet.prefix_index, forecast,
+                             list(fleet.all_instances), signals=signals, extras=fleet.extras)
+            decided = await asyncio.to_thread(self.scaler.decide, view.now, view, forecast)
+        else:
+            decided = self.scaler.decide(fleet.now, fleet, None)
+        action = as_action(decided, fleet)
         if action.is_noop:
             return action
         if self.actuator is None:
@@ -362,12 +401,16 @@ class Controller:
             self.index.on_dispatch(req.prefix, worker_id, now)
         if self.hook_dispatch:
             self._call_hook("on_dispatch", req, worker_id, now)
+        if self.shadow is not None:
+            self.shadow.dispatched(req, worker_id, now)
 
     def first_token(self, req: Any, worker_id: str, now: float) -> None:
         self.bookkeeping.first_token(req.id)
         self._first_token_at.setdefault(req.id, now)
         if self.hook_first:
             self._call_hook("on_first_token", req, worker_id, now)
+        if self.shadow is not None:
+            self.shadow.first_token(req, now)
 
     def finished(self, req: Any, worker_id: str, now: float, output_tokens: int) -> None:
         self.bookkeeping.finished(req.id)
@@ -377,10 +420,17 @@ class Controller:
                                   output_tokens)
         if self.hook_finish:
             self._call_hook("on_finish", req, worker_id, now, output_tokens)
+        if self.shadow is not None:
+            self.shadow.finished(req, now, output_tokens)
         if self.bookkeeping.load(worker_id).requests == 0:
             ev = self._idle.get(worker_id)
             if ev is not None:
                 ev.set()
+
+    def streamed(self, req: Any, stream: bool) -> None:
+        """The proxy says whether a request streams (its first chunk is then a first token, not the answer)."""
+        if self.shadow is not None:
+            self.shadow.mirror.streamed(req.id, stream)
 
     def _call_hook(self, name: str, *args: Any) -> None:
         try:

@@ -48,5 +48,47 @@ class ControllerMetrics:
         self.rejected = Counter("llmtwin_rejected", "Requests answered by the controller itself, by reason",
                                 ["reason"], registry=r)
 
+        self.shadow: ShadowMetrics | None = None
+
+    def enable_shadow(self) -> "ShadowMetrics":
+        """Register shadow mode's series (live.shadow) on this controller's page; only when it is on."""
+        if self.shadow is None:
+            self.shadow = ShadowMetrics(self.registry)
+        return self.shadow
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ShadowMetrics:
+    """The shadow twin's forecasts per variant, its cost, and its own error against what happened."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.forecast = Gauge("llmtwin_shadow_forecast_seconds",
+                              "Shadow twin forecast for the next window, by metric (ttft_p50, ...) and variant",
+                              ["metric", "variant"], registry=r)
+        self.goodput = Gauge("llmtwin_shadow_forecast_goodput_requests_per_second",
+                             "Shadow twin forecast: requests meeting shadow.slo per second", ["variant"], registry=r)
+        self.attainment = Gauge("llmtwin_shadow_forecast_slo_attainment",
+                                "Shadow twin forecast: share of the window's requests meeting shadow.slo",
+                                ["variant"], registry=r)
+        self.error = Gauge("llmtwin_shadow_forecast_error_ratio",
+                           "|forecast - realised| / realised of the last scored window (variant current)",
+                           ["metric"], registry=r)
+        self.runs = Counter("llmtwin_shadow_runs", "Shadow twin runs (all variants of one window)", registry=r)
+        self.run_seconds = Histogram("llmtwin_shadow_run_seconds", "Wall time of one shadow run, all variants",
+                                     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.last_run_seconds = Gauge("llmtwin_shadow_last_run_seconds", "Wall time of the last shadow run",
+                                      registry=r)
+        self.window_requests = Gauge("llmtwin_shadow_window_requests", "Requests simulated in the last shadow run",
+                                     registry=r)
+        self.scored = Counter("llmtwin_shadow_windows_scored", "Forecast windows compared with what happened",
+                              registry=r)
+        self.skipped = Counter("llmtwin_shadow_skipped", "Shadow runs or variants not simulated, by reason",
+                               ["reason"], registry=r)
+        self.truncated = Counter("llmtwin_shadow_truncated_windows",
+                                 "Windows cut to shadow.max_requests most recent requests", registry=r)
+
+    def clear_forecasts(self) -> None:
+        for g in (self.forecast, self.goodput, self.attainment):
+            g.clear()

@@ -112,6 +112,11 @@ class Proxy:
             return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
         return web.json_response(self.ctl.status())
 
+    async def shadow(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        return web.json_response(self.ctl.shadow.status())
+
     # -- generation ----------------------------------------------------------------------------------
     def _none_serving(self) -> str:
         ws = list(self.ctl.registry)
@@ -226,6 +231,7 @@ class Proxy:
             if w is None or not w.routable or target in tried:
                 return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
             ctl.dispatched(req, w.id, time.monotonic())
+            ctl.streamed(req, stream)
             try:
                 if stream:
                     return await self._stream(request, req, w, path, raw, chat)
@@ -255,7 +261,7 @@ class Proxy:
                 if status >= 500:
                     raise _Retryable(f"{w.id} answered {status}: {data[:200].decode(errors='replace')}")
                 ctl.first_token(req, w.id, time.monotonic())
-                if ctl.hook_finish and status == 200:
+                if ctl.wants_output_tokens and status == 200:
                     try:
                         out_tokens = int(json.loads(data).get("usage", {}).get("completion_tokens", 0))
                     except (ValueError, AttributeError, TypeError):
@@ -357,6 +363,8 @@ def build_app(ctl: Controller) -> web.Application:
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/metrics", proxy.metrics)
     app.router.add_get("/workers", proxy.workers)
+    if ctl.shadow is not None:
+        app.router.add_get("/shadow", proxy.shadow)
     return app
 
 

