@@ -283,6 +283,11 @@ class BlockPool:
         self.num_anon_free += count
 
     # -- invariants (tests) --------------------------------------------------------------------------
+    def all_unreferenced(self) -> bool:
+        """No request holds a cached copy (after a complete run)."""
+        return (all(ref == 0 for ref in self.cached_block_hash_to_ref.values())
+                and all(d.ref == 0 for c in self.dups.values() for d in c))
+
     def check(self) -> None:
         lru_total = 0
         for entry in self.free_lru:
