@@ -29,7 +29,10 @@ SCENARIOS = {
     # the same sample on one instance: every request through one engine's pool
     "mooncake sample, 1 instance": (ROOT / "scenarios" / "mooncake-replay.yaml", ["cluster.num_instances=1"]),
 }
-POOL_FUNCS = ("release_keyed", "allocate", "_register_full_blocks", "touch", "engine_block_keys", "<listcomp>")
+POOL_FUNCS = ("release_keyed", "allocate", "_register_full_blocks", "touch", "engine_block_keys", "<listcomp>",
+              # the range pool (twin/engine/segment_pool.py) and its helpers
+              "register", "release_held", "touch_prefix", "num_cached_hits", "num_free_hits", "_isolate",
+              "_coalesce", "_assign", "_split", "_append", "_unlink", "engine_block_runs")
 
 
 def one_run(path, overrides):
@@ -59,7 +62,7 @@ def pool_share(path, overrides) -> float:
     st = pstats.Stats(pr)
     total = st.total_tt
     per_block = sum(v[2] for (f, _, name), v in st.stats.items() if name in POOL_FUNCS
-                    and ("block_pool" in f or "scheduler" in f or "request" in f))
+                    and ("block_pool" in f or "segment_pool" in f or "scheduler" in f or "request" in f))
     return per_block / total if total else 0.0
 
 
@@ -81,7 +84,7 @@ def main() -> None:
             best = wall if best is None else min(best, wall)
         line = f"{name:32s} {n:6d} requests ({fin} finished)  {n / best:9,.0f} req/wall-s  ({best:.3f} s)"
         if not args.no_profile and build == "pure Python":
-            line += f"  per-block pool work {pool_share(path, ov):.0%} of the run (cProfile)"
+            line += f"  block-pool work {pool_share(path, ov):.0%} of the run (cProfile)"
         print(line, flush=True)
 
 

@@ -213,7 +213,7 @@ def test_pool_ops_match_the_reference_block_by_block():
                 cut = rng.randint(hk, n)
                 for lo, hi in ((hk, cut), (cut, n)):
                     if hi > lo:
-                        seg.register(keys, h_seg, lo, hi)
+                        seg.register_blocks(keys, h_seg, lo, hi)
                         for j in range(lo, hi):
                             h_ref.append(ref.add_copy(keys[j]))
                         ref.event_sink(BlockStored(list(keys)[lo:hi], keys[lo - 1] if lo else None, None, 16))
@@ -237,3 +237,67 @@ def test_pool_ops_match_the_reference_block_by_block():
             for c in chains:
                 probe = list(range(c, c + 8))
                 assert ref.num_cached_hits(probe, 8) == seg.num_cached_hits(probe, 8)
+
+
+FORK_CASES = [(mode, blocks, seed) for mode in ("fast", "step") for blocks in (70, 2000) for seed in range(3)]
+
+
+def fork_scenario(mode, blocks, instances=1):
+    return make_scenario(**{"cluster.num_instances": instances, "sim.mode": mode,
+                            "cluster.engine.num_gpu_blocks_override": blocks,
+                            "cluster.engine.max_num_batched_tokens": 256, "cluster.engine.max_num_seqs": 16,
+                            "cluster.engine.max_model_len": 1100,
+                            "sim.timeline_interval_s": 0, "router.scrape_interval_s": 0})
+
+
+@pytest.mark.parametrize("mode,blocks,seed", FORK_CASES)
+def test_a_fork_of_the_range_pool_runs_as_the_original(mode, blocks, seed):
+    """Forks copy the ranges and their LRU links: advanced alone, a fork finishes as the original does."""
+    from twin.engine.fork import fork_instance
+
+    a, p, o, ids = synthetic(seed, 48, n=40)
+    st = stream_of(a, p, o, ids, hash_block_size=48)
+    sc = fork_scenario(mode, blocks, instances=2)
+    cl = Cluster(sc, st, pool="segment")
+    cl.env.run(until=a[-1] + 0.05)
+    forks = [fork_instance(inst, cl.env.now) for inst in cl.instances]
+    live = [{r.idx for r in list(inst.scheduler.running) + list(inst.scheduler.waiting)} for inst in cl.instances]
+    assert any(live)
+    for f in forks:
+        f.advance()
+    res = cl.run()
+    ref = Cluster(sc, st, pool="per-block").run()  # the original is untouched, and equals the reference
+    for col in ("first_token_s", "finish_s", "output_tokens", "preemptions", "cached_tokens"):
+        np.testing.assert_array_equal(getattr(res.log, col), getattr(ref.log, col))
+    shift = cl.api_token_s()
+    for f, idxs in zip(forks, live):
+        for i in idxs:
+            assert f.log.finish_s[i] + shift == res.log.finish_s[i], i
+        assert not f.scheduler.has_unfinished_requests()
+        f.scheduler.pool.check()
+        assert f.scheduler.pool.get_num_free_blocks() == f.scheduler.pool.num_usable_blocks
+
+
+def test_a_request_with_per_block_keys_hits_the_range_pool_as_its_runs_would():
+    """A request built from a router's view (per-block hashes, as the forecaster builds one) is regrouped."""
+    from twin.engine.fork import fork_instance
+    from twin.engine.request import Request
+
+    a, p, o, ids = synthetic(1, 64, n=30)
+    st = stream_of(a, p, o, ids, hash_block_size=64)
+    cl = Cluster(fork_scenario("fast", 2000), st, pool="segment")
+    cl.env.run(until=a[-1] + 0.05)
+    hits = 0
+    for i in range(30):
+        runs = engine_block_runs(ids[i], 64, 16, p[i])
+        f1 = fork_instance(cl.instances[0], cl.env.now)
+        f2 = fork_instance(cl.instances[0], cl.env.now)
+        t = cl.env.now
+        f1.arrive(Request(100 + i, t, p[i], 5, runs, -1), t)
+        f2.arrive(Request(100 + i, t, p[i], 5, list(runs), -1), t)
+        f1.advance()
+        f2.advance()
+        assert f1.log.cached_tokens[100 + i] == f2.log.cached_tokens[100 + i]
+        assert f1.log.finish_s[100 + i] == f2.log.finish_s[100 + i]
+        hits += f1.log.cached_tokens[100 + i] > 0
+    assert hits > 0

@@ -15,7 +15,7 @@ import simpy
 
 from twin.engine.defaults import resolve_batch_limits
 from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
-from twin.engine.request import Request, RequestStatus, engine_block_keys, engine_block_runs
+from twin.engine.request import BlockKeys, Request, RequestStatus, engine_block_keys, engine_block_runs
 from twin.hardware import get_gpu
 from twin.models import get_model
 from twin.dispatcher import Dispatcher, RouterError
@@ -185,7 +185,7 @@ class Cluster:
         s = self.stream
         p = int(s.prompt_tokens[i])
         o = int(s.output_tokens[i])
-        keys: Sequence[int] = []
+        keys: Sequence[int] | BlockKeys = []
         if s.hash_ids is not None and s.hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
             covered = p + o if s.hashes_cover_output else p
             if self.segmented:  # runs, O(trace blocks): the range pool works on them
@@ -201,9 +201,12 @@ class Cluster:
         bs = self.engine_config.block_size
         keys = r.block_keys
         n_prompt = r.num_prompt_tokens // bs
+        # runs stay runs (a `BlockKeys` prefix, O(runs)): expanded to per-block hashes only if a router reads them
         prefix = keys if len(keys) <= n_prompt else keys[:n_prompt]
         texts = self.stream.texts
-        view = RequestView(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix, bs,
+        view = RequestView(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap,
+                           prefix,  # type: ignore[arg-type]  # BlockKeys behaves as a Sequence[int]
+                           bs,
                            None if r.session_id < 0 else str(r.session_id),
                            text=None if texts is None else texts[r.idx])
         p = self.predictor

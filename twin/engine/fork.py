@@ -262,7 +262,7 @@ def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Schedule
         return c
 
     for name, value in vars_of(sched).items():
-        if name in ("config", "pool", "perf", "log", "on_finish", "on_first_token"):
+        if name in ("config", "pool", "seg", "perf", "log", "on_finish", "on_first_token"):  # seg: the new pool
             continue
         if name in ("running", "prefilling"):
             value = [R(r) for r in value]

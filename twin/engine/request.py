@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Sequence
 
-from twin.engine.block_pool import Handle, Run
+from twin.engine.block_pool import Run
 
 
 class RequestStatus(IntEnum):
@@ -30,19 +31,21 @@ class Request:
     )
 
     def __init__(self, idx: int, arrival_time: float, num_prompt_tokens: int, max_tokens: int,
-                 block_keys: list[int] | tuple[int, ...] = (), session_id: int = -1) -> None:
+                 block_keys: Sequence[int] | BlockKeys = (), session_id: int = -1) -> None:
         self.idx = idx
         self.session_id = session_id
         self.arrival_time = arrival_time
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
-        self.block_keys = block_keys  # hashes of this request's shareable full blocks, in order
+        self.block_keys = block_keys  # hashes of this request's shareable full blocks, in order (or runs)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = -1  # set at first admission
         self.num_preemptions = 0
-        self.keyed: list[Handle] = []  # cached block copies this request holds a reference to
+        # cached block copies this request holds a reference to: `Handle`s (BlockPool), or (chain, gen, j0,
+        # count) tuples (SegmentPool)
+        self.keyed: list = []
         self.num_blocks = 0  # blocks held (keyed + anonymous); derived while decoding
         self.next_reg = 0  # next block index whose hash may still be registered
         self.own_run: Run | None = None  # its unshareable blocks freed by a preemption, still hittable by itself

@@ -388,7 +388,7 @@ class Scheduler:
         seg = self.seg
         if seg is not None:
             if seg.enable_caching:
-                seg.register(r.block_keys, r.keyed, start, end)  # type: ignore[arg-type]
+                seg.register_blocks(r.block_keys, r.keyed, start, end)  # type: ignore[arg-type]
                 self._num_registrations += 1
         elif pool.enable_caching:  # BlockPool.add_copy, inlined: this loop runs once per prompt block
             m = pool.cached_block_hash_to_ref

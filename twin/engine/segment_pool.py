@@ -283,7 +283,7 @@ class SegmentPool(BlockPool):
                 self._hold(held, c, g, x, y - x)
         return held
 
-    def register(self, keys: BlockKeys, held: list[Held], start: int, end: int) -> None:
+    def register_blocks(self, keys: BlockKeys, held: list[Held], start: int, end: int) -> None:
         """Blocks [start, end) of a request became full: cache a copy of each, held once (`cache_full_blocks`;
         a block already cached gets a newer copy, as vLLM does not deduplicate), with one `BlockStored`."""
         chains = self.chains
@@ -295,11 +295,11 @@ class SegmentPool(BlockPool):
             a = j0 if j0 > start else start
             b = j0 + cnt if j0 + cnt < end else end
             gens = chains.get(c)
-            if gens is None:
-                gens = chains[c] = {}
-                pieces = [(-1, a, b)]
-            else:
-                pieces = self._assign(gens, a, b, False)
+            if gens is None:  # nothing of this chain is cached (so nobody holds it): one new range
+                chains[c] = {0: [Seg(c, 0, a, b - a, 1)]}
+                held.append((c, 0, a, b - a))
+                continue
+            pieces = self._assign(gens, a, b, False)
             for g, x, y in pieces:
                 ng = g + 1
                 lst = gens.get(ng)
@@ -323,6 +323,14 @@ class SegmentPool(BlockPool):
         for idx in range(len(held) - 1, -1, -1):
             c, g, j0, n = held[idx]
             lst = chains[c][g]
+            if len(lst) == 1:  # the common case: the held blocks are the chain's one range
+                s = lst[0]
+                if s.j0 == j0 and s.count == n:
+                    s.ref -= 1
+                    if s.ref == 0:
+                        self._append(s)
+                        freed += n
+                    continue
             i0, i1 = self._isolate(lst, j0, j0 + n)
             for i in range(i1 - 1, i0 - 1, -1):
                 s = lst[i]
