@@ -301,3 +301,27 @@ def test_a_request_with_per_block_keys_hits_the_range_pool_as_its_runs_would():
         assert f1.log.finish_s[100 + i] == f2.log.finish_s[100 + i]
         hits += f1.log.cached_tokens[100 + i] > 0
     assert hits > 0
+
+
+PARITY = [(name, seed, mode) for name in ("shared-prefix", "multi-turn", "streaming-turns", "preemption",
+                                          "long-prompts", "long-prefill-threshold", "random")
+          for seed in range(3) for mode in ("step", "fast")]
+
+
+@pytest.mark.parametrize("name,seed,mode", PARITY)
+def test_the_differential_workloads_run_identically_on_the_range_pool(name, seed, mode, monkeypatch):
+    """tests_vllm/test_parity.py checks the per-block pool against vLLM's scheduler on these workloads
+    (token-hash keys, duplicates, streaming output blocks, preemption); the range pool must give the same
+    trace (its keys regrouped from per-block hashes, one-block runs)."""
+    import twin.parity as parity
+
+    wl = parity.WORKLOADS[name](seed)
+    ref = parity.run_twin(wl, mode)
+    monkeypatch.setattr(parity, "BlockPool", SegmentPool)
+    pools: list = []
+    seg = parity.run_twin(wl, mode, on_start=lambda s: pools.append(s.pool),
+                          on_step=lambda s: s.pool.check())
+    assert isinstance(pools[0], SegmentPool)
+    assert not ref.error and not seg.error
+    assert seg.steps == ref.steps
+    assert seg.cached == ref.cached and seg.first_token == ref.first_token and seg.finish == ref.finish
