@@ -145,13 +145,13 @@ def _by_run_seq(r: Request) -> int:
 class Scheduler:
     """Waiting queue, running list, decode group, block pool and records of one engine."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool | SegmentPool, perf: StepTimeModel,
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, perf: StepTimeModel,
                  log: RequestLog) -> None:
         self.config = config
         self.pool = pool
         # the range pool (twin/engine/segment_pool.py): requests' keys are `BlockKeys` runs, held copies
         # (chain, gen, j0, n) tuples; the per-block `BlockPool` is the reference (same schedules, tested)
-        self.seg: SegmentPool | None = pool if isinstance(pool, SegmentPool) else None
+        self.seg: SegmentPool | None = pool if isinstance(pool, SegmentPool) else None  # (a BlockPool subclass)
         self.perf = perf
         self.log = log
         self.block_size = pool.block_size
@@ -430,7 +430,7 @@ class Scheduler:
         if preempted:
             r.own_run = run  # type: ignore[assignment]
         if seg is None:
-            self.pool.release_keyed(reversed(r.keyed))  # type: ignore[union-attr]
+            self.pool.release_keyed(reversed(r.keyed))
         else:
             seg.release_held(r.keyed)
         r.keyed = []
@@ -454,7 +454,7 @@ class Scheduler:
             return hk, own, own
         seg = self.seg
         if seg is None:
-            free_hits = own + self.pool.num_free_among(keys[:hk])  # type: ignore[union-attr]
+            free_hits = own + self.pool.num_free_among(keys[:hk])
         else:
             free_hits = own + seg.num_free_hits(keys, hk)  # type: ignore[arg-type]
         return hk, own, free_hits
@@ -685,7 +685,7 @@ class Scheduler:
             if hk:
                 seg = self.seg
                 if seg is None:
-                    r.keyed = pool.touch(r.block_keys[:hk])  # type: ignore[union-attr]
+                    r.keyed = pool.touch(r.block_keys[:hk])
                 else:
                     r.keyed = seg.touch_prefix(r.block_keys, hk)  # type: ignore[arg-type]
             if r.own_run is not None:
