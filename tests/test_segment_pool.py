@@ -44,8 +44,11 @@ def record(cl: Cluster, events: list) -> list:
             steps.append((_i, "run", j, ends[j - 1], tuple(r.idx for r in fin), _s.pool.get_num_free_blocks()))
             return fin
 
-        sched.schedule = schedule
-        sched.commit_decode_run = commit
+        try:
+            sched.schedule = schedule
+            sched.commit_decode_run = commit
+        except AttributeError:  # the compiled build: native methods cannot be wrapped; logs still compared
+            pass
         if events is not None:
             inst.pool.event_sink = lambda e, _i=i: events.append(
                 (_i, type(e).__name__, tuple(e.block_hashes), getattr(e, "parent_block_hash", None)))

@@ -153,15 +153,25 @@ class BlockKeys:
     def __bool__(self) -> bool:
         return self.n > 0
 
+    def run_index(self, j: int) -> int:
+        """Index of the run holding block j (len(runs) if j is past the end): a bisection, O(log runs)."""
+        runs = self.runs
+        lo = 0
+        hi = len(runs)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if runs[mid][1] + runs[mid][2] <= j:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def key(self, j: int) -> int:
         if j < 0:
             j += self.n
         if not 0 <= j < self.n:
             raise IndexError(j)
-        for c, j0, cnt in self.runs:
-            if j < j0 + cnt:
-                return c + j
-        raise IndexError(j)
+        return self.runs[self.run_index(j)][0] + j
 
     def __getitem__(self, i):
         if isinstance(i, slice):

@@ -287,9 +287,9 @@ class SegmentPool(BlockPool):
         """Blocks [start, end) of a request became full: cache a copy of each, held once (`cache_full_blocks`;
         a block already cached gets a newer copy, as vLLM does not deduplicate), with one `BlockStored`."""
         chains = self.chains
-        for c, j0, cnt in keys.runs:
-            if j0 + cnt <= start:
-                continue
+        runs = keys.runs
+        for ri in range(keys.run_index(start), len(runs)):
+            c, j0, cnt = runs[ri]
             if j0 >= end:
                 break
             a = j0 if j0 > start else start
