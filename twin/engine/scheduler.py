@@ -428,7 +428,7 @@ class Scheduler:
         held = len(r.keyed) if seg is None else seg.num_held(r.keyed)
         run = pool.release_run(full - held)  # full blocks past the keys: nobody else hits them
         if preempted:
-            r.own_run = run  # type: ignore[assignment]
+            r.own_run = run
         if seg is None:
             self.pool.release_keyed(reversed(r.keyed))
         else:
