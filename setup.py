@@ -12,6 +12,7 @@ from setuptools import setup
 HOT_MODULES = [
     "twin/engine/block_pool.py",
     "twin/engine/request.py",
+    "twin/engine/segment_pool.py",
     "twin/engine/scheduler.py",
     "twin/engine/instance.py",
     "twin/perf/base.py",

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Prefix-heavy replay speed (issue 13, section 4): simulated requests per wall second on Mooncake-style traces.
 
-Mooncake prompts are named by 512-token hash ids, about 800 engine blocks per request; the block pool does
-per-block work on allocate, release and register, so these replays run far slower than ShareGPT-style load.
+Mooncake prompts are named by 512-token hash ids, about 800 engine blocks per request. The per-block pool did
+per-block work on allocate, release and register; these traces now run on the range pool
+(twin/engine/segment_pool.py), O(ids) per request. `--pool per-block` runs the reference pool for comparison.
 Target (issue 13): >= 20,000 req/s in the compiled build, no slower than before in pure Python.
 
   .venv/bin/python benchmarks/bench_mooncake.py                 # pure Python
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 from pathlib import Path
@@ -29,29 +31,32 @@ SCENARIOS = {
     # the same sample on one instance: every request through one engine's pool
     "mooncake sample, 1 instance": (ROOT / "scenarios" / "mooncake-replay.yaml", ["cluster.num_instances=1"]),
 }
-POOL_FUNCS = ("release_keyed", "allocate", "_register_full_blocks", "touch", "engine_block_keys", "<listcomp>")
+POOL_FUNCS = ("release_keyed", "allocate", "_register_full_blocks", "touch", "engine_block_keys", "<listcomp>",
+              # the range pool (twin/engine/segment_pool.py) and its helpers
+              "register", "release_held", "touch_prefix", "num_cached_hits", "num_free_hits", "_isolate",
+              "_coalesce", "_assign", "_split", "_append", "_unlink", "engine_block_runs")
 
 
-def one_run(path, overrides):
+def one_run(path, overrides, pool="auto"):
     from twin.cluster import Cluster
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 
     sc = load_scenario(path, overrides)
     stream = build_stream(sc)
-    cl = Cluster(sc, stream)
+    cl = Cluster(sc, stream, pool=pool)
     t0 = time.perf_counter()
     res = cl.run()
     return time.perf_counter() - t0, int((res.log.status == 4).sum()), len(stream), cl
 
 
-def pool_share(path, overrides) -> float:
+def pool_share(path, overrides, pool="auto") -> float:
     from twin.cluster import Cluster
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 
     sc = load_scenario(path, overrides)
-    cl = Cluster(sc, build_stream(sc))
+    cl = Cluster(sc, build_stream(sc), pool=pool)
     pr = cProfile.Profile()
     pr.enable()
     cl.run()
@@ -59,7 +64,7 @@ def pool_share(path, overrides) -> float:
     st = pstats.Stats(pr)
     total = st.total_tt
     per_block = sum(v[2] for (f, _, name), v in st.stats.items() if name in POOL_FUNCS
-                    and ("block_pool" in f or "scheduler" in f or "request" in f))
+                    and ("block_pool" in f or "segment_pool" in f or "scheduler" in f or "request" in f))
     return per_block / total if total else 0.0
 
 
@@ -68,20 +73,22 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="extra override dotted.path=value")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--pool", choices=["auto", "segment", "per-block"], default="auto",
+                    help="KV pool: auto (ranges for these traces), or the per-block reference")
     args = ap.parse_args()
     import twin.engine.scheduler as s
 
     build = "compiled" if not s.__file__.endswith(".py") else "pure Python"
-    print(f"build: {build}")
+    print(f"build: {build}, pool: {args.pool}, load: {os.getloadavg()[0]:.2f}")
     for name, (path, ov) in SCENARIOS.items():
         ov = [*ov, *args.set]
         best = None
         for _ in range(args.repeat):
-            wall, fin, n, _cl = one_run(path, ov)
+            wall, fin, n, _cl = one_run(path, ov, args.pool)
             best = wall if best is None else min(best, wall)
         line = f"{name:32s} {n:6d} requests ({fin} finished)  {n / best:9,.0f} req/wall-s  ({best:.3f} s)"
         if not args.no_profile and build == "pure Python":
-            line += f"  per-block pool work {pool_share(path, ov):.0%} of the run (cProfile)"
+            line += f"  block-pool work {pool_share(path, ov, args.pool):.0%} of the run (cProfile)"
         print(line, flush=True)
 
 

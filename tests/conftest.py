@@ -55,8 +55,7 @@ def run_checked(sc, stream, router=None):
             pool = inst.pool
             pool.check()
             assert pool.get_num_free_blocks() == pool.num_usable_blocks, inst.id
-            assert all(ref == 0 for ref in pool.cached_block_hash_to_ref.values())
-            assert all(d.ref == 0 for c in pool.dups.values() for d in c)
+            assert pool.all_unreferenced()
             assert inst.scheduler.num_decode == 0 and not inst.scheduler.running
     fin = log.status == 4
     assert np.all(log.arrival_s[fin] <= log.scheduled_s[fin])

@@ -8,14 +8,14 @@ import time
 from collections import deque
 from functools import partial
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import simpy
 
 from twin.engine.defaults import resolve_batch_limits
 from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
-from twin.engine.request import Request, RequestStatus, engine_block_keys
+from twin.engine.request import BlockKeys, Request, RequestStatus, engine_block_keys, engine_block_runs
 from twin.hardware import get_gpu
 from twin.models import get_model
 from twin.dispatcher import Dispatcher, RouterError
@@ -63,12 +63,20 @@ class Cluster:
     """Instances and a router in one SimPy environment, fed by a request stream."""
 
     def __init__(self, sc: Scenario, stream: RequestStream, router: Router | None = None,
-                 scaler: Scaler | None = None, perf: StepTimeModel | None = None) -> None:
+                 scaler: Scaler | None = None, perf: StepTimeModel | None = None, pool: str = "auto") -> None:
         self.scenario = sc
         self.stream = stream
         self.env = simpy.Environment()
         self.perf: StepTimeModel = build_perf(sc) if perf is None else perf
         self.engine_config = engine_config(sc)
+        # KV pool: "segment" (ranges, twin/engine/segment_pool.py) or "per-block" (the reference BlockPool);
+        # "auto" takes ranges when trace ids cover several engine blocks each (Mooncake: 512 / 16), where
+        # the per-block pool would do ~800 dict operations per request. Both give the same schedules.
+        if pool not in ("auto", "segment", "per-block"):
+            raise ValueError(f"pool must be 'auto', 'segment' or 'per-block', got {pool!r}")
+        self.segmented = pool == "segment" or (
+            pool == "auto" and stream.hash_ids is not None
+            and stream.hash_block_size != self.engine_config.block_size)
         self.num_blocks = num_gpu_blocks(
             self.engine_config, self.perf.gpu.device_memory, self.perf.weight_bytes_per_gpu,
             self.perf.kv_bytes_per_token_per_gpu,
@@ -145,7 +153,7 @@ class Cluster:
     def _build_instance(self) -> Instance:
         i = len(self.instances)
         inst = Instance(self.env, f"instance-{i}", i, self.engine_config, self.perf, self.num_blocks, self.log,
-                        fast_forward=self.scenario.sim.mode == "fast")
+                        fast_forward=self.scenario.sim.mode == "fast", segmented=self.segmented)
         inst.scheduler.on_finish = self._finished
         inst.scheduler.on_first_token = self._first_token
         self.instances.append(inst)
@@ -177,10 +185,13 @@ class Cluster:
         s = self.stream
         p = int(s.prompt_tokens[i])
         o = int(s.output_tokens[i])
-        keys: list[int] = []
+        keys: Sequence[int] | BlockKeys = []
         if s.hash_ids is not None and s.hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
             covered = p + o if s.hashes_cover_output else p
-            keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, self.engine_config.block_size, covered)
+            if self.segmented:  # runs, O(trace blocks): the range pool works on them
+                keys = engine_block_runs(s.hash_ids[i], s.hash_block_size, self.engine_config.block_size, covered)
+            else:
+                keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, self.engine_config.block_size, covered)
         sid = -1 if s.session_id is None else int(s.session_id[i])
         cap = self.max_tokens_cap
         return Request(i, float(s.arrival_s[i]), p, o if cap is None else min(o, cap), keys, sid)
@@ -190,9 +201,12 @@ class Cluster:
         bs = self.engine_config.block_size
         keys = r.block_keys
         n_prompt = r.num_prompt_tokens // bs
+        # runs stay runs (a `BlockKeys` prefix, O(runs)): expanded to per-block hashes only if a router reads them
         prefix = keys if len(keys) <= n_prompt else keys[:n_prompt]
         texts = self.stream.texts
-        view = RequestView(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix, bs,
+        view = RequestView(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap,
+                           prefix,  # type: ignore[arg-type]  # BlockKeys behaves as a Sequence[int]
+                           bs,
                            None if r.session_id < 0 else str(r.session_id),
                            text=None if texts is None else texts[r.idx])
         p = self.predictor

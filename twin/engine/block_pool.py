@@ -1,5 +1,9 @@
 """The KV block pool with prefix caching, modelled on vLLM V1's `BlockPool` (`vllm/v1/core/block_pool.py`).
 
+Per block: the reference pool, and the one used where each trace id names one engine block. Prefix-heavy
+traces (ids naming many blocks each) use `SegmentPool` (twin/engine/segment_pool.py), the same behaviour in
+ranges; tests/test_segment_pool.py checks the two give the same schedules.
+
 vLLM's free queue always holds every *unhashed* free block ahead of every *hashed* one: unhashed blocks
 are prepended when freed, hashed blocks appended, and allocation pops from the front. So the queue is
 exactly (a count of anonymous free blocks) + (an LRU of cached free blocks), and this pool stores it that
@@ -283,6 +287,11 @@ class BlockPool:
         self.num_anon_free += count
 
     # -- invariants (tests) --------------------------------------------------------------------------
+    def all_unreferenced(self) -> bool:
+        """No request holds a cached copy (after a complete run)."""
+        return (all(ref == 0 for ref in self.cached_block_hash_to_ref.values())
+                and all(d.ref == 0 for c in self.dups.values() for d in c))
+
     def check(self) -> None:
         lru_total = 0
         for entry in self.free_lru:

@@ -17,6 +17,7 @@ from itertools import accumulate
 
 from twin.engine.block_pool import BlockPool, Dup, Run
 from twin.engine.request import Request
+from twin.engine.segment_pool import Seg, SegmentPool
 from twin.engine.scheduler import EngineStats, Scheduler, SchedulerOutput
 from twin.records import RequestLog
 
@@ -34,6 +35,11 @@ class ForkLog(RequestLog):
 def _same(runs: dict, x):
     """The fork's copy of a shared mutable pool entry (a Run or a Dup), made once: the pool's queue, its
     duplicate lists and the requests' handles must keep pointing at the same object."""
+    if isinstance(x, Seg):
+        c = runs.get(id(x))
+        if c is None:
+            c = runs[id(x)] = Seg(x.chain, x.gen, x.j0, x.count, x.ref)
+        return c
     if isinstance(x, Run):
         c = runs.get(id(x))
         if c is None:
@@ -48,6 +54,8 @@ def _same(runs: dict, x):
 
 
 def _fork_pool(pool: BlockPool, runs: dict) -> BlockPool:
+    if isinstance(pool, SegmentPool):  # ranges and their LRU links, copied by the pool itself
+        return pool.fork(runs)
     new = BlockPool(pool.num_gpu_blocks, pool.block_size, pool.enable_caching)
     for name, value in vars_of(pool).items():
         if name == "free_lru":
@@ -104,10 +112,7 @@ def _make_request_copier():
     lines += ["    new.keyed = [h if h.__class__ is int else same(runs, h) for h in r.keyed]",
               "    run = r.own_run",
               "    if run is not None:",
-              "        rr = runs.get(id(run))",
-              "        if rr is None:",
-              "            rr = runs[id(run)] = Run(run.count)",
-              "        new.own_run = rr"]
+              "        new.own_run = same(runs, run)"]
     ns: dict = {"Run": Run, "same": _same}
     exec("\n".join(lines), ns)  # noqa: S102 - generated from the class's own attribute names
     return ns["copy_into"]
@@ -257,7 +262,7 @@ def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Schedule
         return c
 
     for name, value in vars_of(sched).items():
-        if name in ("config", "pool", "perf", "log", "on_finish", "on_first_token"):
+        if name in ("config", "pool", "seg", "perf", "log", "on_finish", "on_first_token"):  # seg: the new pool
             continue
         if name in ("running", "prefilling"):
             value = [R(r) for r in value]

@@ -11,6 +11,7 @@ import simpy
 
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
+from twin.engine.segment_pool import SegmentPool
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.errors import TwinInputError
 from twin.perf.base import StepTimeModel
@@ -85,14 +86,16 @@ class Instance:
 
     def __init__(self, env: simpy.Environment, name: str, index: int, config: EngineConfig,
                  perf: StepTimeModel, num_blocks: int, log: RequestLog, fast_forward: bool = True,
-                 max_run_steps: int = 4096) -> None:
+                 max_run_steps: int = 4096, segmented: bool = False) -> None:
         self.env = env
         self.id = name
         self.index = index
         self.config = config
         self.perf = perf
         self.log = log
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        # segmented: the range pool for keys given as runs (prefix-heavy traces); else the per-block reference
+        pool_cls = SegmentPool if segmented else BlockPool
+        self.pool: BlockPool = pool_cls(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.pool, perf, log)
         self._running = self.scheduler.running  # the same list and deque objects, for cheap views
         self._waiting = self.scheduler.waiting

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Sequence
 
-from twin.engine.block_pool import Handle, Run
+from twin.engine.block_pool import Run
 
 
 class RequestStatus(IntEnum):
@@ -30,19 +31,21 @@ class Request:
     )
 
     def __init__(self, idx: int, arrival_time: float, num_prompt_tokens: int, max_tokens: int,
-                 block_keys: list[int] | tuple[int, ...] = (), session_id: int = -1) -> None:
+                 block_keys: Sequence[int] | BlockKeys = (), session_id: int = -1) -> None:
         self.idx = idx
         self.session_id = session_id
         self.arrival_time = arrival_time
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
-        self.block_keys = block_keys  # hashes of this request's shareable full blocks, in order
+        self.block_keys = block_keys  # hashes of this request's shareable full blocks, in order (or runs)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = -1  # set at first admission
         self.num_preemptions = 0
-        self.keyed: list[Handle] = []  # cached block copies this request holds a reference to
+        # cached block copies this request holds a reference to: `Handle`s (BlockPool), or (chain, gen, j0,
+        # count) tuples (SegmentPool)
+        self.keyed: list = []
         self.num_blocks = 0  # blocks held (keyed + anonymous); derived while decoding
         self.next_reg = 0  # next block index whose hash may still be registered
         self.own_run: Run | None = None  # its unshareable blocks freed by a preemption, still hittable by itself
@@ -69,22 +72,138 @@ class Request:
                 f"out={self.num_output_tokens}/{self.max_tokens}, computed={self.num_computed_tokens})")
 
 
-def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_tokens: int) -> list[int]:
-    """Engine-block hashes from trace-level prefix ids (e.g. Mooncake's 512-token `hash_ids`).
-
-    Block j of the engine covers tokens [j*bs, (j+1)*bs); its identity is the chained hash of every
-    trace block up to the one holding its last token, plus j. Only blocks that are full within the
-    `num_tokens` the ids describe get a key, as vLLM hashes only full blocks.
-    """
-    if not hash_ids:
-        return []
-    covered = min(len(hash_ids) * hash_block_size, num_tokens)
-    n_full = covered // block_size
+def _chain(hash_ids) -> list[int]:
+    """Chained ids: element t names every trace block up to t (equal values mean equal prefixes)."""
     chain = []
     h = 0x5EED
     for hid in hash_ids:
         h = hash((h, hid))
         chain.append(h)
+    return chain
+
+
+def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_tokens: int) -> list[int]:
+    """Engine-block hashes from trace-level prefix ids (e.g. Mooncake's 512-token `hash_ids`).
+
+    Block j of the engine covers tokens [j*bs, (j+1)*bs); its identity is the chained id of every trace
+    block up to the one holding its last token, plus j (key = chain + j, so consecutive blocks of one trace
+    block differ by 1 and `BlockKeys.from_keys` can regroup them). Only blocks that are full within the
+    `num_tokens` the ids describe get a key, as vLLM hashes only full blocks. The per-block reference of
+    `engine_block_runs`.
+    """
+    if not hash_ids:
+        return []
     if hash_block_size == block_size:
-        return chain[:n_full]
-    return [hash((chain[((j + 1) * block_size - 1) // hash_block_size], j)) for j in range(n_full)]
+        covered = min(len(hash_ids) * hash_block_size, num_tokens)
+        return _chain(hash_ids)[:covered // block_size]
+    return list(engine_block_runs(hash_ids, hash_block_size, block_size, num_tokens))
+
+
+def engine_block_runs(hash_ids, hash_block_size: int, block_size: int, num_tokens: int) -> "BlockKeys":
+    """`engine_block_keys` as runs, O(trace blocks): one (chain id, first block, count) per trace block."""
+    covered = min(len(hash_ids) * hash_block_size, num_tokens) if hash_ids else 0
+    n_full = covered // block_size
+    if n_full == 0:
+        return BlockKeys([], 0)
+    chain = _chain(hash_ids)
+    if hash_block_size == block_size:  # one block per id: key = chain id, as `engine_block_keys`
+        return BlockKeys.from_keys(chain[:n_full])
+    runs: list[tuple[int, int, int]] = []
+    j = 0
+    while j < n_full:
+        t = ((j + 1) * block_size - 1) // hash_block_size
+        # the last block whose last token lies in trace block t
+        end = min(((t + 1) * hash_block_size) // block_size, n_full)
+        runs.append((chain[t], j, end - j))
+        j = end
+    return BlockKeys(runs, n_full)
+
+
+class BlockKeys:
+    """A request's engine-block hashes as runs (chain id, first block j, count): block j's key is chain + j.
+
+    Behaves as the per-block `Sequence[int]` (len, index, iteration, prefix slices) for routers and the
+    prefix index, while `SegmentPool` works on the runs, so a request costs O(trace blocks), not O(blocks).
+    """
+
+    __slots__ = ("runs", "n")
+
+    def __init__(self, runs: list[tuple[int, int, int]], n: int) -> None:
+        self.runs = runs
+        self.n = n
+
+    @staticmethod
+    def from_keys(keys) -> "BlockKeys":
+        """Regroup per-block keys into runs: consecutive keys k with equal k - j share a chain id."""
+        runs: list[tuple[int, int, int]] = []
+        j = 0
+        for k in keys:
+            c = k - j
+            if runs and runs[-1][0] == c and runs[-1][1] + runs[-1][2] == j:
+                last = runs[-1]
+                runs[-1] = (c, last[1], last[2] + 1)
+            else:
+                runs.append((c, j, 1))
+            j += 1
+        return BlockKeys(runs, j)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def run_index(self, j: int) -> int:
+        """Index of the run holding block j (len(runs) if j is past the end): a bisection, O(log runs)."""
+        runs = self.runs
+        lo = 0
+        hi = len(runs)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if runs[mid][1] + runs[mid][2] <= j:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def key(self, j: int) -> int:
+        if j < 0:
+            j += self.n
+        if not 0 <= j < self.n:
+            raise IndexError(j)
+        return self.runs[self.run_index(j)][0] + j
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self.n)
+            if start == 0 and step == 1:
+                return self.prefix(stop)
+            return [self.key(j) for j in range(start, stop, step)]
+        return self.key(i)
+
+    def prefix(self, m: int) -> "BlockKeys":
+        """The first m blocks' keys, O(runs)."""
+        if m >= self.n:
+            return self
+        out: list[tuple[int, int, int]] = []
+        for c, j0, cnt in self.runs:
+            if j0 >= m:
+                break
+            out.append((c, j0, min(cnt, m - j0)))
+        return BlockKeys(out, max(m, 0))
+
+    def __iter__(self):
+        for c, j0, cnt in self.runs:
+            yield from range(c + j0, c + j0 + cnt)
+
+    def __eq__(self, other: object) -> bool:
+        try:
+            return list(self) == list(other)  # type: ignore[call-overload]
+        except TypeError:
+            return False
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.runs))
+
+    def __repr__(self) -> str:
+        return f"BlockKeys({self.runs!r}, n={self.n})"

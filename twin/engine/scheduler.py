@@ -51,8 +51,9 @@ from typing import Callable
 import numpy as np
 
 from twin.engine.block_pool import BlockPool
+from twin.engine.segment_pool import SegmentPool
 from twin.policy.kv_events import BlockStored
-from twin.engine.request import Request, RequestStatus
+from twin.engine.request import BlockKeys, Request, RequestStatus
 from twin.perf.base import StepBatch, StepTimeModel
 from twin.records import RequestLog
 
@@ -148,6 +149,9 @@ class Scheduler:
                  log: RequestLog) -> None:
         self.config = config
         self.pool = pool
+        # the range pool (twin/engine/segment_pool.py): requests' keys are `BlockKeys` runs, held copies
+        # (chain, gen, j0, n) tuples; the per-block `BlockPool` is the reference (same schedules, tested)
+        self.seg: SegmentPool | None = pool if isinstance(pool, SegmentPool) else None  # (a BlockPool subclass)
         self.perf = perf
         self.log = log
         self.block_size = pool.block_size
@@ -189,6 +193,8 @@ class Scheduler:
         """The request reaches the engine at `now`; under async scheduling it waits in `inbox` until a
         decision made after `now` (vLLM drains its input queue only before `schedule()`)."""
         r.status = RequestStatus.WAITING
+        if self.seg is not None and r.block_keys and not isinstance(r.block_keys, BlockKeys):
+            r.block_keys = BlockKeys.from_keys(r.block_keys)  # e.g. a forecaster's request from a view
         if self.async_scheduling:
             self.inbox.append((r, now))
         else:
@@ -342,7 +348,7 @@ class Scheduler:
         """A member's decode at group counter `d` fills a block: cache it (vLLM caches up to num_tokens)."""
         j = r.next_reg
         keys = r.block_keys
-        if (r.num_prompt_tokens + r.out_base + d - r.d_base) // self.block_size != j + 1:
+        if self.seg is not None or (r.num_prompt_tokens + r.out_base + d - r.d_base) // self.block_size != j + 1:
             self._register_full_blocks(r, r.num_prompt_tokens + r.out_base + d - r.d_base)
         else:  # exactly block j: `_register_full_blocks` for one block, inlined
             pool = self.pool
@@ -379,7 +385,12 @@ class Scheduler:
         if end <= start:
             return
         pool = self.pool
-        if pool.enable_caching:  # BlockPool.add_copy, inlined: this loop runs once per prompt block
+        seg = self.seg
+        if seg is not None:
+            if seg.enable_caching:
+                seg.register_blocks(r.block_keys, r.keyed, start, end)  # type: ignore[arg-type]
+                self._num_registrations += 1
+        elif pool.enable_caching:  # BlockPool.add_copy, inlined: this loop runs once per prompt block
             m = pool.cached_block_hash_to_ref
             keyed = r.keyed
             keys = r.block_keys
@@ -413,10 +424,15 @@ class Scheduler:
             self._register_full_blocks(r, computed)
         full = computed // bs
         pool.release_anon(r.num_blocks - full)  # the partial block
-        run = pool.release_run(full - len(r.keyed))  # full blocks past the keys: nobody else hits them
+        seg = self.seg
+        held = len(r.keyed) if seg is None else seg.num_held(r.keyed)
+        run = pool.release_run(full - held)  # full blocks past the keys: nobody else hits them
         if preempted:
             r.own_run = run
-        pool.release_keyed(reversed(r.keyed))
+        if seg is None:
+            self.pool.release_keyed(reversed(r.keyed))
+        else:
+            seg.release_held(r.keyed)
         r.keyed = []
         r.num_blocks = 0
         r.next_reg = 0
@@ -434,7 +450,13 @@ class Scheduler:
         own = 0
         if run is not None and run.count > 0 and hk == len(keys) and hk < max_blocks:
             own = min(run.count, max_blocks - hk)
-        free_hits = own + (self.pool.num_free_among(keys[:hk]) if hk else 0)
+        if not hk:
+            return hk, own, own
+        seg = self.seg
+        if seg is None:
+            free_hits = own + self.pool.num_free_among(keys[:hk])
+        else:
+            free_hits = own + seg.num_free_hits(keys, hk)  # type: ignore[arg-type]
         return hk, own, free_hits
 
     def _admission_plan(self, r: Request, budget: int, thr: int) -> tuple[int, int, int] | None:
@@ -661,7 +683,11 @@ class Scheduler:
             hit_tokens = hit_blocks * bs
             self.waiting.popleft()
             if hk:
-                r.keyed = pool.touch(r.block_keys[:hk])
+                seg = self.seg
+                if seg is None:
+                    r.keyed = pool.touch(r.block_keys[:hk])
+                else:
+                    r.keyed = seg.touch_prefix(r.block_keys, hk)  # type: ignore[arg-type]
             if r.own_run is not None:
                 if own:
                     pool.touch_run(r.own_run, own)
