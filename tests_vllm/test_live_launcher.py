@@ -25,7 +25,7 @@ def launched(tiny_model, tmp_path_factory):
 
     from live.config import parse_config
 
-    base = random.Random().randrange(20000, 40000)
+    base = random.Random().randrange(20000, 32500)  # below the ephemeral range (live_workers.kv_port)
     cfg = parse_config({
         "server": {"port": 0},
         "router": {"name": "round-robin", "scrape_interval_s": 0.1},
