@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import List, Optional
 
 
 def run(config: Path, overrides: Optional[List[str]] = None, host: Optional[str] = None,
-        port: Optional[int] = None, log_level: str = "info", loop: str = "auto") -> int:
+        port: Optional[int] = None, log_level: str = "info") -> int:
     """Load, validate and serve; bad config is one `error:` line and exit 2, a clean stop exits 0."""
     from twin.errors import TwinInputError
 
@@ -36,13 +37,10 @@ def run(config: Path, overrides: Optional[List[str]] = None, host: Optional[str]
               file=sys.stderr)
         return 2
     from live.launcher import LaunchError
-    from live.proxy import run as serve_on
+    from live.proxy import serve
 
-    if loop not in ("auto", "uvloop", "asyncio"):
-        print(f"error: --loop {loop}: one of auto, uvloop, asyncio", file=sys.stderr)
-        return 2
     try:
-        serve_on(ctl, loop)
+        asyncio.run(serve(ctl))
     except LaunchError as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         print("\n".join(str(e).splitlines()[1:]), file=sys.stderr)
@@ -62,10 +60,8 @@ def main() -> None:  # pragma: no cover - the console script
     def live(config: Path = typer.Argument(..., help="live controller config (YAML)"),
              set_: List[str] = typer.Option([], "--set", help="override a config value: dotted.path=value"),
              host: Optional[str] = typer.Option(None, "--host"), port: Optional[int] = typer.Option(None, "--port"),
-             log_level: str = typer.Option("info", "--log-level"),
-             loop: str = typer.Option("auto", "--loop", help="event loop: auto (uvloop if installed), uvloop, "
-                                                             "asyncio")) -> None:
+             log_level: str = typer.Option("info", "--log-level")) -> None:
         """Route OpenAI-compatible traffic to vLLM workers with a twin router."""
-        raise typer.Exit(run(config, set_, host, port, log_level, loop))
+        raise typer.Exit(run(config, set_, host, port, log_level))
 
     app()

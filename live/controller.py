@@ -90,9 +90,14 @@ class Controller:
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
+        # idle pooled connections are closed after 4 s, before the worker's own keep-alive timeout closes them
+        # (vLLM's uvicorn: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s, vllm/envs.py): a request sent on a connection
+        # the worker is closing would fail before its first byte and mark a healthy worker down
         conn = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.server.max_connections_per_worker,
-                                    keepalive_timeout=60, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False,
+                                    keepalive_timeout=4, ttl_dns_cache=300)
+        # no cookie jar: a worker's Set-Cookie must not be replayed on other clients' requests (and the jar's
+        # per-request filtering is work on the hot path)
+        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                              timeout=aiohttp.ClientTimeout(total=None))
         if any(w.kv_events_endpoint for w in cfg.workers) or (cfg.launcher and cfg.launcher.kv_events):
             self.kv = KVEventSubscriber(self.precise, self.metrics)

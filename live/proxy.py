@@ -372,38 +372,6 @@ class Proxy:
             ctl.finished(req, w.id, time.monotonic(), n_out)
 
 
-def new_event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
-    """uvloop's loop when it is installed (`auto`; vLLM's own server runs on it), else asyncio's.
-
-    Measured with benchmarks/bench_proxy.py: uvloop cuts the proxy's added latency by about a third (its I/O
-    callbacks are C, not Python); pyzmq's asyncio sockets (the KV-event subscriber) work on either loop."""
-    if kind not in ("auto", "uvloop", "asyncio"):
-        raise ValueError(f"event loop {kind!r}: one of auto, uvloop, asyncio")
-    if kind != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if kind == "uvloop":
-                raise
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
-def run(ctl: Controller, loop: str = "auto") -> None:
-    """`serve(ctl)` until SIGTERM/SIGINT on a fresh loop of the given kind (`new_event_loop`)."""
-    ev = new_event_loop(loop)
-    try:
-        asyncio.set_event_loop(ev)
-        ev.run_until_complete(serve(ctl))
-    finally:
-        try:
-            ev.run_until_complete(ev.shutdown_asyncgens())
-        finally:
-            asyncio.set_event_loop(None)
-            ev.close()
-
-
 def build_app(ctl: Controller) -> web.Application:
     app = web.Application(client_max_size=ctl.cfg.server.max_body_bytes)
     proxy = Proxy(ctl)

@@ -190,10 +190,10 @@ class RunningController:
 
 def run_controller(cfg, router=None) -> RunningController:
     from live.controller import Controller
-    from live.proxy import new_event_loop, serve
+    from live.proxy import serve
 
     ctl = Controller(cfg, router=router)
-    loop = new_event_loop()  # the CLI's loop (uvloop in the heavy env), so these tests run what operators run
+    loop = asyncio.new_event_loop()
     ready = threading.Event()
     box: dict = {}
 
