@@ -278,7 +278,7 @@ class KVEventSubscriber:
 
     def close(self) -> None:
         """Close every socket and terminate the context: the endpoints are free when this returns."""
-        for wid in list(self.endpoints) + list(self.sockets):
+        for wid in set(self.endpoints) | set(self.sockets):
             self.unsubscribe(wid)
         if not self.ctx.closed:
             self.ctx.term()

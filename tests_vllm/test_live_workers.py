@@ -296,15 +296,37 @@ def test_load_loses_nothing_memory_stays_flat_and_sigterm_finishes_in_flight(two
         assert served == n + 300
         assert 'llmtwin_inflight_requests{worker="w0"} 0.0' in page
 
-        # SIGTERM with a long stream in flight: it finishes, new connections are refused, exit 0
+        # SIGTERM with a long stream in flight: it finishes, new connections are refused, exit 0. Deterministic:
+        # the workers are frozen (SIGSTOP) from the stream's first chunk until the listener is closed, so the
+        # stream is still in flight during the shutdown (checked on the controller's own gauge, not assumed)
         with httpx.Client(timeout=120) as c:
             with c.stream("POST", url + "/v1/completions", json={"model": SERVED, "prompt": "long", "max_tokens": 200,
                                                                  "stream": True, "ignore_eos": True,
                                                                  "stream_options": {"include_usage": True}}) as s:
                 it = s.iter_raw()
                 first = next(it)
-                proc.send_signal(signal.SIGTERM)
+                for w in two_workers:
+                    w.kill(signal.SIGSTOP)
+                try:
+                    page = httpx.get(url + "/metrics", timeout=10).text
+                    inflight = sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                                   if line.startswith("llmtwin_inflight_requests{"))
+                    proc.send_signal(signal.SIGTERM)
+                    refused = False
+                    deadline = time.monotonic() + 30
+                    while not refused and time.monotonic() < deadline:
+                        try:
+                            httpx.get(url + "/health", timeout=2)
+                            time.sleep(0.05)
+                        except httpx.ConnectError:
+                            refused = True
+                    running = proc.poll() is None
+                finally:
+                    for w in two_workers:
+                        w.kill(signal.SIGCONT)
                 rest = b"".join(it)
+        assert inflight == 1 and b"[DONE]" not in first  # the stream was in flight when SIGTERM came
+        assert refused and running  # the listener closed while the in-flight stream was still being served
         body = (first + rest).decode()
         assert body.rstrip().endswith("data: [DONE]") and streamed_tokens(body) == 200
         assert proc.wait(60) == 0
