@@ -2,10 +2,14 @@
 
 Prints p50/p99 of (a) non-streamed 1-token completions and (b) streamed 16-token completions, direct to a
 real vLLM worker and through the controller (sent alternately, sequentially, so both see the same worker
-state), and the proxy's ceiling in requests/s against an instant fake upstream (so the worker is not the
-bottleneck), at a fixed client concurrency. Target: p50 added <= 2 ms. Run in the vLLM venv:
+state), the same against an instant fake upstream (the proxy's own cost, without a real worker competing
+for the cores), the controller's CPU time per proxied request (from /proc, which the machine's load moves
+far less than latency), and the proxy's ceiling in requests/s against the fake upstream at a fixed client
+concurrency. Target: p50 added <= 2 ms. `--runs` repeats the paired measurements; the medians over runs
+come last. The load average is printed before and after: on a shared machine the figures move with it.
+Run in the vLLM venv:
 
-    .venv-vllm/bin/python benchmarks/bench_proxy.py [--worker-url URL] [--n 300] [--seconds 5]
+    .venv-vllm/bin/python benchmarks/bench_proxy.py [--worker-url URL] [--n 300] [--runs 3] [--seconds 5]
 
 Without --worker-url it starts one tiny-model worker (tests_vllm/live_workers.py). Figures depend on the
 machine and on what else runs on it: this prints them, it asserts nothing.
@@ -83,6 +87,12 @@ def wait(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
     raise SystemExit(f"error: {url} did not come up")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; the scrape and health loops included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def paired(direct: str, proxied: str, n: int, stream: bool) -> tuple[np.ndarray, np.ndarray]:
     import aiohttp
 
@@ -125,6 +135,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3, help="repeats of the paired measurements")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     procs = []
@@ -140,13 +151,6 @@ def main() -> int:
             url = worker.url
         proc, proxied = start_controller(url, tmp)
         procs.append(proc)
-        print(f"{'requests':<28}{'direct p50':>12}{'proxy p50':>12}{'added p50':>12}{'direct p99':>12}"
-              f"{'proxy p99':>12}{'added p99':>12}")
-        for label, stream in (("1 token, not streamed", False), ("16 tokens, streamed", True)):
-            d, p = asyncio.run(paired(url, proxied, args.n, stream))
-            q = lambda a, x: 1e3 * float(np.percentile(a, x))  # noqa: E731
-            print(f"{label:<28}{q(d, 50):>10.2f}ms{q(p, 50):>10.2f}ms{q(p, 50) - q(d, 50):>10.2f}ms"
-                  f"{q(d, 99):>10.2f}ms{q(p, 99):>10.2f}ms{q(p, 99) - q(d, 99):>10.2f}ms")
         fport = free_port()
         fake = subprocess.Popen([sys.executable, "-c", FAKE, str(fport)], start_new_session=True)
         procs.append(fake)
@@ -154,6 +158,29 @@ def main() -> int:
         wait(furl + "/v1/models", fake)
         fproc, fproxied = start_controller(furl, tmp)
         procs.append(fproc)
+        cases = [("vLLM worker", "1 token, not streamed", url, proxied, proc, False),
+                 ("vLLM worker", "16 tokens, streamed", url, proxied, proc, True),
+                 ("instant fake", "1 token, not streamed", furl, fproxied, fproc, False)]
+        print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+        print(f"{'run':<4}{'upstream':<14}{'requests':<23}{'direct p50':>11}{'proxy p50':>11}{'added p50':>11}"
+              f"{'direct p99':>11}{'proxy p99':>11}{'added p99':>11}{'proxy CPU':>11}")
+        added: dict[tuple[str, str], list[float]] = {}
+        cpus: dict[tuple[str, str], list[float]] = {}
+        q = lambda a, x: 1e3 * float(np.percentile(a, x))  # noqa: E731
+        for run in range(1, args.runs + 1):
+            for up, label, direct, through, ctl_proc, stream in cases:
+                c0 = cpu_s(ctl_proc.pid)
+                d, p = asyncio.run(paired(direct, through, args.n, stream))
+                per = 1e6 * (cpu_s(ctl_proc.pid) - c0) / (args.n + 20)
+                added.setdefault((up, label), []).append(q(p, 50) - q(d, 50))
+                cpus.setdefault((up, label), []).append(per)
+                print(f"{run:<4}{up:<14}{label:<23}{q(d, 50):>9.2f}ms{q(p, 50):>9.2f}ms{q(p, 50) - q(d, 50):>9.2f}ms"
+                      f"{q(d, 99):>9.2f}ms{q(p, 99):>9.2f}ms{q(p, 99) - q(d, 99):>9.2f}ms{per:>9.0f}us", flush=True)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        for key, xs in added.items():
+            print(f"median over {len(xs)} runs, {key[0]}, {key[1]}: p50 added {float(np.median(xs)):.2f} ms "
+                  f"(runs: {', '.join(f'{x:.2f}' for x in xs)}); controller CPU {float(np.median(cpus[key])):.0f} "
+                  "us per request")
         direct_rate = asyncio.run(ceiling(furl, args.seconds, args.concurrency))
         proxy_rate = asyncio.run(ceiling(fproxied, args.seconds, args.concurrency))
         print(f"ceiling, instant fake upstream, {args.concurrency} concurrent: direct {direct_rate:,.0f} req/s, "

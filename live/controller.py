@@ -102,6 +102,7 @@ class Controller:
         self.kv: KVEventSubscriber | None = None
         self.actuator: Any = None
         self.tasks: list[asyncio.Task] = []
+        self._kv_checks: dict[str, asyncio.Task] = {}
         self.accepting = True
         self._ids = 0
         self._idle: dict[str, asyncio.Event] = {}
@@ -111,9 +112,14 @@ class Controller:
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
+        # idle pooled connections are closed after 4 s, before the worker's own keep-alive timeout closes them
+        # (vLLM's uvicorn: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s, vllm/envs.py): a request sent on a connection
+        # the worker is closing would fail before its first byte and mark a healthy worker down
         conn = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.server.max_connections_per_worker,
-                                    keepalive_timeout=60, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False,
+                                    keepalive_timeout=4, ttl_dns_cache=300)
+        # no cookie jar: a worker's Set-Cookie must not be replayed on other clients' requests (and the jar's
+        # per-request filtering is work on the hot path)
+        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                              timeout=aiohttp.ClientTimeout(total=None))
         if any(w.kv_events_endpoint for w in cfg.workers) or (cfg.launcher and cfg.launcher.kv_events):
             self.kv = KVEventSubscriber(self.precise, self.metrics)
@@ -146,6 +152,7 @@ class Controller:
 
     async def stop(self) -> None:
         self.accepting = False
+        self.tasks += list(self._kv_checks.values())
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
@@ -195,6 +202,9 @@ class Controller:
         self.registry.set_state(w, "stopped")
         if self.kv is not None:
             self.kv.unsubscribe(worker_id)
+        check = self._kv_checks.pop(worker_id, None)
+        if check is not None:
+            check.cancel()
         self.registry.remove(worker_id)
         self._idle.pop(worker_id, None)
 
@@ -236,8 +246,11 @@ class Controller:
         self.registry.set_state(w, "serving", now)
         log.info("worker %s (%s): serving %s, block size %d, %d KV blocks", w.id, w.url, ",".join(w.models),
                  w.config.block_size, w.config.num_gpu_blocks)
-        if self.kv is not None and w.kv_events_endpoint:
-            asyncio.get_running_loop().create_task(self._check_kv_events(w))
+        if self.kv is not None and w.kv_events_endpoint and not w.kv_events_seen:
+            old = self._kv_checks.pop(w.id, None)
+            if old is not None:
+                old.cancel()
+            self._kv_checks[w.id] = asyncio.get_running_loop().create_task(self._check_kv_events(w))
         return True
 
     async def probe(self, w: Worker) -> bool:
@@ -258,34 +271,52 @@ class Controller:
         return True
 
     async def _check_kv_events(self, w: Worker) -> None:
-        """Start-up check: a prompt of one full block must come back as a BlockStored from this worker.
+        """Start-up check: a fresh prompt of one full block must come back as a BlockStored from this worker.
 
-        A fresh prompt is sent every second until an event arrives: ZMQ drops what a publisher sends before
-        its connection to our bound socket is up, and a prompt already cached produces no new event."""
+        The first probe goes out once our SUB socket is bound; ZMQ drops what a publisher sends before its
+        (re)connection to that socket is up (the slow joiner: its reconnect interval is 100 ms), and a prompt
+        already cached produces no event, so a new random prompt is sent every second, at most
+        `startup_check_s` of them. Without an event by then a warning names the endpoint and the gauge
+        `llmtwin_kv_events_arriving` stays 0; the check keeps listening, and a late first event is logged."""
+        kv = self.kv
         timeout = self.cfg.kv_events.startup_check_s
-        if timeout <= 0 or self.kv is None:
+        if timeout <= 0 or kv is None:
             return
-        ev = self.kv.first_event.get(w.id)
         deadline = time.monotonic() + timeout
-        bs = w.config.block_size
+        if not await kv.wait_bound(w.id, timeout):
+            log.warning("worker %s: KV-event socket %s: %s: the precise index will not know its cache", w.id,
+                        w.kv_events_endpoint, kv.state(w.id))
+            return
         rng = random.Random()  # fresh tokens each time: a probe must not hit (or seed) the prefix cache
-        while ev is not None and not ev.is_set() and time.monotonic() < deadline:
-            body: dict[str, Any] = {"prompt": [rng.randrange(10, 100) for _ in range(bs + 1)], "max_tokens": 1}
-            if w.models:
-                body["model"] = w.models[0]
-            try:
-                async with self.session.post(w.url + "/v1/completions", json=body,
-                                             timeout=aiohttp.ClientTimeout(total=max(1.0, deadline - time.monotonic()))) as r:
-                    await r.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                pass
-            await self.kv.wait_first(w.id, min(1.0, max(0.0, deadline - time.monotonic())))
-        if ev is not None and ev.is_set():
+        probes = 0
+        while not await kv.wait_first(w.id, 0.0) and time.monotonic() < deadline:
+            if w.routable:  # a worker marked down meanwhile gets no probes until it is back
+                bs = w.config.block_size  # read each time: a scrape may have corrected the default
+                body: dict[str, Any] = {"prompt": [rng.randrange(10, 100) for _ in range(bs + 1)],
+                                        "max_tokens": 1}
+                if w.models:
+                    body["model"] = w.models[0]
+                probes += 1
+                try:
+                    async with self.session.post(w.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(
+                            total=max(1.0, deadline - time.monotonic()))) as r:
+                        await r.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    pass
+            await kv.wait_first(w.id, min(1.0, max(0.0, deadline - time.monotonic())))
+        if await kv.wait_first(w.id, 0.0):
             w.kv_events_seen = 1
-            log.info("worker %s: KV events arrive (lag %.1f ms)", w.id, 1e3 * self.kv.lag_s.get(w.id, 0.0))
-        else:
-            log.warning("worker %s: no KV event within %.0f s on %s: the precise index will not know its cache "
-                        "(is --kv-events-config's endpoint this address?)", w.id, timeout, w.kv_events_endpoint)
+            log.info("worker %s: KV events arrive (%d probes, lag %.1f ms)", w.id, probes,
+                     1e3 * kv.lag_s.get(w.id, 0.0))
+            return
+        log.warning("worker %s: no KV event within %.0f s (%d probe prompts) on %s: the precise index will not "
+                    "know its cache (is --kv-events-config's endpoint this address?)", w.id, timeout, probes,
+                    w.kv_events_endpoint)
+        ev = kv.first_event.get(w.id)
+        if ev is not None:
+            await ev.wait()  # cancelled by stop() or retire(); a late first event is still worth a line
+            w.kv_events_seen = 1
+            log.info("worker %s: KV events arrive, late", w.id)
 
     def fail(self, w: Worker, error: str) -> None:
         """An upstream failure: the worker is down until a health probe succeeds."""
@@ -460,4 +491,5 @@ class Controller:
                              "prefix_cache_hits": w.counters.get("prefix_hits"),
                              "prefix_cache_queries": w.counters.get("prefix_queries"),
                              "kv_blocks_indexed": self.precise.num_blocks(w.id),
+                             "kv_events": self.kv.state(w.id) if self.kv is not None else "off",
                              "last_error": w.last_error or None} for w in self.registry]}

@@ -45,6 +45,9 @@ class ControllerMetrics:
                                           registry=r)
         self.kv_event_gaps = Counter("llmtwin_kv_event_sequence_gaps", "Missed KV-event batches (sequence gaps)",
                                      ["worker"], registry=r)
+        self.kv_events_arriving = Gauge("llmtwin_kv_events_arriving",
+                                        "1 once a worker's first KV-event batch arrived, 0 until then",
+                                        ["worker"], registry=r)
         self.rejected = Counter("llmtwin_rejected", "Requests answered by the controller itself, by reason",
                                 ["reason"], registry=r)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from twin.policy.views import Reject, RequestView
 
@@ -59,6 +60,31 @@ class Proxy:
         self.idle.set()
         s = ctl.cfg.server
         self.timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
+        # per-request work kept off the hot path (benchmarks/bench_proxy.py): parsed upstream URLs, the
+        # served-model set (rebuilt when the registry changes), and the request counter's label children
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._served: tuple[int, set[str]] = (-1, set())
+        self._counters: dict[tuple[str, str], Any] = {}
+
+    def upstream(self, w: Any, path: str) -> URL:
+        key = (w.url, path)
+        u = self._urls.get(key)
+        if u is None:
+            u = self._urls[key] = URL(w.url + path)
+        return u
+
+    def served_models(self) -> set[str]:
+        version = self.ctl.registry.version
+        if self._served[0] != version:
+            self._served = (version, self.ctl.served_models())
+        return self._served[1]
+
+    def count(self, worker_id: str, status: str) -> None:
+        """`llmtwin_requests_total{worker, status}` += 1, without prometheus-client's label lookup each time."""
+        c = self._counters.get((worker_id, status))
+        if c is None:
+            c = self._counters[(worker_id, status)] = self.ctl.metrics.requests.labels(worker_id, status)
+        c.inc()
 
     # -- routes --------------------------------------------------------------------------------------
     def authorized(self, request: web.Request) -> bool:
@@ -159,7 +185,7 @@ class Proxy:
             m.rejected.labels("bad_json").inc()
             return error(400, "request body must be a JSON object")
         model = body.get("model")
-        served = ctl.served_models()
+        served = self.served_models()
         if model is not None and served and model not in served:
             m.rejected.labels("unknown_model").inc()
             return error(404, f"The model `{model}` does not exist (served: {', '.join(sorted(served))}).")
@@ -246,7 +272,7 @@ class Proxy:
                 if attempt == 0:
                     log.warning("request %s: worker %s failed before the first byte (%s); retrying elsewhere",
                                 req.id, w.id, last_error)
-        m.requests.labels(tried[-1] if tried else "-", "502").inc()
+        self.count(tried[-1] if tried else "-", "502")
         return error(502, f"upstream failed before the first byte on {', '.join(tried)}: {last_error}")
 
     async def _unary(self, req: RequestView, w: Any, path: str, raw: bytes) -> web.Response:
@@ -254,7 +280,7 @@ class Proxy:
         out_tokens = 0
         status = 502
         try:
-            async with ctl.session.post(w.url + path, data=raw, timeout=self.timeout,
+            async with ctl.session.post(self.upstream(w, path), data=raw, timeout=self.timeout,
                                         headers={"Content-Type": "application/json", "X-Request-Id": req.id}) as r:
                 data = await r.read()
                 status = r.status
@@ -266,14 +292,14 @@ class Proxy:
                         out_tokens = int(json.loads(data).get("usage", {}).get("completion_tokens", 0))
                     except (ValueError, AttributeError, TypeError):
                         pass
-                ctl.metrics.requests.labels(w.id, str(status)).inc()
+                self.count(w.id, str(status))
                 return web.Response(body=data, status=status,
                                     headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
         except _UPSTREAM_FAILURES as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:
             ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
-            ctl.metrics.requests.labels(w.id, "504").inc()
+            self.count(w.id, "504")
             return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:.0f} s")
         finally:
             ctl.finished(req, w.id, time.monotonic(), out_tokens)
@@ -286,13 +312,13 @@ class Proxy:
         out: web.StreamResponse | None = None
         status = "200"
         try:
-            async with ctl.session.post(w.url + path, data=raw, timeout=self.timeout,
+            async with ctl.session.post(self.upstream(w, path), data=raw, timeout=self.timeout,
                                         headers={"Content-Type": "application/json", "X-Request-Id": req.id}) as r:
                 if r.status != 200:
                     data = await r.read()
                     if r.status >= 500:
                         raise _Retryable(f"{w.id} answered {r.status}: {data[:200].decode(errors='replace')}")
-                    m.requests.labels(w.id, str(r.status)).inc()
+                    self.count(w.id, str(r.status))
                     return web.Response(body=data, status=r.status,
                                         headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
                 try:
@@ -345,7 +371,7 @@ class Proxy:
             return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:.0f} s")
         finally:
             if out is not None:
-                m.requests.labels(w.id, status).inc()
+                self.count(w.id, status)
             # output tokens for on_finish: SSE events minus [DONE] and chat's role chunk; a lower bound, as vLLM
             # merges tokens into one event when the client reads slower than it decodes
             n_out = max(0, events - 1 - (1 if chat else 0))

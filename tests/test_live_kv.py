@@ -108,3 +108,56 @@ def test_subscriber_binds_and_reads_vllm_frames():
     page = m.render().decode()
     assert 'llmtwin_kv_events_total{type="BlockStored",worker="w0"}' in page
     assert "llmtwin_kv_event_lag_seconds" in page
+
+
+def test_a_new_subscriber_binds_the_endpoint_a_closed_one_just_released():
+    """Issue 10's flaky start-up check: a controller stopped and the next one bound the same endpoints at once.
+    With the process-wide ZMQ context the close was asynchronous and the rebind failed (EADDRINUSE) about a
+    third of the time; the subscriber's own context is terminated on close, so every rebind succeeds."""
+
+    async def main():
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        states = []
+        for _ in range(50):
+            sub = KVEventSubscriber(PreciseIndex(), bind_retry_s=0.0)
+            sub.subscribe("w0", endpoint)
+            states.append(sub.state("w0") if await sub.wait_bound("w0", 1.0) else "not bound")
+            sub.close()
+        return states
+
+    states = asyncio.run(main())
+    assert set(states) == {"no event yet"}, states
+
+
+def test_a_port_in_use_is_retried_then_reported():
+    from live.metrics import ControllerMetrics
+
+    async def main():
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        endpoint = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+        m = ControllerMetrics()
+        sub = KVEventSubscriber(PreciseIndex(), m, bind_retry_s=5.0)
+        sub.subscribe("w0", endpoint)
+        early = sub.state("w0")
+        await asyncio.sleep(0.2)
+        holder.close()  # released while the subscriber retries
+        bound = await sub.wait_bound("w0", 5.0)
+        late = sub.state("w0")
+        sub.close()
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        sub2 = KVEventSubscriber(PreciseIndex(), m, bind_retry_s=0.3)
+        sub2.subscribe("w1", f"tcp://127.0.0.1:{held.getsockname()[1]}")
+        never = await sub2.wait_bound("w1", 2.0)
+        failed = sub2.state("w1")
+        sub2.close()
+        held.close()
+        return early, bound, late, never, failed, m.render().decode()
+
+    early, bound, late, never, failed, page = asyncio.run(main())
+    assert early == "binding" and bound and late == "no event yet"
+    assert not never and failed.startswith("bind failed") and "in use" in failed
+    assert 'llmtwin_kv_events_arriving{worker="w0"} 0.0' in page

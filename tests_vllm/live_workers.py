@@ -38,6 +38,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def kv_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999) for a KV-event endpoint the controller binds.
+
+    vLLM's publisher connects to it from the worker's start, long before a controller binds it, and again
+    between tests: a port from the ephemeral range can meanwhile be handed to another process's socket (the
+    other tests on this machine draw theirs there), or to the publisher's own reconnect as its source port
+    (a TCP self-connect), and the controller's bind then fails."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32700)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32700")
+
+
 def hermetic_env(cache_root: str, core: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # when set it overrides --kv-cache-memory-bytes
@@ -101,7 +122,7 @@ def start_worker(wid: str, model: Path, core: str | None, cache_root: str, log_d
     from live.launcher import engine_flags
 
     port = free_port()
-    kv = f"tcp://127.0.0.1:{free_port()}"
+    kv = f"tcp://127.0.0.1:{kv_port()}"
     args = engine_args(extra)
     args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv, "topic": "kv"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),

@@ -4,6 +4,7 @@ in-flight one finishes, then the process stops), and all workers gone -> 503. Tw
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import sys
@@ -25,7 +26,7 @@ def launched(tiny_model, tmp_path_factory):
 
     from live.config import parse_config
 
-    base = random.Random().randrange(20000, 40000)
+    base = random.Random().randrange(20000, 32500)  # below the ephemeral range (live_workers.kv_port)
     cfg = parse_config({
         "server": {"port": 0},
         "router": {"name": "round-robin", "scrape_interval_s": 0.1},
@@ -72,7 +73,6 @@ def test_launch_scale_retry_drain(launched):
     with httpx.Client(timeout=120) as c:
         # local-0 dies unseen (no scrape or probe noticed yet): a request sent there is retried on local-1
         w0.handle.popen.send_signal(signal.SIGKILL)
-        import os
 
         os.killpg(w0.handle.popen.pid, signal.SIGKILL)
         r = c.post(rc.url + "/v1/completions", headers={"X-Session-Id": "local-0"},
@@ -104,12 +104,20 @@ def test_launch_scale_retry_drain(launched):
         import asyncio
 
         proc = ctl.registry.get("local-1").handle.popen
-        fut = asyncio.run_coroutine_threadsafe(ctl.actuator.drain("local-1"), rc.loop)
-        time.sleep(0.3)
-        assert ctl.registry.get("local-1").state == "draining"
-        r = c.post(rc.url + "/v1/completions", json={"model": SERVED, "prompt": "late", "max_tokens": 1})
-        assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
-        assert proc.poll() is None  # still running: its last request is in flight
+        os.killpg(proc.pid, signal.SIGSTOP)  # frozen: its stream cannot finish while the drain is checked
+        try:
+            fut = asyncio.run_coroutine_threadsafe(ctl.actuator.drain("local-1"), rc.loop)
+            deadline = time.monotonic() + 30
+            while ctl.registry.get("local-1").state != "draining" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ctl.registry.get("local-1").state == "draining"
+            r = c.post(rc.url + "/v1/completions", json={"model": SERVED, "prompt": "late", "max_tokens": 1})
+            assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+            time.sleep(0.5)
+            assert proc.poll() is None and not fut.done()  # still there: its last request is in flight
+            assert ctl.bookkeeping.load("local-1").requests == 1
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
         t.join(120)
         fut.result(60)
         assert streamed_tokens(out["body"]) == 300 and out["body"].rstrip().endswith("[DONE]")
