@@ -91,8 +91,9 @@ class Controller:
 
             self.shadow = Shadow(self)
             prepare_scaler_slo(self.scaler, cfg)
-        # unary answers are parsed for their output tokens when a hook or the shadow twin wants them
-        self.wants_output_tokens = self.hook_finish or self.shadow is not None
+        # unary answers are parsed for their output tokens (a few microseconds): the recent-window signals the
+        # scalers read count a completion only with its tokens, and on_finish hooks and the shadow twin take them
+        self.wants_output_tokens = True
         # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it
         self.signals = RecentWindow()
         self.registry.fleet.signals = self.signals

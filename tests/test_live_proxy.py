@@ -193,13 +193,16 @@ def test_router_by_name_from_config_round_robin():
                 async with c.post(url + "/v1/completions", json={"prompt": "p", "max_tokens": 1}) as r:
                     assert r.status == 200
             name = ctl.router_name
+            completions = list(ctl.signals.completions)
         for w in ws:
             await w.stop()
-        return ws, name
+        return ws, name, completions
 
-    ws, name = run(main())
+    ws, name, completions = run(main())
     assert name == "round-robin"
     assert [len(w.received) for w in ws] == [3, 3]
+    # a router without hooks: the unary answers still reach the scalers' signals, with their usage tokens
+    assert [c.output_tokens for c in completions] == [3] * 6
 
 
 def test_bad_input_is_4xx_with_a_message():
