@@ -350,3 +350,21 @@ def test_index_match_equals_the_reference_walk_under_dispatch_eviction_and_event
         precise.remove_instance(inst)
     for idx in (approx, precise):
         assert not idx._holders and not idx._chains.closed and not idx._chains.parent
+
+
+
+def test_a_router_block_may_set_the_routers_own_seed():
+    """`router: {name: p2c, params: {seed: 3}}` used to fail with "multiple values for keyword argument 'seed'";
+    the block's seed wins over the scenario's."""
+    from types import SimpleNamespace
+
+    from twin.policy.base import build_router
+
+    fleet = fleet_of(*({"id": f"i{k}", "inflight": k % 3} for k in range(8)))
+
+    def picks(params, seed):
+        r = build_router(SimpleNamespace(name="p2c", params=params), seed=seed)
+        return [r.choose(req(), fleet) for _ in range(40)]
+
+    assert picks({"seed": 3}, 0) == picks({"seed": 3}, 99) == picks({}, 3)
+    assert picks({"seed": 3}, 0) != picks({"seed": 4}, 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Mapping
 
-from twin.policy.base import RouterBase, make_router, register_router
+from twin.policy.base import RouterBase, register_router, router_from
 from twin.policy.views import FleetView, Reject, RequestView
 
 
@@ -34,7 +34,7 @@ class SessionAffinity(RouterBase):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         try:
-            self.inner = make_router(str(spec["name"]), seed=seed, **dict(spec.get("params") or {}))
+            self.inner = router_from(str(spec["name"]), seed, dict(spec.get("params") or {}))
         except KeyError:
             raise ValueError(f"inner: unknown router {spec['name']!r}") from None
         self.prefix_index = getattr(self.inner, "prefix_index", None)

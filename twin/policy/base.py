@@ -121,6 +121,11 @@ def make_router(name: str, seed: int | None = None, **params: Any) -> Router:
     Raises KeyError for an unknown name, LookupError for a user reference that cannot be loaded and
     TypeError (naming the accepted parameters) for parameters the router does not take.
     """
+    return router_from(name, seed, params)
+
+
+def router_from(name: str, seed: int | None, params: dict[str, Any]) -> Router:
+    """`make_router` with the parameters as a dict, so they may hold their own `seed` (which then wins)."""
     cls = resolve_router_class(name)
     accepted = router_params(cls)
     if seed is not None and "seed" in accepted and "seed" not in params:
@@ -151,7 +156,7 @@ def build_router(spec: Any, seed: int | None) -> Router:
     from twin.errors import TwinInputError
 
     try:
-        return make_router(spec.name, seed=seed, **spec.params)
+        return router_from(spec.name, seed, dict(spec.params))
     except KeyError:
         raise TwinInputError(f"router.name: unknown router {spec.name!r}") from None
     except LookupError as e:
