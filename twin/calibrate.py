@@ -481,9 +481,13 @@ def initial_params(obs_list: Sequence[Observation]) -> dict[str, float]:
     elif ys:
         icpt = float(np.median(ys))
     step = max(0.8 * gap, 1e-5)
+    out_s = max(0.02 * gap, 1e-6)
+    api0 = max(icpt - step, 1e-4)
+    measured = [g for g in (api_gap(o) for o in obs_list) if g is not None]
+    if measured:  # the server's own TTFT says how much of the client's is the API server's
+        api0 = max(float(np.mean([g - 1e-6 * p - out_s for g, p in measured])), 1e-5)
     return {"linear": slope, "attn": slope, "step_s": step, "per_request_s": max(0.02 * gap, 1e-6),
-            "api_request_overhead_s": max(icpt - step, 1e-4), "api_prompt_token_s": 1e-6,
-            "api_output_token_s": max(0.02 * gap, 1e-6)}
+            "api_request_overhead_s": api0, "api_prompt_token_s": 1e-6, "api_output_token_s": out_s}
 
 
 # -- the schedule-fixed Gauss-Newton fit (the default) ---------------------------------------------------------

