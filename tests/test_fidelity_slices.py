@@ -190,3 +190,23 @@ def test_cli_fidelity_router_bad_input(tmp_path):
     assert r.exit_code == 2 and "--workers 2" in r.output
     r = CliRunner().invoke(app, ["fidelity", "--reuse", "--out", str(tmp_path / "none")])
     assert r.exit_code == 2 and "--reuse" in r.output
+
+
+def test_the_servers_own_itl_pins_the_engine_speed_when_the_client_saw_bursts():
+    from twin.calibrate import server_itl
+
+    obs = synthetic(Profile.from_params(TRUE), *deterministic_load())
+    f = obs.requests
+    n_itl = float((f["output_tokens"] - 1).sum())
+    true_itl = float((f["finish_s"] - f["first_token_s"]).sum()) / n_itl
+    obs.meta = {**obs.meta, "server": {"histogram_deltas": [{"vllm:inter_token_latency_seconds_count": n_itl,
+                                                             "vllm:inter_token_latency_seconds_sum": true_itl * n_itl}]}}
+    assert server_itl(obs) == pytest.approx(true_itl)
+    # the client saw a third of the requests' tokens arrive all at once, late (a starved API server)
+    burst = obs.requests.index[::3]
+    obs.requests.loc[burst, "first_token_s"] = obs.requests.loc[burst, "finish_s"] + 0.05
+    obs.requests.loc[burst, "finish_s"] += 0.0501
+    got = fit_schedule([obs]).profile.params()
+    assert got["step_s"] == pytest.approx(TRUE["step_s"], rel=0.25)
+    obs.meta["server"]["histogram_deltas"][0]["vllm:inter_token_latency_seconds_count"] = 2 * n_itl
+    assert server_itl(obs) is None  # another load's counts: not used
