@@ -210,3 +210,26 @@ def test_the_servers_own_itl_pins_the_engine_speed_when_the_client_saw_bursts():
     assert got["step_s"] == pytest.approx(TRUE["step_s"], rel=0.25)
     obs.meta["server"]["histogram_deltas"][0]["vllm:inter_token_latency_seconds_count"] = 2 * n_itl
     assert server_itl(obs) is None  # another load's counts: not used
+
+
+def test_the_api_share_is_what_the_engine_did_not_spend(tmp_path):
+    """With vLLM's queue and prefill histograms (EngineCore's stamps), the API share is the client's TTFT
+    minus the engine's part, read from the saved /metrics scrapes."""
+    obs = synthetic(Profile.from_params(TRUE), *deterministic_load())
+    f = obs.requests
+    n = len(f)
+    client = float((f["first_token_s"] - f["arrival_s"]).mean())
+
+    def prom(ttft, queue, prefill, count):
+        lines = []
+        for name, v in (("time_to_first_token", ttft), ("request_queue_time", queue),
+                        ("request_prefill_time", prefill)):
+            lines += [f'vllm:{name}_seconds_sum{{engine="0"}} {v * n}', f'vllm:{name}_seconds_count{{engine="0"}} {count}']
+        return "\n".join(lines) + "\n"
+
+    (tmp_path / "metrics_before.prom").write_text(prom(0, 0, 0, 0))
+    (tmp_path / "metrics_after.prom").write_text(prom(client - 0.004, 0.001, 0.010, n))
+    obs.path = tmp_path
+    obs.meta = {**obs.meta, "server": {"histogram_deltas": [{}]}}
+    gap, _ = api_gap(obs)
+    assert gap == pytest.approx(client - 0.011)

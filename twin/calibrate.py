@@ -686,15 +686,42 @@ def server_itl(obs: Observation) -> float | None:
     return tot / n
 
 
+ENGINE_TTFT = True
+
+
+def _histogram_deltas(obs: Observation) -> list[dict]:
+    """Per worker, the server's histogram sums and counts after minus before the load (from the saved
+    `/metrics` scrapes where they are there: they hold every histogram; else what observe.json kept)."""
+    from twin.observe import histogram_sums
+
+    kept = (obs.meta.get("server") or {}).get("histogram_deltas") or []
+    out = []
+    for j in range(len(kept)):
+        sfx = "" if j == 0 else f".{j}"
+        b, a = (obs.path / f"metrics_before{sfx}.prom", obs.path / f"metrics_after{sfx}.prom") if obs.path else (None, None)
+        if b is not None and b.is_file() and a.is_file():
+            hb, ha = histogram_sums(b.read_text()), histogram_sums(a.read_text())
+            out.append({k: ha[k] - hb.get(k, 0.0) for k in ha})
+        else:
+            out.append(kept[j])
+    return out
+
+
 def api_gap(obs: Observation) -> tuple[float, float] | None:
     """(mean client TTFT - the server's own mean TTFT, mean prompt length), from vLLM's
     `vllm:time_to_first_token_seconds` histogram before and after the load. vLLM stamps a request's arrival in
     the API server once its input is processed (vllm/v1/engine/input_processor.py) and its first token when
     the API server's output processor sees it, so the gap is what the twin's API-server terms stand for:
     receiving and parsing the HTTP request, and streaming the token back to the client. None without the data."""
-    hd = (obs.meta.get("server") or {}).get("histogram_deltas") or []
+    hd = _histogram_deltas(obs)
     n = sum(float(h.get("vllm:time_to_first_token_seconds_count", 0.0)) for h in hd)
     tot = sum(float(h.get("vllm:time_to_first_token_seconds_sum", 0.0)) for h in hd)
+    if ENGINE_TTFT and all("vllm:request_prefill_time_seconds_sum" in h for h in hd):
+        # the engine's part of TTFT: waiting in its queue, then scheduled to first token (vLLM's queue and
+        # prefill histograms, stamped in EngineCore); the rest, from the HTTP request to the engine's queue and
+        # back out to the client, is the API server's and the hand-off's
+        tot = sum(float(h.get("vllm:request_queue_time_seconds_sum", 0.0)) +
+                  float(h["vllm:request_prefill_time_seconds_sum"]) for h in hd)
     f = obs.finished
     if n < max(1, 0.95 * len(f)) or n > 1.05 * len(obs.requests) + 1:  # not this load's requests alone
         return None

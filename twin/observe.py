@@ -358,7 +358,8 @@ def _split_labels(body: str) -> list[str]:
 
 
 def histogram_sums(metrics: str, names=("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                                         "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")) -> dict:
+                                         "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                                         "vllm:request_prefill_time_seconds")) -> dict:
     """Each histogram's _sum and _count (summed over series): before/after deltas give the server's own means."""
     out: dict = {}
     for line in metrics.splitlines():
