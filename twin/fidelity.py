@@ -224,9 +224,18 @@ def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", wo
             s.stop()
     if len(summaries) == 1:
         return next(iter(summaries.values()))
-    first = next(iter(summaries.values()))
-    return {**first, "rows": [r for sm in summaries.values() for r in sm["rows"]],
-            "routers": {k: v["held_out_mean_ape_pct"] for k, v in summaries.items()}}
+    return combine(list(summaries.values()), out, list(summaries))
+
+
+def combine(parts: list[dict], out: Path, names: list[str]) -> dict:
+    """Several routers' summaries as one: every row in `out/fidelity.csv`, each router's means in fidelity.json."""
+    rows = [r for sm in parts for r in sm["rows"]]
+    summary = {**parts[0], "rows": rows, "routers": {k: {"held_out_mean_ape_pct": v["held_out_mean_ape_pct"],
+                                                        "held_out_p99_ttft_ape_pct": v["held_out_p99_ttft_ape_pct"],
+                                                        "profile": v["profile"]} for k, v in zip(names, parts)}}
+    pd.DataFrame(rows).to_csv(out / "fidelity.csv", index=False)
+    (out / "fidelity.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    return summary
 
 
 def evaluate(obs_dirs: dict[str, Path], out: Path, say: Callable[[str], None] = print, calibrate_on: str = "calibration",
