@@ -190,7 +190,7 @@ def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", wo
     summaries = {}
     try:
         for s in servers:
-            s.wait_ready()
+            s.wait_ready(timeout_s=600.0)  # two start-ups at once on a loaded 2-core machine: up to ~5 min
         say(f"{workers} worker(s) ready in {time.perf_counter() - t0:.0f} s")
         urls = [s.url for s in servers]
         import asyncio
