@@ -212,6 +212,9 @@ class LiveConfig(_Spec):
             if not slo:
                 raise ValueError("scaler twin chooses the smallest fleet meeting an SLO: give shadow.slo (ttft_s, "
                                  "tpot_s, e2e_s) or scaler.params.slo")
+        if not self.shadow.enabled and _router_needs_forecaster(self.router.name):
+            raise ValueError(f"router {self.router.name} looks ahead with the twin (it needs a forecaster): set "
+                             "shadow.enabled: true (and shadow.hardware, shadow.model, shadow.perf)")
         if self.shadow.enabled:
             from live.shadow import check_config
 
@@ -225,6 +228,15 @@ class LiveConfig(_Spec):
     def resolve_path(self, p: str) -> Path:
         path = Path(p)
         return path if path.is_absolute() else Path(self.base_dir) / path
+
+
+def _router_needs_forecaster(name: str) -> bool:
+    from twin.policy.base import resolve_router_class
+
+    try:
+        return bool(getattr(resolve_router_class(name), "needs_forecaster", False))
+    except (KeyError, LookupError):  # an unknown name gets its own line when the router is built
+        return False
 
 
 def parse_config(raw: Any, source: str = "config", base_dir: str | Path = ".") -> LiveConfig:

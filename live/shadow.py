@@ -641,6 +641,10 @@ class Shadow:
                                                       for p in self.pending],
                 "history": list(self.history)}
 
+    def instance_forecaster(self) -> "ShadowInstanceForecaster":
+        """The per-instance look-ahead a predictive router (Block) reads as `fleet.forecaster`."""
+        return ShadowInstanceForecaster(self)
+
     def fleet_forecaster(self, now: float) -> "ShadowFleetForecaster":
         """A forecaster over the last window, for a scaler decision (its simulations run where it is called)."""
         n, engine = self.fleet_size_and_engine()
@@ -683,3 +687,83 @@ class ShadowFleetForecaster:
         att = attainment_job(job)
         self._cache[key] = att
         return att
+
+
+class ShadowInstanceForecaster:
+    """Block's `fleet.forecaster` on the live side: `forecast(instance_id, extra_request, horizon_s, until)`, as
+    `twin.forecaster.SimForecaster` answers it in the simulator, from what the controller knows of the worker.
+
+    The simulator forks the instance's exact engine; the controller cannot see a worker's batch, so it rebuilds
+    one from the mirror: the requests in flight on that worker (`with_in_flight`: the same ASSUMPTIONS as the
+    shadow runs: re-prefilled, expected output the client's cap or the recent mean, less what was streamed at
+    the recent median TPOT), plus the new request, on one twin instance with the worker's engine settings and
+    `shadow.perf`. Synchronous: a decision pays one small simulation per candidate (the router's
+    `max_candidates` bounds it); `calls` counts them.
+    """
+
+    def __init__(self, shadow: "Shadow") -> None:
+        self.shadow = shadow
+        self.calls = 0
+        self._scenarios: dict[tuple, Any] = {}
+
+    def _scenario(self, engine: dict, horizon_s: float) -> Any:
+        key = (tuple(sorted(engine.items())), round(horizon_s, 3))
+        sc = self._scenarios.get(key)
+        if sc is None:
+            cfg = self.shadow.ctl.cfg
+            # one instance, no routing to do: round-robin, never the predictive router itself (no recursion)
+            one = cfg.model_copy(update={"router": cfg.router.model_copy(update={"name": "round-robin",
+                                                                                 "params": {}})})
+            sc = shadow_scenario(one, 1, engine, "block-forecast", self.shadow.api)
+            sc = sc.model_copy(update={"sim": sc.sim.model_copy(update={"max_sim_time_s": horizon_s})})
+            self._scenarios[key] = sc
+        return sc
+
+    def forecast(self, instance_id: str, extra_request: Any = None, horizon_s: float | None = None,
+                 until: str = "finish") -> Any:
+        from twin.cluster import Cluster
+        from twin.policy.views import Forecast
+
+        self.calls += 1
+        sh = self.shadow
+        now = time.monotonic()
+        horizon = float(horizon_s if horizon_s is not None else 60.0)
+        worker = sh.ctl.registry.get(instance_id)
+        engine = base_engine(sh.ctl.cfg, worker.config) if worker is not None else sh.fleet_size_and_engine()[1]
+        recent = sh.mirror.window(now - sh.window_s, now)
+        base = sh.load_model.next_window(recent, now - sh.window_s, sh.window_s)
+        base.tpot_s = realised_metrics(recent)["tpot_p50"]
+        running = [r for r in sh.mirror.records if r.worker == instance_id and r.arrival < now and not r.done]
+        load = with_in_flight(base, running, now, sh.spec.max_requests)
+        keep = np.arange(load.carried)  # only what is on this worker now; the window's arrivals are not
+        offsets, prompts, outs, hashes = load.part(keep)
+        if extra_request is not None:
+            window_outs = [int(x) for x in base.output_tokens] or [16]
+            mean_out = max(1, round(sum(window_outs) / len(window_outs)))
+            expect = extra_request.predicted_output_tokens or extra_request.max_tokens or mean_out
+            if extra_request.max_tokens:
+                expect = min(int(expect), int(extra_request.max_tokens))
+            offsets = np.append(offsets, 0.0)
+            prompts = np.append(prompts, max(1, int(extra_request.num_prompt_tokens)))
+            outs = np.append(outs, max(1, int(expect)))
+            prefix = list(extra_request.prefix or ()) or None
+            if hashes is not None or prefix is not None:
+                hashes = (hashes if hashes is not None else [None] * (len(offsets) - 1)) + [prefix]
+        if len(offsets) == 0:
+            return Forecast(instance_id, drain_s=0.0)
+        block = load.hash_block_size if running else int(getattr(extra_request, "prefix_block_size", 0) or 16)
+        one = WindowLoad(offsets, prompts.astype(np.int64), outs.astype(np.int64), horizon, hashes, block,
+                         carried=len(offsets))
+        res = Cluster(self._scenario(engine, horizon), one.to_stream()).run()
+        log = res.log
+        ttft = e2e = None
+        x = len(offsets) - 1
+        if extra_request is not None:
+            ft, fin = float(log.first_token_s[x]), float(log.finish_s[x])
+            ttft = ft - float(log.arrival_s[x]) if np.isfinite(ft) and ft >= 0 else None
+            e2e = fin - float(log.arrival_s[x]) if np.isfinite(fin) and fin >= 0 and log.status[x] == 4 else None
+        done = log.status == 4
+        drain = float(np.max(log.finish_s[done])) if done.all() and len(done) else None
+        want = {"first_token": ttft, "finish": e2e, "drain": drain}.get(until, e2e)
+        return Forecast(instance_id, ttft_s=ttft, e2e_s=e2e, drain_s=drain, censored=want is None,
+                        steps=int(getattr(res, "num_steps", 0) or 0))

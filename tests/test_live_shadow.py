@@ -283,3 +283,50 @@ def test_twin_scaler_decides_from_shadow_forecasts():
     assert last["attainment"][1] < 0.9  # one worker: the forecast misses the SLO
     idle, last_idle = asyncio.run(decide(3))
     assert idle.is_noop and last_idle["attainment"][1] >= 0.9
+
+
+def test_block_runs_live_on_the_shadow_twins_per_instance_forecasts():
+    """`router: {name: block}` needs a forecaster: with shadow on, the controller gives it one built from the
+    mirror (what is in flight on each worker), so the twin's Block router runs live unchanged. A worker with a
+    backlog forecasts a later finish than an idle one, and Block sends the next request to the idle one."""
+
+    async def main():
+        ws = await fakes()
+        for w in ws:
+            w.delay = 0.05
+        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}
+        async with proxy(ws, None, shadow=shadow, router={"name": "block", "scrape_interval_s": 0.05,
+                                                          "params": {"objective": "e2e"}}) as (ctl, url, c):
+            fc = ctl.registry.fleet.forecaster
+            assert fc is not None and ctl.router_name == "block"
+            for i in range(4):
+                async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": f"hi {i}",
+                                                                 "max_tokens": 5}) as r:
+                    assert r.status == 200
+                    await r.read()
+            calls = fc.calls
+            # a backlog on w0 (mirrored as in flight), none on w1: w0 forecasts later, Block picks w1
+            from twin.policy.views import RequestView
+
+            for k in range(30):  # within the fake workers' 64-token context
+                ctl.shadow.mirror.arrived(RequestView(f"busy{k}", time.monotonic(), 40, 20, (), 16), "w0",
+                                          time.monotonic())
+            extra = RequestView("probe", time.monotonic(), 30, 20, (), 16)
+            busy, idle = fc.forecast("w0", extra, 60.0, "finish"), fc.forecast("w1", extra, 60.0, "finish")
+            async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": "next", "max_tokens": 5}) as r:
+                assert r.status == 200
+                body = await r.json()
+        for w in ws:
+            await w.stop()
+        return calls, busy, idle, body, [len(w.received) for w in ws]
+
+    calls, busy, idle, body, received = asyncio.run(main())
+    assert calls >= 4 * 2  # every decision forecast both candidates
+    assert idle.e2e_s is not None and busy.e2e_s is not None and busy.e2e_s > idle.e2e_s > 0
+    assert not busy.censored and busy.drain_s >= busy.e2e_s
+    assert body["worker"] == "w1" and sum(received) == 5
+
+
+def test_block_without_shadow_is_one_config_line():
+    with pytest.raises(TwinInputError, match="router block looks ahead with the twin.*shadow.enabled: true"):
+        parse_config({"workers": [{"url": "http://x:1"}], "router": {"name": "block"}})

@@ -4,7 +4,8 @@ After Block (Da & Kalyvianaki, "Block: Balancing Load in LLM Serving with Contex
 Predictive Scheduling", 2025): predict each request's output length from its prompt, simulate how each
 instance's current batch plus the new request would run, and send the request where the predicted latency
 is lowest. The simulation is the world's `Forecaster` (the twin's own engine, forked): this policy imports
-no engine code, so the live controller runs it unchanged with a forecaster built from its bookkeeping.
+no engine code, so the live controller runs it unchanged with a forecaster built from its mirror of what
+is in flight on each worker (`live.shadow.ShadowInstanceForecaster`, shadow mode on).
 
 Objectives: `ttft` (the new request's first token), `e2e` (its completion), `makespan` (until the instance
 would be idle). A candidate whose forecast hits the horizon first scores as infinitely late; ties go to
