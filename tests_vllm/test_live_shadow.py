@@ -94,3 +94,29 @@ def test_shadow_forecasts_and_scores_itself_on_real_workers(two_workers):
     print(f"\nshadow: {sent} requests, {int(next(iter(runs.values())))} runs; last scored window: "
           + ", ".join(f"{k} forecast {last['forecast'][k]:.4f} s realised {last['realised'][k]:.4f} s"
                       for k in last["error_ratio"]))
+
+
+def test_block_routes_real_workers_on_shadow_forecasts(two_workers):
+    """The twin's Block router, by name, in front of real workers: every decision forecasts each candidate on
+    the shadow twin (what is in flight on it, plus the request), and every request is answered."""
+    cfg = static_config(two_workers, router={"name": "block", "scrape_interval_s": 0.1, "params": {"objective": "e2e"}},
+                        shadow={"enabled": True, "interval_s": 30.0, "hardware": "CPU-2core-AVX512",
+                                "model": "tiny-llama", "engine": {"async_scheduling": False}})
+    rc = run_controller(cfg)
+    try:
+        def one(i: int) -> int:
+            body = {"model": SERVED, "prompt": f"block request {i} " + "tok " * (8 + 5 * (i % 4)), "max_tokens": 12}
+            with httpx.Client(timeout=120) as c:
+                return c.post(rc.url + "/v1/completions", json=body).status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            statuses = list(pool.map(one, range(12)))
+        ctl = rc.ctl
+        calls = ctl.registry.fleet.forecaster.calls
+        served = {w: ctl.bookkeeping.load(w).dispatched_total for w in ("w0", "w1")}
+        name = ctl.router_name
+    finally:
+        rc.stop()
+    assert name == "block" and statuses == [200] * 12
+    assert calls >= 12 * 2  # both candidates forecast for every decision
+    assert sum(served.values()) == 12
