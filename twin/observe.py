@@ -612,20 +612,10 @@ def counter(metrics: str, name: str) -> float:
 
 
 def machine() -> dict:
-    """The host the observation ran on, for the report (CPU model, cores, load average)."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = (float("nan"),) * 3
-    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg": [round(x, 2) for x in load]}
+    """The host the observation ran on, for the report (CPU model, cores, memory, load average)."""
+    from twin.machine import machine as host
+
+    return host()
 
 
 def write(obs: Observed, out: str | Path) -> Path:
