@@ -93,9 +93,6 @@ class Controller:
             prepare_scaler_slo(self.scaler, cfg)
         if self.shadow is not None and getattr(self.router, "needs_forecaster", False):
             self.registry.fleet.forecaster = self.shadow.instance_forecaster()  # Block's look-ahead, live
-        # unary answers are parsed for their output tokens (a few microseconds): the recent-window signals the
-        # scalers read count a completion only with its tokens, and on_finish hooks and the shadow twin take them
-        self.wants_output_tokens = True
         # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it
         self.signals = RecentWindow()
         self.registry.fleet.signals = self.signals

@@ -287,8 +287,8 @@ class Proxy:
                 if status >= 500:
                     raise _Retryable(f"{w.id} answered {status}: {data[:200].decode(errors='replace')}")
                 ctl.first_token(req, w.id, time.monotonic())
-                if ctl.wants_output_tokens and status == 200:
-                    try:
+                if status == 200:  # its output tokens (a few microseconds): the scalers' recent-window signals
+                    try:  # count a completion only with its tokens; on_finish hooks and the shadow twin take them
                         out_tokens = int(json.loads(data).get("usage", {}).get("completion_tokens", 0))
                     except (ValueError, AttributeError, TypeError):
                         pass
