@@ -6,20 +6,11 @@ are twin.observe.VllmServer processes: each in its own process group, hermetic e
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / ".cache" / "tiny-llama"
-
-
-def build_model() -> Path:
-    spec = importlib.util.spec_from_file_location("build_tiny_model", ROOT / "scripts" / "build_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.build(MODEL_DIR)
+from live_workers import build_model  # the one tiny-model builder (.cache/tiny-llama), shared with the live tests
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,21 +134,12 @@ def start_worker(wid: str, model: Path, core: str | None, cache_root: str, log_d
 
 
 def wait_ready(w: RealWorker, timeout_s: float = 240.0) -> None:
-    """/health, then one tiny completion (a broken engine answers 200 on /health)."""
-    deadline = time.monotonic() + timeout_s
-    body = json.dumps({"model": SERVED, "prompt": "hi", "max_tokens": 1}).encode()
-    while time.monotonic() < deadline:
-        if not w.alive():
-            raise RuntimeError(f"worker {w.id} exited:\n{w.log_path.read_text()[-3000:]}")
-        try:
-            req = urllib.request.Request(w.url + "/v1/completions", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"worker {w.id} not ready in {timeout_s:.0f} s:\n{w.log_path.read_text()[-3000:]}")
+    """One tiny completion must succeed (a broken engine answers 200 on /health)."""
+    from twin.observe import wait_serving
+
+    if not wait_serving(w.url, {"model": SERVED, "prompt": "hi", "max_tokens": 1}, w.alive, w.log_path, timeout_s,
+                        f"worker {w.id}"):
+        raise RuntimeError(f"worker {w.id} not ready in {timeout_s:.0f} s:\n{w.log_path.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")

@@ -33,13 +33,8 @@ def run_vllm_async(wl, model_dir, max_steps=20000):
     sched = AsyncScheduler(vllm_config=vcfg, kv_cache_config=sync.kv_cache_config,
                            structured_output_manager=StructuredOutputManager(vcfg), block_size=wl.block_size,
                            log_stats=True)
-    byst = {}
-    foll = {}
-    for r in wl.requests:
-        if r.after >= 0:
-            foll.setdefault(r.after, []).append(r)
-        else:
-            byst.setdefault(r.arrival_step, []).append(r)
+    arrivals = P.Arrivals(wl)  # its maps only: async drivers time followers their own way
+    byst, foll = arrivals.by_step, arrivals.followers
     plan = {r.rid: r for r in wl.requests}
     live = {}
     tr = P.Trace()
@@ -113,13 +108,8 @@ def run_twin_async(wl, max_steps=20000):
                           long_prefill_token_threshold=wl.long_prefill_token_threshold, async_scheduling=True)
     log = RequestLog(len(wl.requests))
     sched = Scheduler(cfg, pool, UnitSteps(), log)
-    byst = {}
-    foll = {}
-    for r in wl.requests:
-        if r.after >= 0:
-            foll.setdefault(r.after, []).append(r)
-        else:
-            byst.setdefault(r.arrival_step, []).append(r)
+    arrivals = P.Arrivals(wl)  # its maps only: async drivers time followers their own way
+    byst, foll = arrivals.by_step, arrivals.followers
     tr = P.Trace()
     seen = set()
     step = 0

@@ -238,6 +238,25 @@ class EngineArgs:
         return f
 
 
+def wait_serving(url: str, body: dict, alive, log_path: Path, timeout_s: float, what: str) -> bool:
+    """Poll `url` with one tiny completion (`body`) until it answers 200 (True) or `timeout_s` passes (False);
+    raises, with the log's tail, if the process (`alive()`) exits first. Shared with the test fixtures."""
+    deadline = time.monotonic() + timeout_s
+    data = json.dumps(body).encode()
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"{what} exited:\n{log_path.read_text(errors='replace')[-3000:]}")
+        try:
+            req = urllib.request.Request(url + "/v1/completions", data, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1.0)
+    return False
+
+
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` in its own process group (signalled as a group)."""
 
@@ -267,21 +286,10 @@ class VllmServer:
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:
         """/health is not enough (a broken engine answers 200): one tiny completion must succeed."""
-        deadline = time.monotonic() + timeout_s
-        body = json.dumps({"model": self.served, "prompt": [FIRST_TOKEN_ID + 1], "max_tokens": 1}).encode()
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"vLLM server exited:\n{self.log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=10) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(f"vLLM server not ready in {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
+        if not wait_serving(self.url, {"model": self.served, "prompt": [FIRST_TOKEN_ID + 1], "max_tokens": 1},
+                            self.alive, self.log_path, timeout_s, "vLLM server"):
+            self.stop()
+            raise RuntimeError(f"vLLM server not ready in {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the group (API server, EngineCore, worker), then SIGKILL if it lingers."""
