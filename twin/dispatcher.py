@@ -1,9 +1,13 @@
 """The simulator's side of the policy seam: views, bookkeeping, prefix index, KV-event delivery, hooks.
 
 It mirrors the live proxy (`live/`): the router sees `RequestView`s and `InstanceView`s built here, never
-engine objects. Gauges are sampled every `scrape_interval_s` (0 = exact at each decision), bookkeeping is
-updated at dispatch, first token and finish, and KV events reach a precise index `kv_event_delay_s` after
-the block pool emits them.
+engine objects. Gauges are as of the last scrape, every `scrape_interval_s` (0 = exact at each decision),
+bookkeeping is updated at dispatch, first token and finish, and KV events reach a precise index
+`kv_event_delay_s` after the block pool emits them.
+
+No process scrapes: the views are brought to the last tick when a decision reads them, from the values each
+instance kept at that tick (`twin.engine.instance.ScrapeClock`). A fleet polled every 50 ms over hours of
+simulated time costs nothing between decisions.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import simpy
 
+from twin.engine.instance import ScrapeClock
 from twin.policy.base import has_hook
 from twin.policy.bookkeeping import Bookkeeping
 from twin.policy.kv_events import KVEvent
@@ -113,10 +118,14 @@ class Dispatcher:
         self._hook_first = has_hook(router, "on_first_token")
         self._hook_finish = has_hook(router, "on_finish")
         self.inflight: dict[int, list] = {}  # engine idx -> [view, instance id, first token time]
-        self.scrapes = 0
+        self.explicit_scrapes = 0  # scrapes asked for outside the poller's ticks (the scaler's, exact mode)
         self.last_finished: RequestView | None = None  # the view of the request `finished` was last told of
+        self.clock: ScrapeClock | None = None
+        self._views_tick = env.now  # the tick the views were last brought to (they start fresh now)
         if scrape_interval_s > 0:
-            env.process(self._scraper())
+            self.clock = ScrapeClock(env.now, scrape_interval_s)
+            for inst in self.instances:
+                inst.scrape_clock = self.clock
 
     # -- views ---------------------------------------------------------------------------------------
     def _new_view(self, inst: Any) -> InstanceView:
@@ -135,9 +144,15 @@ class Dispatcher:
         self.fleet.all_instances = views
         self.fleet.instances = [v for v in views if v.state == "serving"]
 
+    @property
+    def scrapes(self) -> int:
+        """Scrapes made so far: the poller's ticks through now plus the explicit ones."""
+        ticks = self.clock.ticks_through(self.env.now) if self.clock is not None else 0
+        return ticks + self.explicit_scrapes
+
     def scrape(self) -> None:
         """Sample every instance's gauges now (what a /metrics scrape returns)."""
-        self.scrapes += 1
+        self.explicit_scrapes += 1
         views = self.views
         for inst in self.instances:
             v = views[inst.id]
@@ -145,7 +160,31 @@ class Dispatcher:
                 views[inst.id] = v = InstanceView(inst.id, inst.state, v.gauges, v.config, v._load,
                                                   getattr(inst, "serving_since", 0.0))
             v.gauges = self._gauges(inst)
+        if self.clock is not None:
+            self._views_tick = self.clock.last_tick(self.env.now)
         self._refresh_lists()
+
+    def _bring_to_tick(self) -> None:
+        """The views as the poller's last scrape left them: each instance's gauges as of that tick."""
+        clock = self.clock
+        assert clock is not None
+        tick = clock.last_tick(self.env.now)
+        if tick <= self._views_tick:
+            return  # nothing scraped since the views were last brought up to date
+        self._views_tick = tick
+        views = self.views
+        replaced = False
+        for inst in self.instances:
+            v = views[inst.id]
+            if v.state != inst.state:
+                views[inst.id] = v = InstanceView(inst.id, inst.state, v.gauges, v.config, v._load,
+                                                  getattr(inst, "serving_since", 0.0))
+                replaced = True
+            if v.gauges.as_of < tick:
+                running, waiting, kv = inst.gauges_at(tick)
+                v.gauges = Gauges(running, waiting, kv, tick)
+        if replaced:
+            self._refresh_lists()
 
     def lifecycle_changed(self) -> None:
         """An instance was added or changed state: views follow at once (the registry knows)."""
@@ -165,20 +204,16 @@ class Dispatcher:
         self.by_id[inst.id] = inst
         if self.bus is not None:
             inst.pool.event_sink = self.bus.sink_for(inst.id)
+        inst.scrape_clock = self.clock
         self.lifecycle_changed()
-
-    def _scraper(self):
-        env = self.env
-        dt = self.scrape_interval_s
-        while True:
-            self.scrape()
-            yield env.timeout(dt)
 
     # -- a decision ----------------------------------------------------------------------------------
     def route(self, req: RequestView) -> str | Reject:
         """Ask the router. Exceptions become a RouterError (default) or a rejection (`on_error: reject`)."""
-        if self.scrape_interval_s <= 0:
+        if self.clock is None:
             self.scrape()
+        else:
+            self._bring_to_tick()
         fleet = self.fleet
         fleet.now = self.env.now
         try:

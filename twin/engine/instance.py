@@ -81,6 +81,39 @@ def num_gpu_blocks(cfg: EngineConfig, device_memory_bytes: float, weight_bytes_p
     return n
 
 
+class ScrapeClock:
+    """When a `/metrics` poller every `interval_s` scrapes (start + k x interval_s), computed on demand.
+
+    The gauges a router reads are as old as the last tick. No SimPy process ticks: an instance keeps its
+    gauges as of a tick only when it is about to change after that tick (`Instance.touch`), and the
+    dispatcher reads them when a decision needs them, so cost grows with events, not with simulated time.
+    A scrape at tick T sees the state before any event at T."""
+
+    def __init__(self, start: float, interval_s: float) -> None:
+        self.start = start
+        self.interval_s = interval_s
+        self.k = 0  # the last tick asked for, so the search below starts near the answer
+
+    def last_tick(self, now: float) -> float:
+        """The latest tick at or before `now`."""
+        dt = self.interval_s
+        start = self.start
+        k = self.k
+        if start + (k + 1) * dt <= now:
+            k = max(k, int((now - start) / dt) - 1)
+            while start + (k + 1) * dt <= now:
+                k += 1
+        while k > 0 and start + k * dt > now:
+            k -= 1
+        self.k = k
+        return start + k * dt
+
+    def ticks_through(self, now: float) -> int:
+        """How many scrapes a poller would have made from `start` through `now`."""
+        self.last_tick(now)
+        return self.k + 1
+
+
 class Instance:
     """A vLLM engine as a SimPy process. Also the simulator's `InstanceView` for routers."""
 
@@ -112,6 +145,11 @@ class Instance:
         self.state = "serving"  # starting | serving | draining | stopped: the fleet's lifecycle
         self.serving_since = env.now
         self.num_wakeups = 0  # times the step loop resumed: what simulation cost grows with
+        # stale gauges without a scrape process: the dispatcher sets the clock; `touch` keeps the gauges
+        # as of the last tick before the first change after it
+        self.scrape_clock: ScrapeClock | None = None
+        self._snap_t = -math.inf
+        self._snap: tuple[int, int, float] = (0, 0, 0.0)
         self.process = env.process(self.run())
 
     # -- the step loop -------------------------------------------------------------------------------
@@ -124,6 +162,7 @@ class Instance:
             if not sched.has_unfinished_requests():
                 self._wakeup = env.event()
                 yield self._wakeup
+                self.touch()
                 self._wakeup = None
                 continue
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
@@ -140,6 +179,7 @@ class Instance:
                 except simpy.Interrupt:
                     # an arrival: the step in progress completes, then the scheduler sees the newcomer
                     j = min(bisect_left(ends, env.now) + 1, k)
+                self.touch()
                 self._interruptible = False
                 self._run = None
                 self.pending_run = None
@@ -147,6 +187,7 @@ class Instance:
                 if env.now < ends[j - 1]:
                     self.pending_tail = (j, durations, ends, env.now)
                     yield env.timeout(ends[j - 1] - env.now)
+                    self.touch()
                     self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
                 continue
@@ -158,6 +199,7 @@ class Instance:
             dt = self.perf.step_time(out.batch())
             self.pending_step = (out, env.now + dt)
             yield env.timeout(dt)
+            self.touch()
             self.pending_step = None
             sched.update_from_output(out, env.now)
 
@@ -174,6 +216,7 @@ class Instance:
                 if not sched.inbox:
                     self._wakeup = env.event()
                     yield self._wakeup
+                    self.touch()
                     self._wakeup = None
                 sched.wake(env.now)
             sched.admit_inbox()
@@ -191,6 +234,7 @@ class Instance:
                 except simpy.Interrupt:
                     # an arrival during step s: step s+1 was decided before it, so it sees it at s+2
                     j = min(bisect_left(ends, env.now) + 2, k)
+                self.touch()
                 self._interruptible = False
                 self._run = None
                 self.pending_run = None
@@ -198,6 +242,7 @@ class Instance:
                 if env.now < ends[j - 1]:
                     self.pending_tail = (j, durations, ends, env.now)
                     yield env.timeout(ends[j - 1] - env.now)
+                    self.touch()
                     self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
                 continue
@@ -213,11 +258,13 @@ class Instance:
             dt = sched.step_duration(out)
             self.pending_step = (out, env.now + dt)
             yield env.timeout(dt)
+            self.touch()
             self.pending_step = None
             sched.update_from_output(out, env.now)
 
     def add_request(self, r: Request) -> None:
         """Dispatch: the request joins the waiting queue; a sleeping or fast-forwarding engine is woken."""
+        self.touch()
         self.num_dispatched += 1
         self.log.instance[r.idx] = self.index
         self.scheduler.add_request(r, self.env.now)
@@ -242,16 +289,38 @@ class Instance:
 
     @property
     def free_blocks(self) -> int:
+        return self.free_blocks_at(self.env.now)
+
+    def free_blocks_at(self, t: float) -> int:
+        """Free blocks at time t, no change since: the decode run in progress took a block per step started."""
         free = self.pool.get_num_free_blocks()
         if self._run is not None:  # blocks taken by the decode steps of the run started so far
             ends = self._run
-            started = min(bisect_right(ends, self.env.now) + 1, len(ends))
+            started = min(bisect_right(ends, t) + 1, len(ends))
             free -= self.scheduler.decode_blocks_needed(started)
         return free
 
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.free_blocks / self.pool.num_usable_blocks
+
+    def touch(self) -> None:
+        """About to change what the gauges read: keep them as of the last scrape tick, if not kept yet."""
+        c = self.scrape_clock
+        if c is None:
+            return
+        t = c.last_tick(self.env.now)
+        if t > self._snap_t:
+            self._snap_t = t
+            self._snap = (len(self._running), len(self._waiting) + len(self.scheduler.inbox),
+                          1.0 - self.free_blocks_at(t) / self.pool.num_usable_blocks)
+
+    def gauges_at(self, tick: float) -> tuple[int, int, float]:
+        """(running, waiting, KV use) as a scrape at `tick` (the last tick, or later with no change) saw them."""
+        if self._snap_t == tick:
+            return self._snap
+        return (len(self._running), len(self._waiting) + len(self.scheduler.inbox),
+                1.0 - self.free_blocks_at(tick) / self.pool.num_usable_blocks)
 
     @property
     def inflight_prefill_tokens(self) -> int:
