@@ -328,3 +328,57 @@ def test_the_differential_workloads_run_identically_on_the_range_pool(name, seed
     assert not ref.error and not seg.error
     assert seg.steps == ref.steps
     assert seg.cached == ref.cached and seg.first_token == ref.first_token and seg.finish == ref.finish
+
+
+def _random_id_paths(rng, n: int) -> list[list[int]]:
+    """Prompts as trace-id paths: continuations of earlier prompts (turns), branches from them, fresh ones."""
+    paths: list[list[int]] = []
+    nxt = 1000
+    for _ in range(n):
+        u = rng.random()
+        if paths and u < 0.5:  # a later turn: an earlier prompt plus new ids
+            base = list(paths[rng.randrange(len(paths))])
+        elif paths and u < 0.8:  # a branch: a prefix of an earlier prompt plus new ids
+            p = paths[rng.randrange(len(paths))]
+            base = list(p[:rng.randrange(1, len(p) + 1)])
+        else:
+            base = [0]  # a shared system prompt
+        for _ in range(rng.randrange(1, 5)):
+            base.append(nxt)
+            nxt += 1
+        paths.append(base)
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_key_bases_keep_which_blocks_are_equal(seed):
+    """Continued keys name the same blocks as chain + j: two blocks' keys are equal with bases iff without."""
+    from twin.engine.request import KeyBases
+
+    rng = random.Random(seed)
+    paths = _random_id_paths(rng, 60)
+    kb = KeyBases()
+    old = [engine_block_keys(p, 64, 16, len(p) * 64) for p in paths]
+    new = [engine_block_keys(p, 64, 16, len(p) * 64, kb) for p in paths]
+    first_old: dict[int, tuple[int, int]] = {}
+    first_new: dict[int, tuple[int, int]] = {}
+    for i, (ko, kn) in enumerate(zip(old, new)):
+        assert len(ko) == len(kn)
+        for j, (a, b) in enumerate(zip(ko, kn)):
+            # the first (request, block) that had each key: equal keys must map to the same first owner
+            assert first_old.setdefault(a, (i, j)) == first_new.setdefault(b, (i, j))
+
+
+def test_key_bases_make_a_conversation_one_run():
+    """A later turn continuing the previous prompt (and a fresh prompt's own part) is one run, not one per id."""
+    from twin.engine.request import KeyBases
+
+    kb = KeyBases()
+    turn1 = engine_block_runs([0, 1, 2, 3], 512, 16, 4 * 512, kb)
+    turn2 = engine_block_runs([0, 1, 2, 3, 4, 5], 512, 16, 6 * 512, kb)
+    other = engine_block_runs([0, 7, 8], 512, 16, 3 * 512, kb)  # a branch after the shared first id
+    assert len(turn1.runs) == 1 and len(turn2.runs) == 1 and list(turn2)[:len(turn1)] == list(turn1)
+    assert len(other.runs) == 2 and list(other)[:32] == list(turn1)[:32]
+    assert set(list(other)[32:]).isdisjoint(list(turn2))
+    # without bases every 512-token id is its own run
+    assert len(engine_block_runs([0, 1, 2, 3, 4, 5], 512, 16, 6 * 512).runs) == 6

@@ -82,13 +82,51 @@ def _chain(hash_ids) -> list[int]:
     return chain
 
 
-def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_tokens: int) -> list[int]:
+class KeyBases:
+    """Where each trace block's engine-block keys start, so a prompt that continues a prefix continues its keys.
+
+    Engine block j inside trace block t is keyed base(t) + j. A trace block takes its parent's base when it is
+    the first continuation of that parent seen in the run; a later, different continuation (a branch) starts
+    at its own chained id. Each base thus names one path of trace blocks, so keys of different prefixes never
+    collide (as with chain + j), while a prompt's unshared part and a conversation's later turns are one
+    contiguous key range: one run and one pool range instead of one per 512-token trace block.
+    """
+
+    __slots__ = ("base", "continued")
+
+    def __init__(self) -> None:
+        self.base: dict[int, int] = {}
+        self.continued: set[int] = set()  # parents whose base a child has taken
+
+    def of(self, chain: list[int]) -> list[int]:
+        base = self.base
+        out = []
+        prev = 0
+        first = True
+        for c in chain:
+            b = base.get(c)
+            if b is None:
+                if not first and prev not in self.continued:
+                    self.continued.add(prev)
+                    b = base[prev]
+                else:
+                    b = c
+                base[c] = b
+            out.append(b)
+            prev = c
+            first = False
+        return out
+
+
+def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_tokens: int,
+                      bases: KeyBases | None = None) -> list[int]:
     """Engine-block hashes from trace-level prefix ids (e.g. Mooncake's 512-token `hash_ids`).
 
     Block j of the engine covers tokens [j*bs, (j+1)*bs); its identity is the chained id of every trace
     block up to the one holding its last token, plus j (key = chain + j, so consecutive blocks of one trace
     block differ by 1 and `BlockKeys.from_keys` can regroup them). Only blocks that are full within the
-    `num_tokens` the ids describe get a key, as vLLM hashes only full blocks. The per-block reference of
+    `num_tokens` the ids describe get a key, as vLLM hashes only full blocks. With `bases` (one `KeyBases`
+    per run) the key is base + j instead, so continuations share a run. The per-block reference of
     `engine_block_runs`.
     """
     if not hash_ids:
@@ -96,11 +134,13 @@ def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_token
     if hash_block_size == block_size:
         covered = min(len(hash_ids) * hash_block_size, num_tokens)
         return _chain(hash_ids)[:covered // block_size]
-    return list(engine_block_runs(hash_ids, hash_block_size, block_size, num_tokens))
+    return list(engine_block_runs(hash_ids, hash_block_size, block_size, num_tokens, bases))
 
 
-def engine_block_runs(hash_ids, hash_block_size: int, block_size: int, num_tokens: int) -> "BlockKeys":
-    """`engine_block_keys` as runs, O(trace blocks): one (chain id, first block, count) per trace block."""
+def engine_block_runs(hash_ids, hash_block_size: int, block_size: int, num_tokens: int,
+                      bases: KeyBases | None = None) -> "BlockKeys":
+    """`engine_block_keys` as runs, O(trace blocks): one (chain id, first block, count) per trace block, or with
+    `bases` one per path of continued trace blocks (a conversation's turns: usually one or two)."""
     covered = min(len(hash_ids) * hash_block_size, num_tokens) if hash_ids else 0
     n_full = covered // block_size
     if n_full == 0:
@@ -108,13 +148,20 @@ def engine_block_runs(hash_ids, hash_block_size: int, block_size: int, num_token
     chain = _chain(hash_ids)
     if hash_block_size == block_size:  # one block per id: key = chain id, as `engine_block_keys`
         return BlockKeys.from_keys(chain[:n_full])
+    if bases is not None:
+        chain = bases.of(chain)
     runs: list[tuple[int, int, int]] = []
     j = 0
     while j < n_full:
         t = ((j + 1) * block_size - 1) // hash_block_size
         # the last block whose last token lies in trace block t
         end = min(((t + 1) * hash_block_size) // block_size, n_full)
-        runs.append((chain[t], j, end - j))
+        c = chain[t]
+        if runs and runs[-1][0] == c:  # the same base continues: one run
+            last = runs[-1]
+            runs[-1] = (c, last[1], last[2] + end - j)
+        else:
+            runs.append((c, j, end - j))
         j = end
     return BlockKeys(runs, n_full)
 
