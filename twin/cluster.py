@@ -15,7 +15,7 @@ import simpy
 
 from twin.engine.defaults import resolve_batch_limits
 from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
-from twin.engine.request import BlockKeys, KeyBases, Request, RequestStatus, engine_block_keys, engine_block_runs
+from twin.engine.request import BlockKeys, Request, RequestStatus, engine_block_keys, engine_block_runs
 from twin.hardware import get_gpu
 from twin.models import get_model
 from twin.dispatcher import Dispatcher, RouterError
@@ -124,7 +124,10 @@ class Cluster:
 
             self.dispatcher.fleet.forecaster = SimForecaster(self)
         self.in_transit: dict[str, dict[int, tuple[Request, float]]] = {}  # routed, not yet in the engine
-        self.key_bases = KeyBases()  # trace-block continuations share key ranges (twin.engine.request)
+        # trace ids naming several engine blocks: continued prefixes share key ranges (twin.engine.request.KeyBases)
+        self.trace_runs: list | None = None
+        if stream.hash_ids is not None and stream.hash_block_size != self.engine_config.block_size:
+            self.trace_runs = stream.key_runs()
         self.num_arrived = 0
         self._next_turn: np.ndarray | None = None
         if stream.after is not None:
@@ -190,10 +193,11 @@ class Cluster:
         if s.hash_ids is not None and s.hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
             covered = p + o if s.hashes_cover_output else p
             bs = self.engine_config.block_size
-            if self.segmented:  # runs, O(trace blocks): the range pool works on them
-                keys = engine_block_runs(s.hash_ids[i], s.hash_block_size, bs, covered, self.key_bases)
+            tr = self.trace_runs[i] if self.trace_runs is not None else None
+            if self.segmented:  # runs, O(runs): the range pool works on them
+                keys = engine_block_runs(s.hash_ids[i], s.hash_block_size, bs, covered, None, tr)
             else:
-                keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, bs, covered, self.key_bases)
+                keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, bs, covered, None, tr)
         sid = -1 if s.session_id is None else int(s.session_id[i])
         cap = self.max_tokens_cap
         return Request(i, float(s.arrival_s[i]), p, o if cap is None else min(o, cap), keys, sid)

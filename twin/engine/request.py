@@ -98,28 +98,42 @@ class KeyBases:
         self.base: dict[int, int] = {}
         self.continued: set[int] = set()  # parents whose base a child has taken
 
-    def of(self, chain: list[int]) -> list[int]:
+    def runs_of(self, hash_ids) -> list[tuple[int, int, int]]:
+        """A request's trace blocks as (base, first trace block, count): blocks on one base form one run."""
         base = self.base
-        out = []
+        cont = self.continued
+        runs: list[tuple[int, int, int]] = []
+        h = 0x5EED
         prev = 0
-        first = True
-        for c in chain:
-            b = base.get(c)
+        cur_b = 0
+        cur_t0 = 0
+        t = 0
+        for hid in hash_ids:
+            h = hash((h, hid))  # chained, as `_chain`: equal values mean equal prefixes
+            b = base.get(h)
             if b is None:
-                if not first and prev not in self.continued:
-                    self.continued.add(prev)
-                    b = base[prev]
+                if t > 0 and prev not in cont:  # the first continuation of its parent takes its keys on
+                    cont.add(prev)
+                    b = cur_b
                 else:
-                    b = c
-                base[c] = b
-            out.append(b)
-            prev = c
-            first = False
-        return out
+                    b = h
+                base[h] = b
+            if t == 0:
+                cur_b = b
+            elif b != cur_b:
+                runs.append((cur_b, cur_t0, t - cur_t0))
+                cur_b = b
+                cur_t0 = t
+            prev = h
+            t += 1
+        if t:
+            runs.append((cur_b, cur_t0, t - cur_t0))
+        return runs
 
 
 def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_tokens: int,
-                      bases: KeyBases | None = None) -> list[int]:
+                      bases: KeyBases | None = None,
+                      trace_runs: list[tuple[int, int, int]] | None = None) -> list[int]:
     """Engine-block hashes from trace-level prefix ids (e.g. Mooncake's 512-token `hash_ids`).
 
     Block j of the engine covers tokens [j*bs, (j+1)*bs); its identity is the chained id of every trace
@@ -134,35 +148,37 @@ def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_token
     if hash_block_size == block_size:
         covered = min(len(hash_ids) * hash_block_size, num_tokens)
         return _chain(hash_ids)[:covered // block_size]
-    return list(engine_block_runs(hash_ids, hash_block_size, block_size, num_tokens, bases))
+    return list(engine_block_runs(hash_ids, hash_block_size, block_size, num_tokens, bases, trace_runs))
 
 
 def engine_block_runs(hash_ids, hash_block_size: int, block_size: int, num_tokens: int,
-                      bases: KeyBases | None = None) -> "BlockKeys":
-    """`engine_block_keys` as runs, O(trace blocks): one (chain id, first block, count) per trace block, or with
-    `bases` one per path of continued trace blocks (a conversation's turns: usually one or two)."""
+                      bases: KeyBases | None = None,
+                      trace_runs: list[tuple[int, int, int]] | None = None) -> "BlockKeys":
+    """`engine_block_keys` as runs: one (key base, first block, count) per trace block, or with `bases` (or
+    the `trace_runs` a `KeyBases` gave, `RequestStream.key_runs`) one per path of continued trace blocks (a
+    conversation's turns: usually one or two). Engine block j belongs to the trace block holding its last
+    token, so trace blocks [t0, t1) hold engine blocks [t0 * hbs // bs, t1 * hbs // bs)."""
     covered = min(len(hash_ids) * hash_block_size, num_tokens) if hash_ids else 0
     n_full = covered // block_size
     if n_full == 0:
         return BlockKeys([], 0)
-    chain = _chain(hash_ids)
     if hash_block_size == block_size:  # one block per id: key = chain id, as `engine_block_keys`
-        return BlockKeys.from_keys(chain[:n_full])
-    if bases is not None:
-        chain = bases.of(chain)
-    runs: list[tuple[int, int, int]] = []
-    j = 0
-    while j < n_full:
-        t = ((j + 1) * block_size - 1) // hash_block_size
-        # the last block whose last token lies in trace block t
-        end = min(((t + 1) * hash_block_size) // block_size, n_full)
-        c = chain[t]
-        if runs and runs[-1][0] == c:  # the same base continues: one run
-            last = runs[-1]
-            runs[-1] = (c, last[1], last[2] + end - j)
+        return BlockKeys.from_keys(_chain(hash_ids)[:n_full])
+    if trace_runs is None:
+        if bases is not None:
+            trace_runs = bases.runs_of(hash_ids)
         else:
-            runs.append((c, j, end - j))
-        j = end
+            trace_runs = [(c, t, 1) for t, c in enumerate(_chain(hash_ids))]
+    runs: list[tuple[int, int, int]] = []
+    for b, t0, nt in trace_runs:
+        j0 = (t0 * hash_block_size) // block_size
+        if j0 >= n_full:
+            break
+        j1 = ((t0 + nt) * hash_block_size) // block_size
+        if j1 > n_full:
+            j1 = n_full
+        if j1 > j0:
+            runs.append((b, j0, j1 - j0))
     return BlockKeys(runs, n_full)
 
 
