@@ -8,7 +8,7 @@ import time
 from collections import deque
 from functools import partial
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
 import simpy
@@ -222,7 +222,7 @@ class Cluster:
             p.reveal(view.id, r.max_tokens)
         return replace(view, predicted_output_tokens=float(p.predict(view)))
 
-    def arrivals(self):
+    def arrivals(self) -> Generator[simpy.Event, Any, None]:
         """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor."""
         env = self.env
         arrival = self.stream.arrival_s

@@ -6,6 +6,7 @@ import math
 from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from dataclasses import dataclass
+from typing import Any, Generator
 
 import simpy
 
@@ -153,7 +154,7 @@ class Instance:
         self.process = env.process(self.run())
 
     # -- the step loop -------------------------------------------------------------------------------
-    def run(self):
+    def run(self) -> Generator[simpy.Event, Any, None]:
         if self.scheduler.async_scheduling:
             yield from self._run_async()
         env = self.env
@@ -203,7 +204,7 @@ class Instance:
             self.pending_step = None
             sched.update_from_output(out, env.now)
 
-    def _run_async(self):
+    def _run_async(self) -> Generator[simpy.Event, Any, None]:
         """`run` under async scheduling: vLLM's `EngineCore.step_with_batch_queue` (see twin.engine.scheduler).
 
         At each step boundary: update(k) (finished requests keep their blocks), the decision for step k+1 as
