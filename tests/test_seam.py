@@ -225,3 +225,61 @@ def test_a_raising_router_fails_the_cli_run_with_its_traceback(tmp_path):
     assert r.exit_code == 0
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert s["requests_rejected"] == 5
+
+
+class GaugeRecorder(RouterBase):
+    """Test router: records what every decision saw of every instance's gauges; spreads by arrival order."""
+
+    name = "gauge-recorder"
+
+    def __init__(self):
+        self.seen = []
+        self.n = 0
+
+    def choose(self, req, fleet):
+        for v in fleet.instances:
+            g = v.gauges
+            self.seen.append((fleet.now, v.id, g.as_of, g.num_running, g.num_waiting, g.kv_usage))
+        self.n += 1
+        return fleet.instances[self.n % len(fleet.instances)].id
+
+
+@pytest.mark.parametrize("mode", ["fast", "step"])
+@pytest.mark.parametrize("async_on", [True, False])
+def test_gauges_read_at_a_decision_are_the_state_at_the_last_scrape_tick(mode, async_on):
+    """No scrape process runs: a decision's gauges must still equal a /metrics poll at the last tick."""
+    from twin.cluster import Cluster
+
+    dt = 0.05
+    rng = np.random.default_rng(3)
+    n = 150
+    arrivals = np.cumsum(rng.exponential(0.03, n))
+    stream = stream_of(arrivals, rng.integers(50, 900, n), rng.integers(5, 120, n))
+    sc = make_scenario(**{"cluster.num_instances": 3, "router.scrape_interval_s": dt, "sim.mode": mode,
+                          "cluster.engine.num_gpu_blocks_override": 400,
+                          "cluster.engine.async_scheduling": async_on})
+    router = GaugeRecorder()
+    cl = Cluster(sc, stream, router)
+    polled = {}
+
+    def poller():  # an eager poll just before each tick: the state after every event before it
+        env = cl.env
+        k = 1
+        while True:
+            yield env.timeout(max(k * dt - 1e-9 - env.now, 0.0))
+            for inst in cl.instances:
+                polled[(k, inst.id)] = (inst.num_running, inst.num_waiting, inst.kv_usage)
+            k += 1
+
+    cl.env.process(poller())
+    cl.run()
+    checked = 0
+    for now, iid, as_of, running, waiting, kv in router.seen:
+        k = int(round(as_of / dt))
+        assert as_of <= now < as_of + dt + 1e-12  # as old as the last tick, never older
+        if k == 0:
+            continue
+        assert (running, waiting) == polled[(k, iid)][:2], (now, iid, k)
+        assert kv == pytest.approx(polled[(k, iid)][2], abs=1e-12), (now, iid, k)
+        checked += 1
+    assert checked > 200 and any(w > 0 for *_, w, _ in router.seen)

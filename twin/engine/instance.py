@@ -94,9 +94,13 @@ class ScrapeClock:
         self.start = start
         self.interval_s = interval_s
         self.k = 0  # the last tick asked for, so the search below starts near the answer
+        self.cur = start  # tick k's time
+        self.nxt = start + interval_s  # tick k + 1's
 
     def last_tick(self, now: float) -> float:
         """The latest tick at or before `now`."""
+        if self.cur <= now < self.nxt:
+            return self.cur
         dt = self.interval_s
         start = self.start
         k = self.k
@@ -107,7 +111,9 @@ class ScrapeClock:
         while k > 0 and start + k * dt > now:
             k -= 1
         self.k = k
-        return start + k * dt
+        self.cur = start + k * dt
+        self.nxt = start + (k + 1) * dt
+        return self.cur
 
     def ticks_through(self, now: float) -> int:
         """How many scrapes a poller would have made from `start` through `now`."""
@@ -217,7 +223,7 @@ class Instance:
                 if not sched.inbox:
                     self._wakeup = env.event()
                     yield self._wakeup
-                    self.touch()
+                    self.touch(env.now)
                     self._wakeup = None
                 sched.wake(env.now)
             sched.admit_inbox()
@@ -235,20 +241,22 @@ class Instance:
                 except simpy.Interrupt:
                     # an arrival during step s: step s+1 was decided before it, so it sees it at s+2
                     j = min(bisect_left(ends, env.now) + 2, k)
-                self.touch()
+                now = env.now
+                self.touch(now)
                 self._interruptible = False
                 self._run = None
                 self.pending_run = None
                 self.num_wakeups += 1
-                if env.now < ends[j - 1]:
-                    self.pending_tail = (j, durations, ends, env.now)
-                    yield env.timeout(ends[j - 1] - env.now)
-                    self.touch()
+                if now < ends[j - 1]:
+                    self.pending_tail = (j, durations, ends, now)
+                    yield env.timeout(ends[j - 1] - now)
+                    self.touch(env.now)
                     self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
                 continue
             self.num_wakeups += 1
-            out = sched.schedule(env.now)
+            now = env.now
+            out = sched.schedule(now)
             released = sched.release_finished()
             if out.is_empty:
                 # nothing to run as decided: decide again now, after the frees, with nothing to overlap
@@ -257,18 +265,20 @@ class Instance:
                     raise RuntimeError(f"{self.id}: scheduler made no progress with {len(sched.waiting)} waiting")
                 continue
             dt = sched.step_duration(out)
-            self.pending_step = (out, env.now + dt)
+            self.pending_step = (out, now + dt)
             yield env.timeout(dt)
-            self.touch()
+            now = env.now
+            self.touch(now)
             self.pending_step = None
-            sched.update_from_output(out, env.now)
+            sched.update_from_output(out, now)
 
     def add_request(self, r: Request) -> None:
         """Dispatch: the request joins the waiting queue; a sleeping or fast-forwarding engine is woken."""
-        self.touch()
+        now = self.env.now
+        self.touch(now)
         self.num_dispatched += 1
         self.log.instance[r.idx] = self.index
-        self.scheduler.add_request(r, self.env.now)
+        self.scheduler.add_request(r, now)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
         elif self._interruptible:
@@ -305,12 +315,12 @@ class Instance:
     def kv_usage(self) -> float:
         return 1.0 - self.free_blocks / self.pool.num_usable_blocks
 
-    def touch(self) -> None:
+    def touch(self, now: float = -1.0) -> None:
         """About to change what the gauges read: keep them as of the last scrape tick, if not kept yet."""
         c = self.scrape_clock
         if c is None:
             return
-        t = c.last_tick(self.env.now)
+        t = c.last_tick(self.env.now if now < 0 else now)
         if t > self._snap_t:
             self._snap_t = t
             self._snap = (len(self._running), len(self._waiting) + len(self.scheduler.inbox),
