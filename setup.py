@@ -18,6 +18,7 @@ HOT_MODULES = [
     "twin/perf/base.py",
     "twin/perf/roofline.py",
     "twin/cluster.py",
+    "twin/dispatcher.py",
 ]
 
 ext_modules = []

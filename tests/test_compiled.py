@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-HOT = ["twin.engine.block_pool", "twin.engine.request", "twin.engine.scheduler", "twin.engine.instance",
-       "twin.perf.base", "twin.perf.roofline", "twin.cluster"]
+HOT = ["twin.engine.block_pool", "twin.engine.request", "twin.engine.segment_pool", "twin.engine.scheduler",
+       "twin.engine.instance", "twin.perf.base", "twin.perf.roofline", "twin.cluster", "twin.dispatcher"]
 
 
 @pytest.mark.skipif(os.environ.get("LLMTWIN_EXPECT_COMPILED") != "1",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from itertools import accumulate
 
 from twin.engine.block_pool import BlockPool, Dup, Run
 from twin.engine.request import Request
@@ -213,8 +212,7 @@ class EngineFork:
                 sched.admit_inbox()
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
             if k >= 2:
-                durations = sched.decode_run_durations(k)
-                ends = list(accumulate(durations, initial=now))[1:]
+                durations, ends = sched.decode_run_plan(k, now)
                 t = now + (ends[-1] - now)
                 if t > until:
                     self.pending_run = (k, durations, ends, now)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Generator
 
@@ -175,8 +174,7 @@ class Instance:
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
             if k >= 2:
                 t0 = env.now
-                durations = sched.decode_run_durations(k)
-                ends = list(accumulate(durations, initial=t0))[1:]  # as the clock would add them
+                durations, ends = sched.decode_run_plan(k, t0)  # ends summed as the clock would add them
                 self._run = ends
                 self.pending_run = (k, durations, ends, t0)
                 self._interruptible = True
@@ -230,8 +228,7 @@ class Instance:
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
             if k >= 2:
                 t0 = env.now
-                durations = sched.decode_run_durations(k)
-                ends = list(accumulate(durations, initial=t0))[1:]
+                durations, ends = sched.decode_run_plan(k, t0)
                 self._run = ends
                 self.pending_run = (k, durations, ends, t0)
                 self._interruptible = True

@@ -887,21 +887,30 @@ class Scheduler:
         D = self.D
         return full * self.num_decode + sum(pc[(-(D + s)) % bs] for s in range(rest))
 
-    def decode_run_durations(self, k: int) -> list[float]:
-        """The run's step durations, each as `step_duration` would give it step by step."""
+    def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
+        """The run's step durations, each as `step_duration` would give it step by step, and their end times
+        from t0, summed as the clock adds them (so equal to the bit to a step-by-step run's)."""
         xs = self.perf.decode_run_times(self.num_decode, self.decode_context, k)
+        ends = []
+        t = t0
         if not self.async_scheduling:
-            return xs
+            for x in xs:
+                t += x
+                ends.append(t)
+            return xs, ends
         c = self._host_s(self.num_decode) if self._host_s is not None else 0.0
         g_prev = self.prev_gpu_s
         gpu = []
         out = []
         for x in xs:
-            out.append(x - (c if c < g_prev else g_prev))
+            d = x - (c if c < g_prev else g_prev)
+            out.append(d)
+            t += d
+            ends.append(t)
             g_prev = x - c
             gpu.append(g_prev)
         self.run_gpu_s = gpu
-        return out
+        return out, ends
 
     def commit_decode_run(self, j: int, durations: list[float], ends: list[float]) -> list[Request]:
         """Apply the first j steps of a planned run that ended at ends[j-1]."""
