@@ -395,6 +395,10 @@ class Simulated:
     itl_values: np.ndarray
     itl_weights: np.ndarray
     wall_s: float
+    # per request, same order: when it reached the engine (after the API server), and how long its first token
+    # waited there for pre-processing queued ahead of it (twin.api_server); NaN / 0 without an API queue
+    entry_s: np.ndarray | None = None
+    first_token_wait_s: np.ndarray | None = None
 
 
 def simulate_observation(obs: Observation, profile: Profile, num_instances: int | None = None,
@@ -409,11 +413,17 @@ def simulate_observation(obs: Observation, profile: Profile, num_instances: int 
     perf = FittedModel(roofline(sc), profile.coefficients, source="calibration")
     stream, ordered = observed_stream(obs)
     cl = Cluster(sc, stream, perf=perf)
+    cl.api_record = True
     res = cl.run()
     df = res.log.to_frame()
     df["request_id"] = ordered["request_id"].to_numpy()
     iv, iw = itl_samples(res)
-    return Simulated(df, iv, iw, res.wall_time_s)
+    entry = np.full(res.log.n, np.nan)
+    for srv in cl.api_servers.values():
+        for i, rec in (srv.record or {}).items():
+            entry[i] = rec[0][0] + cl.api_handoff_s
+    wait = cl.api_wait_first if len(cl.api_wait_first) else np.zeros(res.log.n)
+    return Simulated(df, iv, iw, res.wall_time_s, entry, np.array(wait))
 
 
 def _tpot(df: pd.DataFrame) -> np.ndarray:
@@ -728,6 +738,12 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     return np.array(rows), np.array(targets), np.array([]), sq / max(cnt, 1)
 
 
+UNANCHORED = ("api_handoff_s",)
+# the line search's steps toward the Gauss-Newton target (log space); the small ones get past the kinks where
+# a request's engine entry crosses a step boundary (the API server's queue moves entries with the parameters)
+ALPHAS = (1.0, 0.5, 0.25, 0.1, 0.03)
+
+
 # how much the server's own mean inter-token latency weighs against the whole observation's per-request rows
 # (which together weigh about 1 per metric): ASSUMPTION, 2; the server's view is free of the client's stalls
 ITL_WEIGHT = 2.0
@@ -807,7 +823,7 @@ def profile_vector(profile: Profile) -> list[float]:
 
 
 def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None = None, iterations: int = 12,
-                 ridge: float = 1e-5, progress: Callable[[int, float], None] | None = None,
+                 ridge: float = 1e-6, progress: Callable[[int, float], None] | None = None,
                  tie_attn: bool = False) -> FitResult:
     """Gauss-Newton on a fixed schedule: simulate, write each request's times as linear in the parameters for
     that run's batches (exact, since step time is linear in the coefficients), solve non-negative least
@@ -828,6 +844,10 @@ def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None 
     theta = np.maximum(theta, floor)
     floor_red = np.array([floor[np.flatnonzero(M[:, j])[0]] for j in range(M.shape[1])])
     theta0 = theta.copy()
+    # the pull's weight per fitted parameter: none on the hand-off latency, whose start (half the measured API
+    # share) is a guess; it takes what the queued terms, the data's to split, leave over
+    free = np.array([0.0 if FIT_PARAMS[int(np.flatnonzero(M[:, j])[0])] in UNANCHORED else 1.0
+                     for j in range(M.shape[1])])
     history, sims = [], 0
 
     def system(th: np.ndarray):
@@ -846,18 +866,19 @@ def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None 
         scale[scale == 0] = 1.0
         k = R.shape[1]
         lam = math.sqrt(ridge * len(y) / k)
+        lam_v = lam * free
         # a weak pull toward the starting point (relative): directions the data cannot see stay where they began
         red0 = theta0 @ M / M.sum(axis=0)
         anchor = np.maximum(red0 * scale, 1e-30)
-        Ra = np.vstack([R / scale, lam * np.diag(1.0 / anchor)])
-        ya = np.concatenate([y, lam * np.ones(k)])
+        Ra = np.vstack([R / scale, np.diag(lam_v / anchor)])
+        ya = np.concatenate([y, lam_v])
         # bounds: the roofline coefficients at least 1 (a step is never faster than the hardware's floor), the
         # CPU and API-server times at least 0; solved as non-negative least squares over (theta - floor)
         lb_s = floor_red * scale
         z = nnls(Ra, ya - Ra @ lb_s)
         target = np.maximum(M @ ((z + lb_s) / scale), np.maximum(1e-6 * theta0, floor))  # > 0: log-space search
         moved = False
-        for alpha in (1.0, 0.5, 0.25, 0.1):  # the batches shift with the parameters: accept only what helps
+        for alpha in ALPHAS:  # the batches shift with the parameters: accept only what helps
             cand = np.exp((1 - alpha) * np.log(theta) + alpha * np.log(target))
             c_parts, c_cost = system(cand)
             if c_cost < cost:
