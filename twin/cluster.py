@@ -125,6 +125,12 @@ class Cluster:
 
             self.dispatcher.fleet.forecaster = SimForecaster(self)
         self.in_transit: dict[str, dict[int, tuple[Request, float]]] = {}  # routed, not yet in the engine
+        self.num_arrived = 0
+        self._next_turn: np.ndarray | None = None
+        if stream.after is not None:
+            self._next_turn = np.full(len(stream), -1, dtype=np.int64)
+            has = np.flatnonzero(stream.after >= 0)
+            self._next_turn[stream.after[has]] = has
         # the API server of each instance as a queue (twin.api_server), when it has work to queue: per request
         # and per token; the waits its tokens had for queued pre-processing (first token, finish)
         self.api_cap: float | None = None
@@ -136,12 +142,6 @@ class Cluster:
         n_api = len(stream) if self.api_cap is not None else 0
         self.api_wait_first = np.zeros(n_api)
         self.api_wait_finish = np.zeros(n_api)
-        self.num_arrived = 0
-        self._next_turn: np.ndarray | None = None
-        if stream.after is not None:
-            self._next_turn = np.full(len(stream), -1, dtype=np.int64)
-            has = np.flatnonzero(stream.after >= 0)
-            self._next_turn[stream.after[has]] = has
         from twin.fleet import Fleet
 
         c = sc.cluster
