@@ -188,6 +188,7 @@ class FittedModel:
             "api_queue": self.roofline.api_queue,
             "api_rho_cap": self.roofline.api_rho_cap,
             "api_handoff_s": self.roofline.api_handoff_s,
-            "assumptions": ["api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_rho_cap"]
+            "assumptions": ["api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_queue",
+                           "api_rho_cap", "api_handoff_s"]
                            + (["moe_routing"] if self.roofline.model.is_moe else []),
         }

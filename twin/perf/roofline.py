@@ -86,6 +86,10 @@ class RooflineModel:
                 raise TwinInputError(f"perf.{name} must be in (0, 1], got {v}")
         if self.tensor_parallel < 1:
             raise TwinInputError("tensor_parallel must be >= 1")
+        if self.api_queue not in ("ps", "fifo", "off"):
+            raise TwinInputError(f"perf.api_queue must be 'ps', 'fifo' or 'off', got {self.api_queue!r}")
+        if not 0 <= self.api_rho_cap < 1:
+            raise TwinInputError(f"perf.api_rho_cap must be in [0, 1), got {self.api_rho_cap}")
         m, tp = self.model, self.tensor_parallel
         wb = DTYPE_BYTES[self.dtype]
         attn_dtype = "fp16" if self.dtype == "fp16" else "bf16"  # attention and LM head: 16-bit
@@ -264,6 +268,7 @@ class RooflineModel:
             "api_handoff_s": self.api_handoff_s,
             "moe_routing": "uniform (ASSUMPTION)" if self.model.is_moe else None,
             "assumptions": ["step_overhead_s", "per_request_overhead_s", "allreduce_latency_s",
-                            "api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_rho_cap"]
+                            "api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_queue",
+                            "api_rho_cap", "api_handoff_s"]
                            + (["moe_routing"] if self.model.is_moe else []),
         }
