@@ -88,7 +88,8 @@ class ApiServer:
         else:
             start, g = now, ZERO
         end = start + service
-        self.grad = _add(g, gw)
+        if self.record is not None:  # gradients only for the fit
+            self.grad = _add(g, gw)
         self.free_at = end
         self.num_requests += 1
         self.busy_s += service
@@ -102,7 +103,8 @@ class ApiServer:
         n = len(self.jobs)
         if n:
             self.v += (t - self.t_last) / n
-            self.gv = _add(self.gv, self.gt, -1.0 / n)
+            if self.record is not None:
+                self.gv = _add(self.gv, self.gt, -1.0 / n)
         self.t_last, self.gt = t, ZERO
 
     def arrive(self, now: float, raw: float, prompt_tokens: int, output_token_s: float, token_rate: float,
@@ -112,10 +114,13 @@ class ApiServer:
         self._advance(now)
         if not self.jobs:
             self.v, self.gv, self.sum_tags, self.sum_gtags = 0.0, ZERO, 0.0, ZERO
-        tag, gtag = self.v + service, _add(self.gv, gw)
+        tag = self.v + service
+        gtag = ZERO
+        if self.record is not None:
+            gtag = _add(self.gv, gw)
+            self.sum_gtags = _add(self.sum_gtags, gtag)
         heapq.heappush(self.jobs, (tag, self.num_requests, gtag, idx))
         self.sum_tags += tag
-        self.sum_gtags = _add(self.sum_gtags, gtag)
         self.num_requests += 1
         self.busy_s += service
 
@@ -135,12 +140,13 @@ class ApiServer:
             if t_done > now + 1e-12 * max(1.0, abs(now)):
                 break
             heapq.heappop(self.jobs)
-            self.gt = _add(self.gt, _add(gtag, self.gv, -1.0), float(n))
+            if self.record is not None:
+                self.gt = _add(self.gt, _add(gtag, self.gv, -1.0), float(n))
+                self.sum_gtags = _add(self.sum_gtags, gtag, -1.0)
+                if idx >= 0:
+                    self.record[idx] = [(t_done, self.gt), None, None]
             self.t_last, self.v, self.gv = t_done, tag, gtag
             self.sum_tags -= tag
-            self.sum_gtags = _add(self.sum_gtags, gtag, -1.0)
-            if self.record is not None and idx >= 0:
-                self.record[idx] = [(t_done, self.gt), None, None]
             done.append(idx)
         return done
 
@@ -152,6 +158,8 @@ class ApiServer:
         if not n:
             return -math.inf, ZERO
         end = self.t_last + (self.sum_tags - n * self.v)
+        if self.record is None:
+            return end, ZERO
         return end, _add(_add(self.gt, self.sum_gtags), self.gv, -float(n))
 
     # -- both ------------------------------------------------------------------------------------------------

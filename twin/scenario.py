@@ -53,6 +53,12 @@ class PerfSpec(_Spec):
     api_rho_cap: float = Field(0.9, ge=0, lt=1)  # ASSUMPTION: the token stream's largest share of the server
     api_handoff_s: float = Field(0.0, ge=0)  # API server to EngineCore latency that holds no server (calibrated)
 
+    @field_validator("api_queue", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        """YAML reads a bare `off` / `on` as a boolean: false is "off", true the default "ps"."""
+        return {False: "off", True: "ps"}.get(v, v) if isinstance(v, bool) else v
+
     @model_validator(mode="after")
     def _fit_path_for_fitted(self) -> "PerfSpec":
         if self.kind == "fitted" and not self.fit_path:
