@@ -118,3 +118,8 @@ def test_bad_api_queue_settings_are_one_line():
         make_scenario(**{"cluster.perf.api_queue": "lifo"})
     with pytest.raises((TwinInputError, ValueError), match="api_rho_cap"):
         make_scenario(**{"cluster.perf.api_rho_cap": 1.0})
+
+
+def test_a_bare_yaml_off_turns_the_queue_off():
+    assert make_scenario(**{"cluster.perf.api_queue": False}).cluster.perf.api_queue == "off"  # YAML `off`
+    assert make_scenario().cluster.perf.api_queue == "ps"
