@@ -56,10 +56,35 @@ def test_fit_recovers_known_coefficients():
     got = fit.profile.params()
     for k in ("linear", "attn", "step_s", "per_request_s"):
         assert got[k] == pytest.approx(TRUE[k], rel=0.03), k
-    # the two API terms both delay every token of an isolated request: their sum is what the data fixes
-    total = got["api_request_overhead_s"] + got["api_output_token_s"]
-    assert total == pytest.approx(TRUE["api_request_overhead_s"] + TRUE["api_output_token_s"], rel=0.05)
+    # bursts queue in the API server, which tells its per-request work from the per-token delay of every token
+    assert got["api_request_overhead_s"] == pytest.approx(TRUE["api_request_overhead_s"], rel=0.03)
+    total = got["api_handoff_s"] + got["api_output_token_s"]  # these two delay an idle request's tokens alike
+    assert total == pytest.approx(TRUE["api_output_token_s"], rel=0.05)
     assert fit.cost < 1e-3 < fit.history[0]["cost"]
+
+
+def queue_load():
+    """The deterministic load, then simultaneous bursts of mixed prompt lengths: in the API server's processor
+    sharing the short ones end first, so the per-request and per-prompt-token work are told apart."""
+    arr, p, o = [list(x) for x in deterministic_load()]
+    t = arr[-1] + 3.0
+    for lens in ((16, 64, 256, 480), (32, 32, 128, 128, 384, 384), (8, 100, 200, 300, 400, 450, 480, 20)):
+        for L in lens:
+            arr.append(t), p.append(L), o.append(32)
+        t += 3.0
+    return np.array(arr), np.array(p), np.array(o)
+
+
+def test_fit_recovers_the_api_servers_queue():
+    truth = dict(TRUE, api_handoff_s=0.002)
+    obs = synthetic(Profile.from_params(truth), *queue_load())
+    got = fit_schedule([obs]).profile.params()
+    for k in ("linear", "attn", "step_s", "per_request_s", "api_request_overhead_s"):
+        assert got[k] == pytest.approx(truth[k], rel=0.03), k
+    assert got["api_prompt_token_s"] == pytest.approx(truth["api_prompt_token_s"], rel=0.05)
+    # the hand-off before the engine and each token's streaming after it delay an idle request alike
+    shift = got["api_handoff_s"] + got["api_output_token_s"]
+    assert shift == pytest.approx(truth["api_handoff_s"] + truth["api_output_token_s"], rel=0.05)
 
 
 def test_fit_from_a_wrong_start_moves_toward_the_truth():

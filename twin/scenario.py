@@ -47,6 +47,17 @@ class PerfSpec(_Spec):
     api_request_overhead_s: float = Field(0.003, ge=0)
     api_prompt_token_s: float = Field(1e-6, ge=0)
     api_output_token_s: float = Field(46e-6, ge=0)
+    # the API server as one server shared by requests and streamed tokens (twin.api_server): requests in
+    # processor sharing ("ps", as its event loop interleaves them) or "fifo"; "off": the api_* are fixed delays
+    api_queue: Literal["ps", "fifo", "off"] = "ps"
+    api_rho_cap: float = Field(0.9, ge=0, lt=1)  # ASSUMPTION: the token stream's largest share of the server
+    api_handoff_s: float = Field(0.0, ge=0)  # API server to EngineCore latency that holds no server (calibrated)
+
+    @field_validator("api_queue", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        """YAML reads a bare `off` / `on` as a boolean: false is "off", true the default "ps"."""
+        return {False: "off", True: "ps"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _fit_path_for_fitted(self) -> "PerfSpec":

@@ -27,8 +27,8 @@ File format (YAML or JSON; `perf.kind: fitted`, `perf.fit_path: FILE`, relative 
       per_request_s: 4.0e-6
     fit: {data: ..., date: ..., mape: ...}   # optional, free-form provenance, shown in describe()
 
-The API-server times (`api_request_s`, `api_token_s`) are not part of the fit; they come from `perf:` in the
-scenario as for the roofline.
+The API-server times (`api_request_s`, `api_token_s`, and the queue's `api_queue_settings`, twin.api_server) are not
+part of the step model; they come from `perf:` in the scenario as for the roofline.
 """
 
 from __future__ import annotations
@@ -126,6 +126,9 @@ class FittedModel:
     def api_token_s(self) -> float:
         return self.roofline.api_token_s()
 
+    def api_queue_settings(self) -> tuple[float | None, float, str]:
+        return self.roofline.api_queue_settings()
+
     # -- step time ------------------------------------------------------------------------------------------
     def host_time_s(self, num_requests: int) -> float:
         """The CPU terms (what async scheduling overlaps with the GPU; twin.perf.roofline)."""
@@ -182,6 +185,10 @@ class FittedModel:
             "api_request_overhead_s": self.roofline.api_request_overhead_s,
             "api_prompt_token_s": self.roofline.api_prompt_token_s,
             "api_output_token_s": self.roofline.api_output_token_s,
-            "assumptions": ["api_request_overhead_s", "api_prompt_token_s", "api_output_token_s"]
+            "api_queue": self.roofline.api_queue,
+            "api_rho_cap": self.roofline.api_rho_cap,
+            "api_handoff_s": self.roofline.api_handoff_s,
+            "assumptions": ["api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_queue",
+                           "api_rho_cap", "api_handoff_s"]
                            + (["moe_routing"] if self.roofline.model.is_moe else []),
         }

@@ -67,6 +67,12 @@ class RooflineModel:
     api_request_overhead_s: float = 0.003  # ASSUMPTION: API server per request before the engine
     api_prompt_token_s: float = 1e-6  # ASSUMPTION: tokenization per prompt token
     api_output_token_s: float = 46e-6  # ASSUMPTION: detokenize + stream per output token
+    # the API server as one server shared by requests and streamed tokens (twin.api_server), its requests
+    # in processor sharing ("ps") or one at a time ("fifo"); "off": the three terms are fixed delays. The cap
+    # on the token stream's share of the server: ASSUMPTION
+    api_queue: str = "ps"  # "ps" (processor sharing), "fifo", or "off"
+    api_rho_cap: float = 0.9
+    api_handoff_s: float = 0.0  # latency between the API server and EngineCore that holds no server (ZMQ, polling)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -80,6 +86,10 @@ class RooflineModel:
                 raise TwinInputError(f"perf.{name} must be in (0, 1], got {v}")
         if self.tensor_parallel < 1:
             raise TwinInputError("tensor_parallel must be >= 1")
+        if self.api_queue not in ("ps", "fifo", "off"):
+            raise TwinInputError(f"perf.api_queue must be 'ps', 'fifo' or 'off', got {self.api_queue!r}")
+        if not 0 <= self.api_rho_cap < 1:
+            raise TwinInputError(f"perf.api_rho_cap must be in [0, 1), got {self.api_rho_cap}")
         m, tp = self.model, self.tensor_parallel
         wb = DTYPE_BYTES[self.dtype]
         attn_dtype = "fp16" if self.dtype == "fp16" else "bf16"  # attention and LM head: 16-bit
@@ -132,6 +142,7 @@ class RooflineModel:
             self.gpu, self.model, self.dtype, self.kv_cache_dtype, self.tensor_parallel,
             compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_s=0.0, per_request_overhead_s=0.0,
             allreduce_latency_s=0.0, api_request_overhead_s=0.0, api_prompt_token_s=0.0, api_output_token_s=0.0,
+            api_queue=self.api_queue, api_rho_cap=self.api_rho_cap, api_handoff_s=0.0,
         )
 
     def peak_tokens_per_s(self) -> float:
@@ -146,6 +157,11 @@ class RooflineModel:
     def api_token_s(self) -> float:
         """API-server time per output token: incremental detokenization and the streamed chunk."""
         return self.api_output_token_s
+
+    def api_queue_settings(self) -> tuple[float | None, float, str]:
+        """(the cap on the token stream's share of the API server when it is a queue, twin.api_server, or None:
+        its terms are fixed delays; the hand-off latency to the engine that holds no server; the discipline)."""
+        return (None if self.api_queue == "off" else self.api_rho_cap), self.api_handoff_s, self.api_queue
 
     # -- step time --------------------------------------------------------------------------------------
     def host_time_s(self, num_requests: int) -> float:
@@ -247,8 +263,12 @@ class RooflineModel:
             "api_request_overhead_s": self.api_request_overhead_s,
             "api_prompt_token_s": self.api_prompt_token_s,
             "api_output_token_s": self.api_output_token_s,
+            "api_queue": self.api_queue,
+            "api_rho_cap": self.api_rho_cap,
+            "api_handoff_s": self.api_handoff_s,
             "moe_routing": "uniform (ASSUMPTION)" if self.model.is_moe else None,
             "assumptions": ["step_overhead_s", "per_request_overhead_s", "allreduce_latency_s",
-                            "api_request_overhead_s", "api_prompt_token_s", "api_output_token_s"]
+                            "api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_queue",
+                            "api_rho_cap", "api_handoff_s"]
                            + (["moe_routing"] if self.model.is_moe else []),
         }

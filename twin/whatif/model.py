@@ -63,7 +63,8 @@ def _roofline_like(r: RooflineModel, dtype: str, kv_cache_dtype: str) -> Rooflin
         memory_efficiency=r.memory_efficiency, step_overhead_s=r.step_overhead_s,
         per_request_overhead_s=r.per_request_overhead_s, allreduce_latency_s=r.allreduce_latency_s,
         api_request_overhead_s=r.api_request_overhead_s, api_prompt_token_s=r.api_prompt_token_s,
-        api_output_token_s=r.api_output_token_s)
+        api_output_token_s=r.api_output_token_s, api_queue=r.api_queue, api_rho_cap=r.api_rho_cap,
+        api_handoff_s=r.api_handoff_s)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,10 @@ class WhatIfModel:
 
     def api_token_s(self) -> float:
         return self.base.api_token_s()
+
+    def api_queue_settings(self) -> tuple[float | None, float, str]:
+        fn = getattr(self.base, "api_queue_settings", None)
+        return fn() if fn is not None else (None, 0.0, "off")
 
     # -- groups ---------------------------------------------------------------------------------------------
     def _linear(self, t_pre: int, nd: int) -> float:
