@@ -19,6 +19,7 @@ HOT_MODULES = [
     "twin/perf/roofline.py",
     "twin/cluster.py",
     "twin/dispatcher.py",
+    "twin/api_server.py",
 ]
 
 ext_modules = []

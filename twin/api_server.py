@@ -182,27 +182,6 @@ class ApiServer:
 
 
 def token_rate(inst: object) -> float:
-    """Tokens per second the instance's step in progress emits (its batch's tokens over the step's duration):
-    the per-step account of the output work the API server is streaming. 0 when the engine is idle."""
-    sched = getattr(inst, "scheduler", None)
-    now = inst.env.now  # type: ignore[attr-defined]
-    run = getattr(inst, "pending_run", None)
-    if run is not None:  # a fast-forwarded decode run: every step emits one token per member
-        k, durations, ends, _t0 = run
-        j = min(bisect_left(ends, now), k - 1)
-        d = durations[j]
-        return sched.num_decode / d if d > 0 else 0.0  # type: ignore[union-attr]
-    tail = getattr(inst, "pending_tail", None)
-    if tail is not None:
-        j, durations, _ends, _t = tail
-        d = durations[j - 1]
-        return sched.num_decode / d if d > 0 else 0.0  # type: ignore[union-attr]
-    step = getattr(inst, "pending_step", None)
-    if step is not None:
-        out, t_end = step
-        d = t_end - out.t_start
-        if d <= 0:
-            return 0.0
-        sampled = out.num_decode + sum(1 for r, n, c in out.prefills if c + n == r.num_tokens)
-        return sampled / d
-    return 0.0
+    """Tokens per second the instance's step in progress emits (`Instance.token_rate`; 0 when idle)."""
+    fn = getattr(inst, "token_rate", None)
+    return float(fn()) if fn is not None else 0.0

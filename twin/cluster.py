@@ -13,7 +13,7 @@ from typing import Any, Callable, Generator, Sequence
 import numpy as np
 import simpy
 
-from twin.api_server import ApiServer, token_rate
+from twin.api_server import ApiServer
 from twin.engine.defaults import resolve_batch_limits
 from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
 from twin.engine.request import BlockKeys, Request, RequestStatus, engine_block_keys, engine_block_runs
@@ -284,12 +284,12 @@ class Cluster:
         if delay > 0 and self.api_cap is not None:  # the API server's queue, stretched by the token stream
             srv = self.api_server(inst.id)
             if srv.discipline == "ps":  # shares the event loop with every request in pre-processing
-                srv.arrive(env.now, delay, r.num_prompt_tokens, self.api_token_s(), token_rate(inst), r.idx)
+                srv.arrive(env.now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(), r.idx)
                 self.in_transit.setdefault(inst.id, {})[r.idx] = (r, srv.backlog_end()[0] + self.api_handoff_s)
                 self.log.status[i] = RequestStatus.WAITING
                 self._api_wake(inst, srv)
                 return
-            delay = srv.preprocess(env.now, delay, r.num_prompt_tokens, self.api_token_s(), token_rate(inst),
+            delay = srv.preprocess(env.now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(),
                                    r.idx) - env.now  # FIFO behind earlier requests
         delay += self.api_handoff_s
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
@@ -360,7 +360,7 @@ class Cluster:
         srv = self.api_server(instance_id)
         inst = self.by_id.get(instance_id)
         return srv.entry_if_sent(now, self._api_request_s(prompt_tokens), self.api_token_s(),
-                                 token_rate(inst) if inst is not None else 0.0) + self.api_handoff_s
+                                 inst.token_rate() if inst is not None else 0.0) + self.api_handoff_s
 
     def _api_delivery_wait(self, i: int, t: float, which: int) -> float:
         """A token of request i the engine emitted at t waits this long for pre-processing queued ahead of it."""

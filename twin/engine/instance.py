@@ -308,6 +308,34 @@ class Instance:
             free -= self.scheduler.decode_blocks_needed(started)
         return free
 
+    def token_rate(self) -> float:
+        """Tokens per second the step in progress emits (its batch's sampled tokens over its duration): the
+        per-step account of the output work the API server streams (twin.api_server). 0 when idle."""
+        now = self.env.now
+        run = self.pending_run
+        if run is not None:  # a fast-forwarded decode run: every step emits one token per member
+            k, durations, ends, _t0 = run
+            j = min(bisect_left(ends, now), k - 1)
+            d = durations[j]
+            return self.scheduler.num_decode / d if d > 0 else 0.0
+        tail = self.pending_tail
+        if tail is not None:
+            jt, tdur, _ends, _t = tail
+            d = tdur[jt - 1]
+            return self.scheduler.num_decode / d if d > 0 else 0.0
+        step = self.pending_step
+        if step is not None:
+            out, t_end = step
+            d = t_end - out.t_start
+            if d <= 0:
+                return 0.0
+            sampled = out.num_decode
+            for r, n, c in out.prefills:
+                if c + n == r.num_tokens:
+                    sampled += 1
+            return sampled / d
+        return 0.0
+
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.free_blocks / self.pool.num_usable_blocks
