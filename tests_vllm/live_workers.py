@@ -75,6 +75,29 @@ def engine_args(extra: dict | None = None) -> dict:
     return args
 
 
+def launcher_section(model_dir, log_dir, extra_engine_args: dict | None = None) -> dict:
+    """A controller config's `launcher:` for one tiny worker (up to two), on ports below the ephemeral range."""
+    import random
+
+    base = random.Random().randrange(20000, 32500)  # below the ephemeral range (see kv_port)
+    return {"python": sys.executable, "model": str(model_dir), "served_model_name": SERVED,
+            "base_port": base, "kv_events_base_port": base + 100, "num_workers": 1, "max_workers": 2,
+            "engine_args": engine_args(extra_engine_args), "cpu_binds": ["0", "1"],
+            "env": {"VLLM_CACHE_ROOT": tempfile.mkdtemp(), "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
+            "log_dir": str(log_dir), "ready_timeout_s": 400}
+
+
+def stop_launched(rc) -> None:
+    """Stop a controller and every worker its launcher still holds."""
+    rc.stop()
+    if rc.ctl.actuator:
+        from live.launcher import stop_group
+
+        for p in list(rc.ctl.actuator.procs.values()):
+            stop_group(p.popen, 5)
+
+
 def build_model() -> Path:
     spec = importlib.util.spec_from_file_location("build_tiny_model", ROOT / "scripts" / "build_tiny_model.py")
     mod = importlib.util.module_from_spec(spec)

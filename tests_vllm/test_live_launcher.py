@@ -5,9 +5,7 @@ in-flight one finishes, then the process stops), and all workers gone -> 503. Tw
 from __future__ import annotations
 
 import os
-import random
 import signal
-import sys
 import threading
 import time
 
@@ -16,38 +14,27 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("vllm")
 
-from live_workers import SERVED, engine_args, run_controller, tiny_model  # noqa: E402,F401
+from live_workers import SERVED, launcher_section, run_controller, stop_launched, tiny_model  # noqa: E402,F401
 from test_live_workers import Pin, streamed_tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def launched(tiny_model, tmp_path_factory):
-    import tempfile
-
     from live.config import parse_config
 
-    base = random.Random().randrange(20000, 32500)  # below the ephemeral range (live_workers.kv_port)
     cfg = parse_config({
         "server": {"port": 0},
         "router": {"name": "round-robin", "scrape_interval_s": 0.1},
         "health": {"interval_s": 60, "backoff_initial_s": 60, "backoff_max_s": 60},
-        "launcher": {"python": sys.executable, "model": str(tiny_model), "served_model_name": SERVED,
-                     "base_port": base, "kv_events_base_port": base + 100, "num_workers": 1, "max_workers": 2,
-                     "engine_args": engine_args({"max_num_batched_tokens": 256}), "cpu_binds": ["0", "1"],
-                     "env": {"VLLM_CACHE_ROOT": tempfile.mkdtemp(), "HF_HUB_OFFLINE": "1",
-                             "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
-                     "log_dir": str(tmp_path_factory.mktemp("launched")), "ready_timeout_s": 400},
+        "launcher": launcher_section(tiny_model, tmp_path_factory.mktemp("launched"),
+                                     {"max_num_batched_tokens": 256}),
         "scaler": {"name": "static", "params": {"target": 2}, "interval_s": 1},
     }, "test")
     rc = run_controller(cfg, router=Pin())
     try:
         yield rc
     finally:
-        rc.stop()
-        for p in list(rc.ctl.actuator.procs.values()) if rc.ctl.actuator else ():
-            from live.launcher import stop_group
-
-            stop_group(p.popen, 5)
+        stop_launched(rc)
 
 
 def test_launch_scale_retry_drain(launched):
@@ -84,28 +71,32 @@ def test_launch_scale_retry_drain(launched):
         rc.call(ctl.actuator.stop("local-0"))
         assert ctl.registry.get("local-0") is None
 
-        # drain local-1 with a long stream in flight: no new requests, the stream finishes, then it stops
+        # drain local-1 with a long stream in flight: no new requests, the stream finishes, then it stops.
+        # The worker is frozen (SIGSTOP) before the stream is sent, so the stream is surely in flight while the
+        # drain is checked (freezing it at the first chunk raced: a busy client could read the whole answer in
+        # its first read)
+        import asyncio
+
         out = {}
+        proc = ctl.registry.get("local-1").handle.popen
+        books = ctl.bookkeeping.load("local-1")
+        sent_before = books.dispatched_total
 
         def stream():
             with httpx.Client(timeout=120) as c2:
                 with c2.stream("POST", rc.url + "/v1/completions",
                                json={"model": SERVED, "prompt": "drain", "max_tokens": 300, "stream": True,
                                      "ignore_eos": True, "stream_options": {"include_usage": True}}) as s:
-                    it = s.iter_raw()
-                    first = next(it)
-                    out["started"] = True
-                    out["body"] = (first + b"".join(it)).decode()
+                    out["body"] = b"".join(s.iter_raw()).decode()
 
-        t = threading.Thread(target=stream)
-        t.start()
-        while "started" not in out and t.is_alive():
-            time.sleep(0.01)
-        import asyncio
-
-        proc = ctl.registry.get("local-1").handle.popen
         os.killpg(proc.pid, signal.SIGSTOP)  # frozen: its stream cannot finish while the drain is checked
+        t = threading.Thread(target=stream)
         try:
+            t.start()
+            deadline = time.monotonic() + 30
+            while books.dispatched_total == sent_before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert books.requests == 1  # dispatched to the frozen worker: in flight
             fut = asyncio.run_coroutine_threadsafe(ctl.actuator.drain("local-1"), rc.loop)
             deadline = time.monotonic() + 30
             while ctl.registry.get("local-1").state != "draining" and time.monotonic() < deadline:

@@ -8,9 +8,6 @@ accuracy, only on the forecast growing with the load the controller observed.
 
 from __future__ import annotations
 
-import random
-import sys
-import tempfile
 import threading
 import time
 
@@ -19,7 +16,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("vllm")
 
-from live_workers import SERVED, engine_args, run_controller, tiny_model  # noqa: E402,F401
+from live_workers import SERVED, launcher_section, run_controller, stop_launched, tiny_model  # noqa: E402,F401
 
 PROFILE = """basis: roofline-groups/1
 hardware: CPU-2core-AVX512
@@ -38,17 +35,11 @@ def launched_twin(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("twin-scaler")
     profile = d / "profile.yaml"
     profile.write_text(PROFILE)
-    base = random.Random().randrange(20000, 32500)  # below the ephemeral range (live_workers.kv_port)
     cfg = parse_config({
         "server": {"port": 0},
         "router": {"name": "least-outstanding", "scrape_interval_s": 0.1},
         "health": {"interval_s": 60, "backoff_initial_s": 60, "backoff_max_s": 60},
-        "launcher": {"python": sys.executable, "model": str(tiny_model), "served_model_name": SERVED,
-                     "base_port": base, "kv_events_base_port": base + 100, "num_workers": 1, "max_workers": 2,
-                     "engine_args": engine_args({"max_num_seqs": 16}), "cpu_binds": ["0", "1"],
-                     "env": {"VLLM_CACHE_ROOT": tempfile.mkdtemp(), "HF_HUB_OFFLINE": "1",
-                             "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
-                     "log_dir": str(d / "logs"), "ready_timeout_s": 400},
+        "launcher": launcher_section(tiny_model, d / "logs", {"max_num_seqs": 16}),
         # decisions only when the test asks (scale_once): the loop's own interval is out of reach
         "scaler": {"name": "twin", "interval_s": 3600,
                    "params": {"horizon_s": 10.0, "interval_s": 5.0, "history": 2, "predictor": "constant",
@@ -61,11 +52,7 @@ def launched_twin(tiny_model, tmp_path_factory):
     try:
         yield rc
     finally:
-        rc.stop()
-        for p in list(rc.ctl.actuator.procs.values()) if rc.ctl.actuator else ():
-            from live.launcher import stop_group
-
-            stop_group(p.popen, 5)
+        stop_launched(rc)
 
 
 def _burst(url: str, n: int, out: list) -> None:
