@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from twin.api_server import ApiServer, token_rate
+from twin.api_server import ApiServer
 from twin.cluster import Cluster
 
 from conftest import make_scenario, run_checked, stream_of
@@ -71,7 +71,7 @@ def test_decode_load_stretches_pre_processing():
     cl = Cluster(sc, stream)
     cl.api_record = True
     cl.env.run(until=1.0)
-    rate = token_rate(cl.instances[0])
+    rate = cl.instances[0].token_rate()
     assert rate > 1000  # tokens per second out of the decode batch in progress
     rho = rate * tok
     assert 0.1 < rho < 0.95

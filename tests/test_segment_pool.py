@@ -359,7 +359,7 @@ def test_key_bases_keep_which_blocks_are_equal(seed):
     paths = _random_id_paths(rng, 60)
     kb = KeyBases()
     old = [engine_block_keys(p, 64, 16, len(p) * 64) for p in paths]
-    new = [engine_block_keys(p, 64, 16, len(p) * 64, kb) for p in paths]
+    new = [engine_block_keys(p, 64, 16, len(p) * 64, kb.runs_of(p)) for p in paths]
     first_old: dict[int, tuple[int, int]] = {}
     first_new: dict[int, tuple[int, int]] = {}
     for i, (ko, kn) in enumerate(zip(old, new)):
@@ -374,9 +374,9 @@ def test_key_bases_make_a_conversation_one_run():
     from twin.engine.request import KeyBases
 
     kb = KeyBases()
-    turn1 = engine_block_runs([0, 1, 2, 3], 512, 16, 4 * 512, kb)
-    turn2 = engine_block_runs([0, 1, 2, 3, 4, 5], 512, 16, 6 * 512, kb)
-    other = engine_block_runs([0, 7, 8], 512, 16, 3 * 512, kb)  # a branch after the shared first id
+    turn1 = engine_block_runs([0, 1, 2, 3], 512, 16, 4 * 512, kb.runs_of([0, 1, 2, 3]))
+    turn2 = engine_block_runs([0, 1, 2, 3, 4, 5], 512, 16, 6 * 512, kb.runs_of([0, 1, 2, 3, 4, 5]))
+    other = engine_block_runs([0, 7, 8], 512, 16, 3 * 512, kb.runs_of([0, 7, 8]))  # a branch after id 0
     assert len(turn1.runs) == 1 and len(turn2.runs) == 1 and list(turn2)[:len(turn1)] == list(turn1)
     assert len(other.runs) == 2 and list(other)[:32] == list(turn1)[:32]
     assert set(list(other)[32:]).isdisjoint(list(turn2))

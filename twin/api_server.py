@@ -19,7 +19,8 @@ share one server:
   the burst's parsing. Each token is then streamed `api_token_s` after that, as before.
 
 The account is per event, never per token: one `preprocess` per request, one `delivery_wait` at a request's
-first token and at its finish; the token rate is read off the engine's step in progress (`token_rate`).
+first token and at its finish; the token rate is read off the engine's step in progress
+(`Instance.token_rate`).
 
 For the fit (twin.calibrate) the server can carry the gradient of its times with respect to the three API
 terms (`api_request_overhead_s`, `api_prompt_token_s`, `api_output_token_s`) on the run's schedule, and
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_left
 from dataclasses import dataclass, field
 
 Grad = tuple[float, float, float]
@@ -179,9 +179,3 @@ class ApiServer:
         if self.record is not None and idx >= 0 and idx in self.record:
             self.record[idx][which] = (wait, g)
         return wait
-
-
-def token_rate(inst: object) -> float:
-    """Tokens per second the instance's step in progress emits (`Instance.token_rate`; 0 when idle)."""
-    fn = getattr(inst, "token_rate", None)
-    return float(fn()) if fn is not None else 0.0

@@ -137,9 +137,6 @@ class Cluster:
             self._next_turn[stream.after[has]] = has
         # the API server of each instance as a queue (twin.api_server), when it has work to queue: per request
         # and per token; the waits its tokens had for queued pre-processing (first token, finish)
-        self.api_cap: float | None = None
-        self.api_handoff_s: float = 0.0
-        self.api_discipline: str = "off"
         self.api_cap, self.api_handoff_s, self.api_discipline = self._api_queue_settings()
         self.api_servers: dict[str, ApiServer] = {}
         self.api_record: bool = False  # the fit's gradients (twin.calibrate)
@@ -209,9 +206,9 @@ class Cluster:
             bs = self.engine_config.block_size
             tr = self.trace_runs[i] if self.trace_runs is not None else None
             if self.segmented:  # runs, O(runs): the range pool works on them
-                keys = engine_block_runs(s.hash_ids[i], s.hash_block_size, bs, covered, None, tr)
+                keys = engine_block_runs(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
             else:
-                keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, bs, covered, None, tr)
+                keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
         sid = -1 if s.session_id is None else int(s.session_id[i])
         cap = self.max_tokens_cap
         return Request(i, float(s.arrival_s[i]), p, o if cap is None else min(o, cap), keys, sid)

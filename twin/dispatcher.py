@@ -150,16 +150,19 @@ class Dispatcher:
         ticks = self.clock.ticks_through(self.env.now) if self.clock is not None else 0
         return ticks + self.explicit_scrapes
 
+    def _follow_state(self, inst: Any) -> InstanceView:
+        """The instance's view, replaced by one in its current lifecycle state if that changed."""
+        v = self.views[inst.id]
+        if v.state != inst.state:
+            self.views[inst.id] = v = InstanceView(inst.id, inst.state, v.gauges, v.config, v._load,
+                                                   getattr(inst, "serving_since", 0.0))
+        return v
+
     def scrape(self) -> None:
         """Sample every instance's gauges now (what a /metrics scrape returns)."""
         self.explicit_scrapes += 1
-        views = self.views
         for inst in self.instances:
-            v = views[inst.id]
-            if v.state != inst.state:
-                views[inst.id] = v = InstanceView(inst.id, inst.state, v.gauges, v.config, v._load,
-                                                  getattr(inst, "serving_since", 0.0))
-            v.gauges = self._gauges(inst)
+            self._follow_state(inst).gauges = self._gauges(inst)
         if self.clock is not None:
             self._views_tick = self.clock.last_tick(self.env.now)
         self._refresh_lists()
@@ -175,11 +178,9 @@ class Dispatcher:
         views = self.views
         replaced = False
         for inst in self.instances:
-            v = views[inst.id]
-            if v.state != inst.state:
-                views[inst.id] = v = InstanceView(inst.id, inst.state, v.gauges, v.config, v._load,
-                                                  getattr(inst, "serving_since", 0.0))
-                replaced = True
+            old = views[inst.id]
+            v = self._follow_state(inst)
+            replaced = replaced or v is not old
             if v.gauges.as_of < tick:
                 running, waiting, kv = inst.gauges_at(tick)
                 v.gauges = Gauges(running, waiting, kv, tick)
@@ -193,10 +194,7 @@ class Dispatcher:
                 self.views[inst.id] = self._new_view(inst)
                 self.by_id[inst.id] = inst
         for inst in self.instances:
-            v = self.views[inst.id]
-            if v.state != inst.state:
-                self.views[inst.id] = InstanceView(inst.id, inst.state, v.gauges, v.config, v._load,
-                                                   getattr(inst, "serving_since", 0.0))
+            self._follow_state(inst)
         self._refresh_lists()
 
     def add_instance(self, inst: Any) -> None:

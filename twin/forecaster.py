@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from twin.api_server import ApiServer, token_rate
+from twin.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.policy.views import Forecast, RequestView
@@ -174,7 +174,7 @@ class FleetForecaster:
             reps.append((f, transit, ready))
             srv = cl.api_servers.get(inst.id)
             queues.append((ApiServer(srv.rho_cap, "fifo", free_at=srv.backlog_end()[0]) if srv is not None else None,
-                           token_rate(inst)))
+                           inst.token_rate()))
         if n_instances > len(serving):  # a new instance: empty, serving after the start-up delay
             proto = cl.instances[0]
             fresh = EngineFork(_empty_like(proto.scheduler), proto.perf, now, proto.fast_forward,

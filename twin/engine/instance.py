@@ -168,7 +168,7 @@ class Instance:
             if not sched.has_unfinished_requests():
                 self._wakeup = env.event()
                 yield self._wakeup
-                self.touch()
+                self.touch(env.now)
                 self._wakeup = None
                 continue
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
@@ -184,7 +184,7 @@ class Instance:
                 except simpy.Interrupt:
                     # an arrival: the step in progress completes, then the scheduler sees the newcomer
                     j = min(bisect_left(ends, env.now) + 1, k)
-                self.touch()
+                self.touch(env.now)
                 self._interruptible = False
                 self._run = None
                 self.pending_run = None
@@ -192,7 +192,7 @@ class Instance:
                 if env.now < ends[j - 1]:
                     self.pending_tail = (j, durations, ends, env.now)
                     yield env.timeout(ends[j - 1] - env.now)
-                    self.touch()
+                    self.touch(env.now)
                     self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
                 continue
@@ -204,7 +204,7 @@ class Instance:
             dt = self.perf.step_time(out.batch())
             self.pending_step = (out, env.now + dt)
             yield env.timeout(dt)
-            self.touch()
+            self.touch(env.now)
             self.pending_step = None
             sched.update_from_output(out, env.now)
 
@@ -340,23 +340,25 @@ class Instance:
     def kv_usage(self) -> float:
         return 1.0 - self.free_blocks / self.pool.num_usable_blocks
 
-    def touch(self, now: float = -1.0) -> None:
+    def _gauges_if_unchanged_since(self, t: float) -> tuple[int, int, float]:
+        """(running, waiting, KV use) at time t, nothing having changed since t but the decode run's steps."""
+        return (self.num_running, self.num_waiting, 1.0 - self.free_blocks_at(t) / self.pool.num_usable_blocks)
+
+    def touch(self, now: float) -> None:
         """About to change what the gauges read: keep them as of the last scrape tick, if not kept yet."""
         c = self.scrape_clock
         if c is None:
             return
-        t = c.last_tick(self.env.now if now < 0 else now)
+        t = c.last_tick(now)
         if t > self._snap_t:
             self._snap_t = t
-            self._snap = (len(self._running), len(self._waiting) + len(self.scheduler.inbox),
-                          1.0 - self.free_blocks_at(t) / self.pool.num_usable_blocks)
+            self._snap = self._gauges_if_unchanged_since(t)
 
     def gauges_at(self, tick: float) -> tuple[int, int, float]:
         """(running, waiting, KV use) as a scrape at `tick` (the last tick, or later with no change) saw them."""
         if self._snap_t == tick:
             return self._snap
-        return (len(self._running), len(self._waiting) + len(self.scheduler.inbox),
-                1.0 - self.free_blocks_at(tick) / self.pool.num_usable_blocks)
+        return self._gauges_if_unchanged_since(tick)
 
     @property
     def inflight_prefill_tokens(self) -> int:

@@ -132,15 +132,14 @@ class KeyBases:
 
 
 def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_tokens: int,
-                      bases: KeyBases | None = None,
                       trace_runs: list[tuple[int, int, int]] | None = None) -> list[int]:
     """Engine-block hashes from trace-level prefix ids (e.g. Mooncake's 512-token `hash_ids`).
 
     Block j of the engine covers tokens [j*bs, (j+1)*bs); its identity is the chained id of every trace
     block up to the one holding its last token, plus j (key = chain + j, so consecutive blocks of one trace
     block differ by 1 and `BlockKeys.from_keys` can regroup them). Only blocks that are full within the
-    `num_tokens` the ids describe get a key, as vLLM hashes only full blocks. With `bases` (one `KeyBases`
-    per run) the key is base + j instead, so continuations share a run. The per-block reference of
+    `num_tokens` the ids describe get a key, as vLLM hashes only full blocks. With `trace_runs` (a
+    `KeyBases.runs_of`) the key is base + j instead, so continuations share a run. The per-block reference of
     `engine_block_runs`.
     """
     if not hash_ids:
@@ -148,14 +147,13 @@ def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_token
     if hash_block_size == block_size:
         covered = min(len(hash_ids) * hash_block_size, num_tokens)
         return _chain(hash_ids)[:covered // block_size]
-    return list(engine_block_runs(hash_ids, hash_block_size, block_size, num_tokens, bases, trace_runs))
+    return list(engine_block_runs(hash_ids, hash_block_size, block_size, num_tokens, trace_runs))
 
 
 def engine_block_runs(hash_ids, hash_block_size: int, block_size: int, num_tokens: int,
-                      bases: KeyBases | None = None,
                       trace_runs: list[tuple[int, int, int]] | None = None) -> "BlockKeys":
-    """`engine_block_keys` as runs: one (key base, first block, count) per trace block, or with `bases` (or
-    the `trace_runs` a `KeyBases` gave, `RequestStream.key_runs`) one per path of continued trace blocks (a
+    """`engine_block_keys` as runs: one (key base, first block, count) per trace block, or with the
+    `trace_runs` a `KeyBases` gave (`RequestStream.key_runs`) one per path of continued trace blocks (a
     conversation's turns: usually one or two). Engine block j belongs to the trace block holding its last
     token, so trace blocks [t0, t1) hold engine blocks [t0 * hbs // bs, t1 * hbs // bs)."""
     covered = min(len(hash_ids) * hash_block_size, num_tokens) if hash_ids else 0
@@ -165,10 +163,7 @@ def engine_block_runs(hash_ids, hash_block_size: int, block_size: int, num_token
     if hash_block_size == block_size:  # one block per id: key = chain id, as `engine_block_keys`
         return BlockKeys.from_keys(_chain(hash_ids)[:n_full])
     if trace_runs is None:
-        if bases is not None:
-            trace_runs = bases.runs_of(hash_ids)
-        else:
-            trace_runs = [(c, t, 1) for t, c in enumerate(_chain(hash_ids))]
+        trace_runs = [(c, t, 1) for t, c in enumerate(_chain(hash_ids))]
     runs: list[tuple[int, int, int]] = []
     for b, t0, nt in trace_runs:
         j0 = (t0 * hash_block_size) // block_size
