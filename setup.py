@@ -20,6 +20,7 @@ HOT_MODULES = [
     "twin/cluster.py",
     "twin/dispatcher.py",
     "twin/api_server.py",
+    "twin/timeline.py",
 ]
 
 ext_modules = []

@@ -160,3 +160,18 @@ def test_a_turn_sent_while_the_previous_answer_streams_hits_the_blocks_it_filled
         # step 0 prefills A; at step s A's decode caches up to 32 + s tokens: at step 40, 4 full blocks
         assert tr.cached == {0: 0, 1: 64}, mode
         assert tr.finish[0] == 63
+
+
+def test_the_run_ends_when_the_last_request_does_whatever_the_progress_slices():
+    """sim_time_s is the engine's last finish (it drives cost and GPU-seconds), not a progress slice's end."""
+    sc = make_scenario(**{"workload.num_requests": 60, "workload.arrival.rate": 20, "cluster.num_instances": 2,
+                          "cluster.perf.api_queue": "off"})
+    ends = []
+    for slices, progress in ((200, lambda now, n: None), (7, lambda now, n: None), (200, None)):
+        cl = Cluster(sc, build_stream(sc))
+        res = cl.run(progress, slices=slices)
+        assert (res.log.status == 4).all()
+        shift = cl.api_token_s()  # client-side times are the engine's plus the API server's per-token time
+        assert res.sim_time_s == pytest.approx(float(np.max(res.log.finish_s)) - shift, abs=1e-12)
+        ends.append(res.sim_time_s)
+    assert ends[0] == ends[1] == ends[2]

@@ -42,8 +42,12 @@ def steady(n=200, rate=20.0, prompt=200, out=100):
     return stream_of(np.arange(n) / rate, [prompt] * n, [out] * n)
 
 
-def test_draining_loses_nothing_and_stops_after_its_last_request():
-    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.max_instances": 2, "scaler.interval_s": 1.0})
+@pytest.mark.parametrize("async_on", [False, True])
+def test_draining_loses_nothing_and_stops_after_its_last_request(async_on):
+    """Under async scheduling (vLLM's GPU default) the last requests keep their blocks one step longer:
+    the instance must still stop then, not stay draining (and billed) to the end of the run."""
+    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.max_instances": 2, "scaler.interval_s": 1.0,
+                          "cluster.engine.async_scheduling": async_on})
     cl, res = run_with(sc, steady(200), Script([(2.0, 1)]))
     log = res.log
     assert (log.status == 4).all()  # every request finished: none lost, none restarted
@@ -56,7 +60,11 @@ def test_draining_loses_nothing_and_stops_after_its_last_request():
     sent_after = (log.instance == gone) & (log.arrival_s > t_drain)
     assert not sent_after.any()  # no new requests after the drain
     on_it = log.instance == gone
-    assert t_stop == pytest.approx(log.finish_s[on_it].max())  # it stopped when its last request ended
+    last = log.finish_s[on_it].max()
+    if async_on:  # freed after the next step's decision: within a step (a decode step here is < 50 ms)
+        assert last <= t_stop < last + 0.05 and t_stop < res.sim_time_s
+    else:
+        assert t_stop == pytest.approx(last)  # it stopped when its last request ended
     assert t_drain < t_stop
 
 
@@ -257,3 +265,50 @@ def test_capacity_of_short_requests_is_confirmed_with_full_length_probes():
 
     assert later_half_attainment(cap.req_s) >= 0.85
     assert later_half_attainment(cap.req_s * 1.15) < 0.9
+
+
+@pytest.mark.parametrize("mode", ["fast", "step"])
+@pytest.mark.parametrize("async_on", [True, False])
+def test_the_timeline_is_what_a_poll_at_each_tick_saw(mode, async_on):
+    """No sampling process runs: each tick's row must equal an eager poll just before it, through scale-ups
+    and a drain (lifecycle states, in-flight counts, a decode run's blocks), and every tick must be there."""
+    dt = 0.1
+    rng = np.random.default_rng(5)
+    n = 300
+    stream = stream_of(np.cumsum(rng.exponential(0.02, n)), rng.integers(50, 900, n), rng.integers(5, 150, n))
+    sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 3, "cluster.startup_delay_s": 0.5,
+                          "scaler.interval_s": 0.5, "sim.timeline_interval_s": dt, "sim.mode": mode,
+                          "cluster.engine.num_gpu_blocks_override": 300,
+                          "cluster.engine.async_scheduling": async_on})
+    cl = Cluster(sc, stream, scaler=Script([(1.0, 3), (3.0, 2)]))
+    polled = {}
+
+    def poller():  # just before each tick: the state after every event before it
+        env = cl.env
+        k = 0
+        while True:
+            yield env.timeout(max(k * dt - 1e-9 - env.now, 0.0))
+            loads = cl.dispatcher.bookkeeping.loads
+            for inst in cl.instances:
+                ld = loads.get(inst.id)
+                polled[(k, inst.id)] = (inst.num_running, inst.num_waiting, inst.kv_usage,
+                                        ld.requests if ld is not None else 0, inst.state)
+            k += 1
+
+    cl.env.process(poller())
+    res = cl.run()
+    assert (res.log.status == 4).all()
+    tl = res.timeline.to_frame()
+    assert {"starting", "serving", "draining", "stopped"} <= set(tl.state)
+    assert (tl.waiting > 0).any() and (tl.inflight > 1).any()
+    assert tl.t_s.is_monotonic_increasing
+    for row in tl.itertuples():
+        k = int(round(row.t_s / dt))
+        assert row.t_s == pytest.approx(k * dt)
+        running, waiting, kv, inflight, state = polled[(k, row.instance)]
+        assert (row.running, row.waiting, row.inflight, row.state) == (running, waiting, inflight, state), row
+        assert row.kv_usage == pytest.approx(kv, abs=1e-12), row
+    last = int(res.sim_time_s / dt + 1e-9)  # every instance at every tick through the end, once
+    want = {key for key in polled if key[0] <= last}
+    got = {(int(round(t / dt)), i) for t, i in zip(tl.t_s, tl.instance)}
+    assert got == want and len(tl) == len(want)

@@ -28,6 +28,7 @@ from twin.policy.scalers import Scaler
 from twin.policy.views import Reject, RequestView
 from twin.records import RequestLog
 from twin.scenario import Scenario
+from twin.timeline import Timeline
 from twin.workload.stream import RequestStream
 
 
@@ -56,7 +57,7 @@ class SimResult:
     perf: StepTimeModel
     stream_stats: dict = field(default_factory=dict)
     router_info: dict = field(default_factory=dict)
-    timeline: object | None = None  # twin.timeline.Timeline when sim.timeline_interval_s > 0
+    timeline: Timeline | None = None  # when sim.timeline_interval_s > 0
     fleet: object | None = None  # twin.fleet.Fleet: lifetimes, scale events, GPU-seconds
 
 
@@ -130,6 +131,10 @@ class Cluster:
         if stream.hash_ids is not None and stream.hash_block_size != self.engine_config.block_size:
             self.trace_runs = stream.key_runs()
         self.num_arrived = 0
+        # the run ends exactly when the last request does (finished or rejected), not at a progress slice's end
+        self.num_ended = 0
+        self.all_ended = self.env.event()
+        self.all_ended.callbacks.append(simpy.core.StopSimulation.callback)
         self._next_turn: np.ndarray | None = None
         if stream.after is not None:
             self._next_turn = np.full(len(stream), -1, dtype=np.int64)
@@ -156,10 +161,8 @@ class Cluster:
         if getattr(self.fleet.scaler, "name", "") != "none":
             self._prepare_scaler()
             self.env.process(self.fleet.scaler_process())
-        self.timeline = None
+        self.timeline: Timeline | None = None
         if sc.sim.timeline_interval_s > 0:
-            from twin.timeline import Timeline
-
             self.timeline = Timeline(self.env, self.dispatcher, sc.sim.timeline_interval_s)
         self.env.process(self.arrivals())
 
@@ -169,6 +172,7 @@ class Cluster:
                         fast_forward=self.scenario.sim.mode == "fast", segmented=self.segmented)
         inst.scheduler.on_finish = self._finished
         inst.scheduler.on_first_token = self._first_token
+        inst.on_idle = self._instance_idle
         self.instances.append(inst)
         self.by_id[inst.id] = inst
         return inst
@@ -178,6 +182,8 @@ class Cluster:
         inst = self._build_instance()
         inst.state = state
         self.dispatcher.add_instance(inst)
+        if self.timeline is not None:
+            self.timeline.attach(inst)
         return inst
 
     def _first_token(self, i: int, t: float) -> None:
@@ -276,6 +282,7 @@ class Cluster:
         if not inst.fits(r.num_prompt_tokens + r.max_tokens):
             self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
             return
+        inst.touch(env.now)  # its in-flight count changes: the timeline records the ticks before
         self.dispatcher.dispatched(i, view, inst.id)
         delay = self._api_request_s(r.num_prompt_tokens)
         if delay > 0 and self.api_cap is not None:  # the API server's queue, stretched by the token stream
@@ -390,8 +397,17 @@ class Cluster:
             self.fleet.maybe_stop(inst)
         self._turn_ended(i)
 
+    def _instance_idle(self, inst: Instance) -> None:
+        """An engine ran out of work: a draining one stops (under async scheduling its last requests kept
+        their blocks until the step after they finished, so `_finished` found it still busy)."""
+        if inst.state == "draining":
+            self.fleet.maybe_stop(inst)
+
     def _turn_ended(self, i: int) -> None:
         """Request i finished or was rejected: the session's next turn is sent after its think time."""
+        self.num_ended += 1
+        if self.num_ended == len(self.stream):
+            self.all_ended.succeed()  # stops env.run at this instant (StopSimulation)
         j = int(self._next_turn[i]) if self._next_turn is not None else -1
         if j < 0:
             return
@@ -416,7 +432,9 @@ class Cluster:
             inst.scheduler.has_unfinished_requests() for inst in self.instances)
 
     def run(self, progress: Callable[[float, int], None] | None = None, slices: int = 200) -> SimResult:
-        """Run to completion (or `sim.max_sim_time_s`), calling `progress(sim_now, arrived)` between slices."""
+        """Run to completion (or `sim.max_sim_time_s`), calling `progress(sim_now, arrived)` between slices.
+
+        The run stops when the last request ends (`all_ended`), so `sim_time_s` does not depend on `slices`."""
         env = self.env
         # Requests waiting in a long queue are many young objects and no cycles: Python's collector
         # rescanning them was ~15 % of a million-request run. Collect rarely; restore afterwards.
@@ -434,7 +452,7 @@ class Cluster:
         t_wall = time.perf_counter()
         horizon = self.scenario.sim.max_sim_time_s
         last_arrival = float(self.stream.arrival_s[-1]) if len(self.stream) else 0.0
-        step = max((horizon or last_arrival) / slices, 1e-3)
+        step = max((horizon or last_arrival) / (slices if progress is not None else 1), 1e-3)
         t = env.now  # a run may resume after env.run(until=...) (forks, tests)
         while not self.done():
             nxt = env.peek()
@@ -447,6 +465,8 @@ class Cluster:
             env.run(until=t)
             if progress is not None:
                 progress(env.now, self.num_arrived)
+        if self.timeline is not None:
+            self.timeline.finish(env.now)
         wall = time.perf_counter() - t_wall
         # client-side times: every token, the first and the last included, reaches the client api_token_s late
         shift = self.api_token_s()

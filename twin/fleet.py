@@ -74,6 +74,7 @@ class Fleet:
         if inst.state != "starting":
             return  # drained (cancelled) while starting
         now = self.env.now
+        inst.touch(now)  # the timeline records the ticks before the change
         inst.state = "serving"
         inst.serving_since = now
         self.lifetimes[inst.id].serving_s = now
@@ -84,6 +85,7 @@ class Fleet:
         """No new requests; stop once the last in-flight one ends (at once if none, or if still starting)."""
         now = self.env.now
         was_starting = inst.state == "starting"
+        inst.touch(now)  # the timeline records the ticks before the change
         inst.state = "draining"
         self.lifetimes[inst.id].draining_s = now
         self.events.append(ScaleEvent(now, "drain", inst.id, len(self.active()), reason))
@@ -102,6 +104,7 @@ class Fleet:
 
     def stop(self, inst) -> None:
         now = self.env.now
+        inst.touch(now)  # the timeline records the ticks before the change
         inst.state = "stopped"
         self.lifetimes[inst.id].stopped_s = now
         self.events.append(ScaleEvent(now, "stop", inst.id, len(self.active())))

@@ -1,31 +1,39 @@
-"""Per-instance time series of a run (running, waiting, KV use, in flight), sampled at a fixed resolution."""
+"""Per-instance time series of a run (running, waiting, KV use, in flight), sampled at a fixed resolution.
+
+No SimPy process ticks: like the scrape clock (twin.engine.instance.ScrapeClock), an instance records the
+ticks since its last record only when it is about to change (`Instance.touch`), each with the state it
+had then, so cost grows with events and ticks, not with a process's events. A tick at T sees the state
+before any event at T; the run's end records every instance through its last tick."""
 
 from __future__ import annotations
 
-from array import array
+from typing import Any
 
+import numpy as np
 import pandas as pd
 import simpy
 
 
 class Timeline:
-    """Samples every instance every `interval_s` of simulated time into compact columns."""
+    """Samples every instance every `interval_s` of simulated time (start + k x interval_s) into compact columns."""
 
-    def __init__(self, env: simpy.Environment, dispatcher, interval_s: float) -> None:
+    def __init__(self, env: simpy.Environment, dispatcher: Any, interval_s: float) -> None:
         self.env = env
         self.dispatcher = dispatcher
         self.interval_s = interval_s
-        self.t = array("d")
-        self.instance = array("i")
-        self.running = array("i")
-        self.waiting = array("i")
-        self.kv_usage = array("d")
-        self.inflight = array("i")
+        self.start: float = env.now
+        # plain lists: compiled, their appends are native (an array's are method calls)
+        self.t: list[float] = []
+        self.instance: list[int] = []
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self.kv_usage: list[float] = []
+        self.inflight: list[int] = []
         self.state: list[str] = []
         self._names: list[str] = []
         self._pos: dict[str, int] = {}
-        self.stopped = False
-        env.process(self._sample())
+        for inst in dispatcher.instances:
+            self.attach(inst, self.start)
 
     def _index(self, name: str) -> int:
         i = self._pos.get(name)
@@ -34,32 +42,58 @@ class Timeline:
             self._names.append(name)
         return i
 
-    def sample(self) -> None:
-        now = self.env.now
-        loads = self.dispatcher.bookkeeping.loads
-        for inst in self.dispatcher.instances:
-            self.t.append(now)
-            self.instance.append(self._index(inst.id))
-            self.running.append(inst.num_running)
-            self.waiting.append(inst.num_waiting)
-            self.kv_usage.append(inst.kv_usage)
-            ld = loads.get(inst.id)
-            self.inflight.append(ld.requests if ld is not None else 0)
-            self.state.append(inst.state)
+    def attach(self, inst: Any, first_tick: float | None = None) -> None:
+        """Record `inst` from `first_tick` (default: the first tick after now: it did not exist before now)."""
+        self._index(inst.id)
+        if first_tick is None:
+            k = int((self.env.now - self.start) / self.interval_s)
+            while self.start + k * self.interval_s <= self.env.now:
+                k += 1
+            first_tick = self.start + k * self.interval_s
+        inst.timeline = self
+        inst.timeline_next = first_tick
 
-    def _sample(self):
-        while not self.stopped:
-            self.sample()
-            yield self.env.timeout(self.interval_s)
+    def fill(self, inst: Any, now: float) -> None:
+        """`inst` is about to change at `now`: record its ticks through `now` with the state it has had since."""
+        t: float = inst.timeline_next
+        dt = self.interval_s
+        start = self.start
+        k = int(round((t - start) / dt))
+        code = self._pos[inst.id]
+        ld = self.dispatcher.bookkeeping.loads.get(inst.id)
+        inflight: int = ld.requests if ld is not None else 0
+        state: str = inst.state
+        running: int = inst.num_running
+        waiting: int = inst.num_waiting
+        while t <= now:
+            self.t.append(t)
+            self.instance.append(code)
+            self.running.append(running)
+            self.waiting.append(waiting)
+            self.kv_usage.append(inst.kv_usage_at(t))  # a decode run in progress takes a block per step
+            self.inflight.append(inflight)
+            self.state.append(state)
+            k += 1
+            t = start + k * dt
+        inst.timeline_next = t
+
+    def finish(self, now: float) -> None:
+        """The run ended at `now`: every instance's ticks through it."""
+        for inst in self.dispatcher.instances:
+            if inst.timeline_next <= now:
+                self.fill(inst, now)
 
     def to_frame(self) -> pd.DataFrame:
-        names = pd.Categorical.from_codes(list(self.instance), categories=self._names) if self._names else []
+        """Rows in time order, then in the order instances joined (as a sampling process would append them)."""
+        t = np.asarray(self.t, dtype=np.float64)
+        codes = np.asarray(self.instance, dtype=np.int32)
+        order = np.lexsort((codes, t))
         return pd.DataFrame({
-            "t_s": pd.Series(self.t, dtype="float64"),
-            "instance": names,
-            "running": pd.Series(self.running, dtype="int32"),
-            "waiting": pd.Series(self.waiting, dtype="int32"),
-            "kv_usage": pd.Series(self.kv_usage, dtype="float64"),
-            "inflight": pd.Series(self.inflight, dtype="int32"),
-            "state": pd.Series(self.state, dtype="category"),
+            "t_s": pd.Series(t[order], dtype="float64"),
+            "instance": pd.Categorical.from_codes(codes[order], categories=self._names) if self._names else [],
+            "running": pd.Series(np.asarray(self.running, dtype=np.int32)[order], dtype="int32"),
+            "waiting": pd.Series(np.asarray(self.waiting, dtype=np.int32)[order], dtype="int32"),
+            "kv_usage": pd.Series(np.asarray(self.kv_usage, dtype=np.float64)[order], dtype="float64"),
+            "inflight": pd.Series(np.asarray(self.inflight, dtype=np.int32)[order], dtype="int32"),
+            "state": pd.Series(np.asarray(self.state, dtype=object)[order], dtype="category"),
         })

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import simpy
 
@@ -156,6 +156,9 @@ class Instance:
         self.scrape_clock: ScrapeClock | None = None
         self._snap_t = -math.inf
         self._snap: tuple[int, int, float] = (0, 0, 0.0)
+        self.on_idle: Callable[[Instance], None] | None = None  # the engine ran out of work (the fleet's drain)
+        self.timeline: Any = None  # twin.timeline.Timeline when one records this instance (it sets both)
+        self.timeline_next = math.inf  # the next timeline tick not yet recorded
         self.process = env.process(self.run())
 
     # -- the step loop -------------------------------------------------------------------------------
@@ -166,6 +169,8 @@ class Instance:
         sched = self.scheduler
         while True:
             if not sched.has_unfinished_requests():
+                if self.on_idle is not None:
+                    self.on_idle(self)
                 self._wakeup = env.event()
                 yield self._wakeup
                 self.touch(env.now)
@@ -219,6 +224,8 @@ class Instance:
         while True:
             if sched.is_idle():
                 if not sched.inbox:
+                    if self.on_idle is not None:  # a draining instance stops here: its finished requests
+                        self.on_idle(self)  # kept their blocks until the step after they finished
                     self._wakeup = env.event()
                     yield self._wakeup
                     self.touch(env.now)
@@ -340,12 +347,19 @@ class Instance:
     def kv_usage(self) -> float:
         return 1.0 - self.free_blocks / self.pool.num_usable_blocks
 
+    def kv_usage_at(self, t: float) -> float:
+        """KV use at time t, nothing having changed since t but the decode run's steps."""
+        return 1.0 - self.free_blocks_at(t) / self.pool.num_usable_blocks
+
     def _gauges_if_unchanged_since(self, t: float) -> tuple[int, int, float]:
         """(running, waiting, KV use) at time t, nothing having changed since t but the decode run's steps."""
-        return (self.num_running, self.num_waiting, 1.0 - self.free_blocks_at(t) / self.pool.num_usable_blocks)
+        return (self.num_running, self.num_waiting, self.kv_usage_at(t))
 
     def touch(self, now: float) -> None:
-        """About to change what the gauges read: keep them as of the last scrape tick, if not kept yet."""
+        """About to change what the gauges, the timeline or the books read: the timeline records its ticks
+        through now, and the gauges are kept as of the last scrape tick, if not kept yet."""
+        if now >= self.timeline_next:
+            self.timeline.fill(self, now)
         c = self.scrape_clock
         if c is None:
             return

@@ -84,6 +84,18 @@ class SchedulerOutput:
 
     t_decided: float = -1.0  # when vLLM made this decision (async: the start of the step before)
 
+    def __init__(self, t_start: float, prefills: list[tuple[Request, int, int]] | None = None, num_decode: int = 0,
+                 decode_context: int = 0, skipped: list[Request] | None = None,
+                 preempted: list[Request] | None = None, t_decided: float = -1.0) -> None:
+        # written out (dataclass keeps it): one per step, a native constructor when compiled
+        self.t_start = t_start
+        self.prefills = [] if prefills is None else prefills
+        self.num_decode = num_decode
+        self.decode_context = decode_context
+        self.skipped = [] if skipped is None else skipped
+        self.preempted = [] if preempted is None else preempted
+        self.t_decided = t_decided
+
     def batch(self) -> StepBatch:
         b = StepBatch(num_decode_tokens=self.num_decode, decode_context_tokens=self.decode_context,
                       num_prefill_reqs=len(self.prefills))

@@ -21,6 +21,18 @@ class StepBatch:
     decode_context_tokens: int = 0  # sum over decodes of the tokens attended (incl. the new one)
     num_prefill_reqs: int = 0  # requests with a prefill chunk this step
 
+    def __init__(self, num_prefill_tokens: int = 0, prefill_attn_tokens: float = 0.0,
+                 prefill_kv_read_tokens: int = 0, num_prefill_sampled: int = 0, num_decode_tokens: int = 0,
+                 decode_context_tokens: int = 0, num_prefill_reqs: int = 0) -> None:
+        # written out (dataclass keeps it): compiled, a native constructor, not a generated Python __init__
+        self.num_prefill_tokens = num_prefill_tokens
+        self.prefill_attn_tokens = prefill_attn_tokens
+        self.prefill_kv_read_tokens = prefill_kv_read_tokens
+        self.num_prefill_sampled = num_prefill_sampled
+        self.num_decode_tokens = num_decode_tokens
+        self.decode_context_tokens = decode_context_tokens
+        self.num_prefill_reqs = num_prefill_reqs
+
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
