@@ -21,6 +21,8 @@ HOT_MODULES = [
     "twin/dispatcher.py",
     "twin/api_server.py",
     "twin/timeline.py",
+    "twin/policy/bookkeeping.py",
+    "twin/policy/signals.py",
 ]
 
 ext_modules = []
