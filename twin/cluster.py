@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import inspect
 import time
 from collections import deque
@@ -329,7 +330,7 @@ class Cluster:
         """One timer per API server, at its next end of pre-processing (an arrival makes the last one stale)."""
         srv.generation += 1
         t = srv.next_done()
-        if t < float("inf"):
+        if t < math.inf:
             self.env.timeout(max(t - self.env.now, 0.0)).callbacks.append(
                 partial(self._api_done, inst, srv, srv.generation))
 
@@ -456,7 +457,7 @@ class Cluster:
         t = env.now  # a run may resume after env.run(until=...) (forks, tests)
         while not self.done():
             nxt = env.peek()
-            if nxt == float("inf"):
+            if nxt == math.inf:
                 break
             t = max(t + step, nxt)
             if horizon is not None and t >= horizon:

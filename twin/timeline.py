@@ -7,17 +7,18 @@ before any event at T; the run's end records every instance through its last tic
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pandas as pd
 import simpy
+
+from twin.dispatcher import Dispatcher
+from twin.engine.instance import Instance
 
 
 class Timeline:
     """Samples every instance every `interval_s` of simulated time (start + k x interval_s) into compact columns."""
 
-    def __init__(self, env: simpy.Environment, dispatcher: Any, interval_s: float) -> None:
+    def __init__(self, env: simpy.Environment, dispatcher: Dispatcher, interval_s: float) -> None:
         self.env = env
         self.dispatcher = dispatcher
         self.interval_s = interval_s
@@ -42,7 +43,7 @@ class Timeline:
             self._names.append(name)
         return i
 
-    def attach(self, inst: Any, first_tick: float | None = None) -> None:
+    def attach(self, inst: Instance, first_tick: float | None = None) -> None:
         """Record `inst` from `first_tick` (default: the first tick after now: it did not exist before now)."""
         self._index(inst.id)
         if first_tick is None:
@@ -53,7 +54,7 @@ class Timeline:
         inst.timeline = self
         inst.timeline_next = first_tick
 
-    def fill(self, inst: Any, now: float) -> None:
+    def fill(self, inst: Instance, now: float) -> None:
         """`inst` is about to change at `now`: record its ticks through `now` with the state it has had since."""
         t: float = inst.timeline_next
         dt = self.interval_s

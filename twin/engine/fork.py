@@ -284,7 +284,7 @@ def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Schedule
             value = [R(r) for r in value]
         elif name == "inbox":
             value = [(R(r), t) for r, t in value]
-        elif name == "run_gpu_s":
+        elif name == "run_x":
             value = list(value)
         elif isinstance(value, (list, dict, deque)):
             raise TypeError(f"fork: Scheduler.{name} ({type(value).__name__}) needs an explicit copy rule")

@@ -222,7 +222,9 @@ class Scheduler:
         self.finishing: list[Request] = []  # finished in the last step, blocks held through the next schedule
         self.next_decision_t: float = 0.0  # start of the step in flight: when the next decision is made
         self.prev_gpu_s: float = 0.0  # GPU time of the step in flight, which the next step's CPU hides behind
-        self.run_gpu_s: list[float] = []  # GPU time of each step of the planned decode run
+        # the planned decode run's step-model times and host time: step s's GPU time is run_x[s] - run_c
+        self.run_x: list[float] = []
+        self.run_c: float = 0.0
         self._host_s: Callable[[int], float] | None = getattr(perf, "host_time_s", None)
         self.on_first_token: Callable[[int, float], None] | None = None  # told (index, time) of each first token
 
@@ -912,7 +914,6 @@ class Scheduler:
             return xs, ends
         c = self._host_s(self.num_decode) if self._host_s is not None else 0.0
         g_prev = self.prev_gpu_s
-        gpu = []
         out = []
         for x in xs:
             d = x - (c if c < g_prev else g_prev)
@@ -920,8 +921,8 @@ class Scheduler:
             t += d
             ends.append(t)
             g_prev = x - c
-            gpu.append(g_prev)
-        self.run_gpu_s = gpu
+        self.run_x = xs
+        self.run_c = c
         return out, ends
 
     def commit_decode_run(self, j: int, durations: list[float], ends: list[float]) -> list[Request]:
@@ -954,8 +955,8 @@ class Scheduler:
         stats.generated_tokens += nd * j
         if self.async_scheduling:  # the next decision was made as step j started
             self.next_decision_t = ends[j - 2] if j >= 2 else ends[0] - durations[0]
-            self.prev_gpu_s = self.run_gpu_s[j - 1]
-            self.run_gpu_s = []
+            self.prev_gpu_s = self.run_x[j - 1] - self.run_c
+            self.run_x = []
         self.D += j
         self.decode_context += nd * j
         self.group_last_out = t_end

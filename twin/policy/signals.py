@@ -11,13 +11,23 @@ from collections import deque
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Completion:
+    """A finished request as the window keeps it (treat as read-only)."""
+
     t: float
     ttft_s: float
     e2e_s: float
     prompt_tokens: int
     output_tokens: int
+
+    def __init__(self, t: float, ttft_s: float, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        # written out (dataclass keeps it): one per finish, a native constructor when compiled
+        self.t = t
+        self.ttft_s = ttft_s
+        self.e2e_s = e2e_s
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
 
     @property
     def tpot_s(self) -> float:
