@@ -899,7 +899,10 @@ class Scheduler:
         full, rest = divmod(j, bs)
         pc = self.phase_count
         D = self.D
-        return full * self.num_decode + sum(pc[(-(D + s)) % bs] for s in range(rest))
+        n = full * self.num_decode
+        for s in range(rest):  # a loop, not a generator: compiled, a generator is an object per call
+            n += pc[(-(D + s)) % bs]
+        return n
 
     def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
         """The run's step durations, each as `step_duration` would give it step by step, and their end times
