@@ -393,14 +393,11 @@ class Cluster:
             view = self.dispatcher.last_finished
             if view is not None:
                 self.predictor.observe(view, int(self.log.output_tokens[i]))
-        inst = self.instances[self.log.instance[i]]
-        if inst.state == "draining":
-            self.fleet.maybe_stop(inst)
-        self._turn_ended(i)
+        self._turn_ended(i)  # a draining instance stops when its engine runs out of work (`_instance_idle`)
 
     def _instance_idle(self, inst: Instance) -> None:
-        """An engine ran out of work: a draining one stops (under async scheduling its last requests kept
-        their blocks until the step after they finished, so `_finished` found it still busy)."""
+        """An engine ran out of work: a draining one stops. The one place that stops it after its last request:
+        under async scheduling that request keeps its blocks until the step after it finished."""
         if inst.state == "draining":
             self.fleet.maybe_stop(inst)
 

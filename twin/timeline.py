@@ -12,7 +12,7 @@ import pandas as pd
 import simpy
 
 from twin.dispatcher import Dispatcher
-from twin.engine.instance import Instance
+from twin.engine.instance import Instance, ScrapeClock
 
 
 class Timeline:
@@ -23,6 +23,7 @@ class Timeline:
         self.dispatcher = dispatcher
         self.interval_s = interval_s
         self.start: float = env.now
+        self.clock = ScrapeClock(self.start, interval_s)  # the ticks: start + k x interval_s, as a scrape poller's
         # plain lists: compiled, their appends are native (an array's are method calls)
         self.t: list[float] = []
         self.instance: list[int] = []
@@ -47,10 +48,8 @@ class Timeline:
         """Record `inst` from `first_tick` (default: the first tick after now: it did not exist before now)."""
         self._index(inst.id)
         if first_tick is None:
-            k = int((self.env.now - self.start) / self.interval_s)
-            while self.start + k * self.interval_s <= self.env.now:
-                k += 1
-            first_tick = self.start + k * self.interval_s
+            self.clock.last_tick(self.env.now)
+            first_tick = self.clock.nxt
         inst.timeline = self
         inst.timeline_next = first_tick
 
