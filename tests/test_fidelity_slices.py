@@ -273,3 +273,22 @@ def test_speed_probes_tell_a_steady_machine_from_one_that_slowed(tmp_path):
     drifted = probe_drift([a, b, c])
     assert not drifted["steady"] and drifted["max_drift_pct"] > DRIFT_LIMIT_PCT
     assert drifted["probes"][2]["drift_tpot_pct"] == pytest.approx(30, abs=6)
+
+
+def test_a_probe_sent_late_still_tells_its_isolated_requests_from_its_burst(tmp_path):
+    """A loaded client sends the first probe request late: its burst is still the burst (CI once saw none)."""
+    import pandas as pd
+
+    from twin.fidelity import PROBE_ALONE, probe_load, probe_speed
+
+    load = probe_load(512)
+    obs = synthetic(Profile.from_params(TRUE), load.arrival_s, load.prompt_tokens, load.output_tokens)
+    on_time = probe_speed(obs)
+    late = pd.DataFrame(obs.requests).copy()
+    shift = 0.6  # the first send this late put every request within 3 s of it, so the old rule saw no burst
+    late.loc[0, ["arrival_s", "first_token_s", "finish_s"]] += shift
+    obs.requests = late
+    sp = probe_speed(obs)
+    assert sp["requests"] == len(load) and sp["failed"] == 0
+    assert sp["burst_tpot_ms"] == pytest.approx(on_time["burst_tpot_ms"])
+    assert sp["tpot_ms"] == pytest.approx(on_time["tpot_ms"]) and PROBE_ALONE == 8

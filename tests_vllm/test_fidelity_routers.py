@@ -36,5 +36,5 @@ def test_two_workers_under_two_routers(calib_model, tmp_path):
         speed = summary["routers"][router]["speed"]
         assert [p["probe"][3:] for p in speed["probes"]] == [
             "before-calibration", "before-azure-conv", "before-sharegpt-sessions", "after-sharegpt-sessions"]
-        assert all(p["requests"] == 16 and p["burst_tpot_ms"] > 0 for p in speed["probes"])
+        assert all(p["requests"] == 16 and p["burst_tpot_ms"] > 0 for p in speed["probes"]), speed["probes"]
         assert speed["probes"][0]["drift_burst_tpot_pct"] == 0 and speed["max_drift_pct"] >= 0

@@ -121,6 +121,9 @@ def warmup_load(max_model_len: int, max_num_seqs: int):
 DRIFT_LIMIT_PCT = 10.0
 
 
+PROBE_ALONE = 8  # the probe's first requests, sent one at a time; the rest are the burst
+
+
 def probe_load(max_model_len: int):
     """The machine's speed, measured the same way before every load and after the last: 8 isolated requests (the
     decode cadence and prefill time of one request, no queueing) and one burst of 8 (a batched decode). The
@@ -128,7 +131,7 @@ def probe_load(max_model_len: int):
     from twin.observe import Load
 
     arr, p, o = [], [], []
-    for j in range(8):
+    for j in range(PROBE_ALONE):
         arr.append(0.35 * j), p.append(min(100, max_model_len - 40)), o.append(32)
     for j in range(8):
         arr.append(3.2), p.append(min(60 + 10 * j, max_model_len - 40)), o.append(32)
@@ -136,14 +139,18 @@ def probe_load(max_model_len: int):
 
 
 def probe_speed(obs: Observation) -> dict:
-    """A probe's median decode time per token and median TTFT, isolated requests and the burst apart (ms)."""
+    """A probe's median decode time per token and median TTFT, isolated requests and the burst apart (ms).
+
+    Which is which comes from the request's place in the load, not its send time: a loaded client sends late."""
     f = obs.finished
     tpot = (f.finish_s - f.first_token_s) / (f.output_tokens - 1).clip(lower=1)
     ttft = f.first_token_s - f.arrival_s
-    alone = (f.arrival_s - f.arrival_s.min()) < 3.0  # the isolated ones are sent in the first 2.45 s, the burst at 3.2
+    alone = f.request_id < PROBE_ALONE
     med = lambda x: float(np.median(x) * 1e3) if len(x) else float("nan")  # noqa: E731
-    return {"requests": int(len(f)), "tpot_ms": med(tpot[alone]), "ttft_ms": med(ttft[alone]),
-            "burst_tpot_ms": med(tpot[~alone])}
+    failed = obs.requests[obs.requests["status"] != "finished"]
+    return {"requests": int(len(f)), "failed": int(len(failed)),
+            "errors": sorted(set(failed["reject_reason"].astype(str))) if "reject_reason" in failed else [],
+            "tpot_ms": med(tpot[alone]), "ttft_ms": med(ttft[alone]), "burst_tpot_ms": med(tpot[~alone])}
 
 
 def probe_drift(probe_dirs: Sequence[Path]) -> dict:
