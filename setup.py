@@ -23,6 +23,7 @@ HOT_MODULES = [
     "twin/timeline.py",
     "twin/policy/bookkeeping.py",
     "twin/policy/signals.py",
+    "twin/events.py",
 ]
 
 ext_modules = []

@@ -8,7 +8,7 @@ import pytest
 
 HOT = ["twin.engine.block_pool", "twin.engine.request", "twin.engine.segment_pool", "twin.engine.scheduler",
        "twin.engine.instance", "twin.perf.base", "twin.perf.roofline", "twin.cluster", "twin.dispatcher",
-       "twin.api_server", "twin.timeline", "twin.policy.bookkeeping", "twin.policy.signals"]
+       "twin.api_server", "twin.timeline", "twin.policy.bookkeeping", "twin.policy.signals", "twin.events"]
 
 
 @pytest.mark.skipif(os.environ.get("LLMTWIN_EXPECT_COMPILED") != "1",

@@ -283,3 +283,39 @@ def test_gauges_read_at_a_decision_are_the_state_at_the_last_scrape_tick(mode, a
         assert kv == pytest.approx(polled[(k, iid)][2], abs=1e-12), (now, iid, k)
         checked += 1
     assert checked > 200 and any(w > 0 for *_, w, _ in router.seen)
+
+
+@pytest.mark.parametrize("predictor", [None, "oracle"])
+def test_a_router_sees_the_view_the_dataclass_would_build(predictor):
+    """The cluster builds views through the slots' setters (fast): each equals `RequestView(...)` of the same
+    request, stays frozen, and carries the prediction when a predictor is set."""
+    import dataclasses
+
+    from twin.policy.views import RequestView
+
+    seen = []
+
+    class Keep(RouterBase):
+        name = "keep"
+
+        def choose(self, req, fleet):
+            seen.append(req)
+            return fleet.instances[0].id
+
+    from twin.cluster import Cluster
+
+    stream = shared_prefix_stream(n=12)
+    stream.session_id = np.arange(12) % 3
+    over = {"predictor": {"name": predictor}} if predictor else {}
+    sc = make_scenario(**over)
+    cl = Cluster(sc, stream, Keep())
+    cl.run()
+    assert len(seen) == 12
+    for i, v in enumerate(seen):
+        keys = list(cl.make_request(i).block_keys)[: int(stream.prompt_tokens[i]) // 16]
+        want = RequestView(str(i), float(stream.arrival_s[i]), int(stream.prompt_tokens[i]), None, keys, 16,
+                           str(i % 3), predicted_output_tokens=float(stream.output_tokens[i]) if predictor else None)
+        assert dataclasses.asdict(v) == dataclasses.asdict(want) and type(v) is RequestView and len(keys) > 10
+        assert v == dataclasses.replace(v)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            v.num_prompt_tokens = 1

@@ -8,7 +8,7 @@ import inspect
 import time
 from collections import deque
 from functools import partial
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
@@ -18,6 +18,8 @@ from twin.api_server import ApiServer
 from twin.engine.defaults import resolve_batch_limits
 from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
 from twin.engine.request import BlockKeys, Request, RequestStatus, engine_block_keys, engine_block_runs
+from twin.events import Proc, Timer
+from twin.events import run as run_events
 from twin.hardware import get_gpu
 from twin.models import get_model
 from twin.dispatcher import Dispatcher, RouterError
@@ -60,6 +62,35 @@ class SimResult:
     router_info: dict = field(default_factory=dict)
     timeline: Timeline | None = None  # when sim.timeline_interval_s > 0
     fleet: object | None = None  # twin.fleet.Fleet: lifetimes, scale events, GPU-seconds
+
+
+# RequestView is a frozen dataclass: its generated __init__ sets each field through object.__setattr__ from
+# interpreted code, ~16,000 instructions a request (5 % of a Mooncake replay). Its slots' own setters set the
+# same fields in a fraction of that. The order is the dataclass's, checked at import.
+_VIEW_FIELDS = ("id", "arrival_time", "num_prompt_tokens", "max_tokens", "prefix", "prefix_block_size", "session_id",
+                "priority", "predicted_output_tokens", "text")
+if tuple(f.name for f in fields(RequestView)) != _VIEW_FIELDS:  # pragma: no cover - a RequestView field changed
+    raise ImportError("twin.cluster.new_request_view must set RequestView's fields: update _VIEW_FIELDS")
+_VIEW_SETTERS = tuple(getattr(RequestView, name).__set__ for name in _VIEW_FIELDS)
+
+
+def new_request_view(id: str, arrival_time: float, num_prompt_tokens: int, max_tokens: int | None,
+                     prefix: Sequence[int] | BlockKeys, prefix_block_size: int, session_id: str | None, priority: int,
+                     predicted_output_tokens: float | None, text: str | None) -> RequestView:
+    """`RequestView(...)` with every field given, equal to it, built by the slots' setters (see above)."""
+    v = object.__new__(RequestView)
+    s = _VIEW_SETTERS
+    s[0](v, id)
+    s[1](v, arrival_time)
+    s[2](v, num_prompt_tokens)
+    s[3](v, max_tokens)
+    s[4](v, prefix)
+    s[5](v, prefix_block_size)
+    s[6](v, session_id)
+    s[7](v, priority)
+    s[8](v, predicted_output_tokens)
+    s[9](v, text)
+    return v
 
 
 class Cluster:
@@ -165,7 +196,7 @@ class Cluster:
         self.timeline: Timeline | None = None
         if sc.sim.timeline_interval_s > 0:
             self.timeline = Timeline(self.env, self.dispatcher, sc.sim.timeline_interval_s)
-        self.env.process(self.arrivals())
+        Proc(self.env, self.arrivals())  # twin.events: SimPy's process, compiled
 
     def _build_instance(self) -> Instance:
         i = len(self.instances)
@@ -228,19 +259,20 @@ class Cluster:
         # runs stay runs (a `BlockKeys` prefix, O(runs)): expanded to per-block hashes only if a router reads them
         prefix = keys if len(keys) <= n_prompt else keys[:n_prompt]
         texts = self.stream.texts
-        view = RequestView(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap,
-                           prefix,  # type: ignore[arg-type]  # BlockKeys behaves as a Sequence[int]
-                           bs,
-                           None if r.session_id < 0 else str(r.session_id),
-                           text=None if texts is None else texts[r.idx])
+        sid = None if r.session_id < 0 else str(r.session_id)
+        text = None if texts is None else texts[r.idx]
         p = self.predictor
         if p is None:
-            return view
+            return new_request_view(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix,
+                                    bs, sid, 0, None, text)
+        view = new_request_view(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix,
+                                bs, sid, 0, None, text)
         if getattr(p, "needs_truth", False):  # the oracle (or noise around it) is handed the true length
             p.reveal(view.id, r.max_tokens)
-        return replace(view, predicted_output_tokens=float(p.predict(view)))
+        return new_request_view(view.id, view.arrival_time, view.num_prompt_tokens, view.max_tokens, prefix, bs,
+                                sid, 0, float(p.predict(view)), text)
 
-    def arrivals(self) -> Generator[simpy.Event, Any, None]:
+    def arrivals(self) -> Generator[Any, Any, None]:
         """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor."""
         env = self.env
         arrival = self.stream.arrival_s
@@ -250,7 +282,7 @@ class Cluster:
                 continue  # sent by `_turn_ended` when the turn before it ends
             t = float(arrival[i])
             if t > env.now:
-                yield env.timeout(t - env.now)
+                yield Timer(env, t - env.now)
             self.dispatch(i)
 
     def dispatch(self, i: int) -> None:
@@ -300,7 +332,7 @@ class Cluster:
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
             self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env.now + delay)
             self.log.status[i] = RequestStatus.WAITING  # arrived: queued in the API server
-            self.env.timeout(delay).callbacks.append(partial(self._to_engine, inst, r))
+            Timer(self.env, delay).then(partial(self._to_engine, inst, r))
         else:
             self._enter_engine(inst, r)
 
@@ -331,8 +363,7 @@ class Cluster:
         srv.generation += 1
         t = srv.next_done()
         if t < math.inf:
-            self.env.timeout(max(t - self.env.now, 0.0)).callbacks.append(
-                partial(self._api_done, inst, srv, srv.generation))
+            Timer(self.env, max(t - self.env.now, 0.0)).then(partial(self._api_done, inst, srv, srv.generation))
 
     def _api_done(self, inst: Instance, srv: ApiServer, generation: int, _event: object) -> None:
         """Pre-processing ended: the requests go to the engine (after the hand-off)."""
@@ -343,7 +374,7 @@ class Cluster:
             r = transit[idx][0]
             if self.api_handoff_s > 0:
                 transit[idx] = (r, self.env.now + self.api_handoff_s)
-                self.env.timeout(self.api_handoff_s).callbacks.append(partial(self._to_engine, inst, r))
+                Timer(self.env, self.api_handoff_s).then(partial(self._to_engine, inst, r))
             else:
                 self._to_engine(inst, r, None)
         self._api_wake(inst, srv)
@@ -417,7 +448,7 @@ class Cluster:
             if self.api_cap is not None:
                 think += float(self.api_wait_finish[i])
         if think > 0:
-            self.env.timeout(think).callbacks.append(partial(self._dispatch_later, j))
+            Timer(self.env, think).then(partial(self._dispatch_later, j))
         else:
             self.dispatch(j)
 
@@ -458,9 +489,9 @@ class Cluster:
                 break
             t = max(t + step, nxt)
             if horizon is not None and t >= horizon:
-                env.run(until=horizon)
+                run_events(env, until=horizon)
                 break
-            env.run(until=t)
+            run_events(env, until=t)
             if progress is not None:
                 progress(env.now, self.num_arrived)
         if self.timeline is not None:

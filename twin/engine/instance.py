@@ -14,6 +14,7 @@ from twin.engine.request import Request
 from twin.engine.segment_pool import SegmentPool
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.errors import TwinInputError
+from twin.events import Proc, Timer
 from twin.perf.base import StepTimeModel
 from twin.records import RequestLog
 
@@ -159,10 +160,10 @@ class Instance:
         self.on_idle: Callable[[Instance], None] | None = None  # the engine ran out of work (the fleet's drain)
         self.timeline: Any = None  # twin.timeline.Timeline when one records this instance (it sets both)
         self.timeline_next = math.inf  # the next timeline tick not yet recorded
-        self.process = env.process(self.run())
+        self.process = Proc(env, self.run())  # twin.events: SimPy's process, compiled
 
     # -- the step loop -------------------------------------------------------------------------------
-    def run(self) -> Generator[simpy.Event, Any, None]:
+    def run(self) -> Generator[Any, Any, None]:
         if self.scheduler.async_scheduling:
             yield from self._run_async()
         env = self.env
@@ -185,7 +186,7 @@ class Instance:
                 self._interruptible = True
                 j = k
                 try:
-                    yield env.timeout(ends[-1] - t0)
+                    yield Timer(env, ends[-1] - t0)
                 except simpy.Interrupt:
                     # an arrival: the step in progress completes, then the scheduler sees the newcomer
                     j = min(bisect_left(ends, env.now) + 1, k)
@@ -196,7 +197,7 @@ class Instance:
                 self.num_wakeups += 1
                 if env.now < ends[j - 1]:
                     self.pending_tail = (j, durations, ends, env.now)
-                    yield env.timeout(ends[j - 1] - env.now)
+                    yield Timer(env, ends[j - 1] - env.now)
                     self.touch(env.now)
                     self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
@@ -208,12 +209,12 @@ class Instance:
                 raise RuntimeError(f"{self.id}: scheduler made no progress with {len(sched.waiting)} waiting")
             dt = self.perf.step_time(out.batch())
             self.pending_step = (out, env.now + dt)
-            yield env.timeout(dt)
+            yield Timer(env, dt)
             self.touch(env.now)
             self.pending_step = None
             sched.update_from_output(out, env.now)
 
-    def _run_async(self) -> Generator[simpy.Event, Any, None]:
+    def _run_async(self) -> Generator[Any, Any, None]:
         """`run` under async scheduling: vLLM's `EngineCore.step_with_batch_queue` (see twin.engine.scheduler).
 
         At each step boundary: update(k) (finished requests keep their blocks), the decision for step k+1 as
@@ -241,7 +242,7 @@ class Instance:
                 self._interruptible = True
                 j = k
                 try:
-                    yield env.timeout(ends[-1] - t0)
+                    yield Timer(env, ends[-1] - t0)
                 except simpy.Interrupt:
                     # an arrival during step s: step s+1 was decided before it, so it sees it at s+2
                     j = min(bisect_left(ends, env.now) + 2, k)
@@ -253,7 +254,7 @@ class Instance:
                 self.num_wakeups += 1
                 if now < ends[j - 1]:
                     self.pending_tail = (j, durations, ends, now)
-                    yield env.timeout(ends[j - 1] - now)
+                    yield Timer(env, ends[j - 1] - now)
                     self.touch(env.now)
                     self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
@@ -270,7 +271,7 @@ class Instance:
                 continue
             dt = sched.step_duration(out)
             self.pending_step = (out, now + dt)
-            yield env.timeout(dt)
+            yield Timer(env, dt)
             now = env.now
             self.touch(now)
             self.pending_step = None
