@@ -281,8 +281,8 @@ class Cluster:
             if after is not None and after[i] >= 0:
                 continue  # sent by `_turn_ended` when the turn before it ends
             t = float(arrival[i])
-            if t > env.now:
-                yield Timer(env, t - env.now)
+            if t > env._now:
+                yield Timer(env, t - env._now)
             self.dispatch(i)
 
     def dispatch(self, i: int) -> None:
@@ -290,9 +290,9 @@ class Cluster:
         env = self.env
         log = self.log
         self.num_arrived += 1
-        log.arrival_s[i] = env.now  # the clock's value: t - now + now can differ from t by an ulp
+        log.arrival_s[i] = env._now  # the clock's value: t - now + now can differ from t by an ulp
         r = self.make_request(i)
-        r.arrival_time = env.now
+        r.arrival_time = env._now
         max_len = self.max_model_len
         cap = self.max_tokens_cap if self.max_tokens_cap is not None else r.max_tokens
         if r.num_prompt_tokens + cap > max_len:  # vLLM refuses prompt + max_tokens > max_model_len (HTTP 400)
@@ -315,22 +315,22 @@ class Cluster:
         if not inst.fits(r.num_prompt_tokens + r.max_tokens):
             self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
             return
-        inst.touch(env.now)  # its in-flight count changes: the timeline records the ticks before
+        inst.touch(env._now)  # its in-flight count changes: the timeline records the ticks before
         self.dispatcher.dispatched(i, view, inst.id)
         delay = self._api_request_s(r.num_prompt_tokens)
         if delay > 0 and self.api_cap is not None:  # the API server's queue, stretched by the token stream
             srv = self.api_server(inst.id)
             if srv.discipline == "ps":  # shares the event loop with every request in pre-processing
-                srv.arrive(env.now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(), r.idx)
+                srv.arrive(env._now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(), r.idx)
                 self.in_transit.setdefault(inst.id, {})[r.idx] = (r, srv.backlog_end()[0] + self.api_handoff_s)
                 self.log.status[i] = RequestStatus.WAITING
                 self._api_wake(inst, srv)
                 return
-            delay = srv.preprocess(env.now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(),
-                                   r.idx) - env.now  # FIFO behind earlier requests
+            delay = srv.preprocess(env._now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(),
+                                   r.idx) - env._now  # FIFO behind earlier requests
         delay += self.api_handoff_s
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
-            self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env.now + delay)
+            self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env._now + delay)
             self.log.status[i] = RequestStatus.WAITING  # arrived: queued in the API server
             Timer(self.env, delay).then(partial(self._to_engine, inst, r))
         else:
@@ -363,17 +363,17 @@ class Cluster:
         srv.generation += 1
         t = srv.next_done()
         if t < math.inf:
-            Timer(self.env, max(t - self.env.now, 0.0)).then(partial(self._api_done, inst, srv, srv.generation))
+            Timer(self.env, max(t - self.env._now, 0.0)).then(partial(self._api_done, inst, srv, srv.generation))
 
     def _api_done(self, inst: Instance, srv: ApiServer, generation: int, _event: object) -> None:
         """Pre-processing ended: the requests go to the engine (after the hand-off)."""
         if generation != srv.generation:
             return
         transit = self.in_transit[inst.id]
-        for idx in srv.pop_done(self.env.now):
+        for idx in srv.pop_done(self.env._now):
             r = transit[idx][0]
             if self.api_handoff_s > 0:
-                transit[idx] = (r, self.env.now + self.api_handoff_s)
+                transit[idx] = (r, self.env._now + self.api_handoff_s)
                 Timer(self.env, self.api_handoff_s).then(partial(self._to_engine, inst, r))
             else:
                 self._to_engine(inst, r, None)
@@ -390,7 +390,7 @@ class Cluster:
 
     def api_entry_s(self, instance_id: str, prompt_tokens: int) -> float:
         """When a request sent now to this instance would reach its engine (forecasts; the queue unchanged)."""
-        now = self.env.now
+        now = self.env._now
         if self.api_cap is None:
             return now + self._api_request_s(prompt_tokens) + self.api_handoff_s
         srv = self.api_server(instance_id)
@@ -482,7 +482,7 @@ class Cluster:
         horizon = self.scenario.sim.max_sim_time_s
         last_arrival = float(self.stream.arrival_s[-1]) if len(self.stream) else 0.0
         step = max((horizon or last_arrival) / (slices if progress is not None else 1), 1e-3)
-        t = env.now  # a run may resume after env.run(until=...) (forks, tests)
+        t = env._now  # a run may resume after env.run(until=...) (forks, tests)
         while not self.done():
             nxt = env.peek()
             if nxt == math.inf:
@@ -493,9 +493,9 @@ class Cluster:
                 break
             run_events(env, until=t)
             if progress is not None:
-                progress(env.now, self.num_arrived)
+                progress(env._now, self.num_arrived)
         if self.timeline is not None:
-            self.timeline.finish(env.now)
+            self.timeline.finish(env._now)
         wall = time.perf_counter() - t_wall
         # client-side times: every token, the first and the last included, reaches the client api_token_s late
         shift = self.api_token_s()
@@ -506,8 +506,8 @@ class Cluster:
             self.log.first_token_s += self.api_wait_first
             self.log.finish_s += self.api_wait_finish
         if progress is not None:
-            progress(env.now, self.num_arrived)
-        return SimResult(self.scenario, self.log, self.instances, float(env.now), wall, self.num_blocks,
+            progress(env._now, self.num_arrived)
+        return SimResult(self.scenario, self.log, self.instances, float(env._now), wall, self.num_blocks,
                          self.perf, self.stream.stats.to_dict(), self.router_info(), self.timeline, self.fleet)
 
     def predictor_info(self) -> dict | None:

@@ -63,7 +63,7 @@ class KVEventBus:
 
     def publish(self, instance_id: str, event: KVEvent) -> None:
         self.published += 1
-        now = self.env.now
+        now = self.env._now
         if self.delay_s <= 0:
             for s in self.subscribers:
                 s.apply(instance_id, event, now)
@@ -112,7 +112,7 @@ class Dispatcher:
         for inst in self.instances:
             self.views[inst.id] = self._new_view(inst)
         self.signals = RecentWindow()
-        self.fleet = FleetView(env.now, [], self.bookkeeping, self.index, signals=self.signals)
+        self.fleet = FleetView(env._now, [], self.bookkeeping, self.index, signals=self.signals)
         self._refresh_lists()
         self._hook_dispatch = has_hook(router, "on_dispatch")
         self._hook_first = has_hook(router, "on_first_token")
@@ -121,9 +121,9 @@ class Dispatcher:
         self.explicit_scrapes = 0  # scrapes asked for outside the poller's ticks (the scaler's, exact mode)
         self.last_finished: RequestView | None = None  # the view of the request `finished` was last told of
         self.clock: ScrapeClock | None = None
-        self._views_tick = env.now  # the tick the views were last brought to (they start fresh now)
+        self._views_tick = env._now  # the tick the views were last brought to (they start fresh now)
         if scrape_interval_s > 0:
-            self.clock = ScrapeClock(env.now, scrape_interval_s)
+            self.clock = ScrapeClock(env._now, scrape_interval_s)
             for inst in self.instances:
                 inst.scrape_clock = self.clock
 
@@ -137,7 +137,7 @@ class Dispatcher:
                             getattr(inst, "serving_since", 0.0))
 
     def _gauges(self, inst: Any) -> Gauges:
-        return Gauges(inst.num_running, inst.num_waiting, inst.kv_usage, self.env.now)
+        return Gauges(inst.num_running, inst.num_waiting, inst.kv_usage, self.env._now)
 
     def _refresh_lists(self) -> None:
         views = [self.views[inst.id] for inst in self.instances]
@@ -147,7 +147,7 @@ class Dispatcher:
     @property
     def scrapes(self) -> int:
         """Scrapes made so far: the poller's ticks through now plus the explicit ones."""
-        ticks = self.clock.ticks_through(self.env.now) if self.clock is not None else 0
+        ticks = self.clock.ticks_through(self.env._now) if self.clock is not None else 0
         return ticks + self.explicit_scrapes
 
     def _follow_state(self, inst: Any) -> InstanceView:
@@ -164,14 +164,14 @@ class Dispatcher:
         for inst in self.instances:
             self._follow_state(inst).gauges = self._gauges(inst)
         if self.clock is not None:
-            self._views_tick = self.clock.last_tick(self.env.now)
+            self._views_tick = self.clock.last_tick(self.env._now)
         self._refresh_lists()
 
     def _bring_to_tick(self) -> None:
         """The views as the poller's last scrape left them: each instance's gauges as of that tick."""
         clock = self.clock
         assert clock is not None
-        tick = clock.last_tick(self.env.now)
+        tick = clock.last_tick(self.env._now)
         if tick <= self._views_tick:
             return  # nothing scraped since the views were last brought up to date
         self._views_tick = tick
@@ -213,7 +213,7 @@ class Dispatcher:
         else:
             self._bring_to_tick()
         fleet = self.fleet
-        fleet.now = self.env.now
+        fleet.now = self.env._now
         try:
             target = self.router.choose(req, fleet)
         except Exception as e:  # noqa: BLE001 - a policy bug: surfaced, never lost
@@ -226,11 +226,11 @@ class Dispatcher:
         expected = int(req.predicted_output_tokens or req.max_tokens or 0)
         self.bookkeeping.dispatched(req.id, instance_id, req.num_prompt_tokens, expected)
         self.inflight[idx] = [req, instance_id, -1.0]
-        self.signals.arrived(self.env.now, req.num_prompt_tokens)
+        self.signals.arrived(self.env._now, req.num_prompt_tokens)
         if self.index is not None:
-            self.index.on_dispatch(req.prefix, instance_id, self.env.now)
+            self.index.on_dispatch(req.prefix, instance_id, self.env._now)
         if self._hook_dispatch:
-            self.router.on_dispatch(req, instance_id, self.env.now)
+            self.router.on_dispatch(req, instance_id, self.env._now)
 
     def first_token(self, idx: int, t: float) -> None:
         rec = self.inflight.get(idx)
@@ -248,9 +248,9 @@ class Dispatcher:
             return
         self.last_finished = rec[0]
         self.bookkeeping.finished(rec[0].id)
-        now = self.env.now
+        now = self.env._now
         req = rec[0]
         self.signals.finished(now, rec[2] - req.arrival_time, now - req.arrival_time, req.num_prompt_tokens,
                               output_tokens)
         if self._hook_finish:
-            self.router.on_finish(rec[0], rec[1], self.env.now, output_tokens)
+            self.router.on_finish(rec[0], rec[1], self.env._now, output_tokens)

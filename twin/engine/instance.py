@@ -150,7 +150,7 @@ class Instance:
         self.pending_tail: tuple | None = None  # (j, durations, ends, t_resume): an interrupted run's last step
         self.num_dispatched = 0
         self.state = "serving"  # starting | serving | draining | stopped: the fleet's lifecycle
-        self.serving_since = env.now
+        self.serving_since = env._now
         self.num_wakeups = 0  # times the step loop resumed: what simulation cost grows with
         # stale gauges without a scrape process: the dispatcher sets the clock; `touch` keeps the gauges
         # as of the last tick before the first change after it
@@ -174,12 +174,12 @@ class Instance:
                     self.on_idle(self)
                 self._wakeup = env.event()
                 yield self._wakeup
-                self.touch(env.now)
+                self.touch(env._now)
                 self._wakeup = None
                 continue
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
             if k >= 2:
-                t0 = env.now
+                t0 = env._now
                 durations, ends = sched.decode_run_plan(k, t0)  # ends summed as the clock would add them
                 self._run = ends
                 self.pending_run = (k, durations, ends, t0)
@@ -189,30 +189,30 @@ class Instance:
                     yield Timer(env, ends[-1] - t0)
                 except simpy.Interrupt:
                     # an arrival: the step in progress completes, then the scheduler sees the newcomer
-                    j = min(bisect_left(ends, env.now) + 1, k)
-                self.touch(env.now)
+                    j = min(bisect_left(ends, env._now) + 1, k)
+                self.touch(env._now)
                 self._interruptible = False
                 self._run = None
                 self.pending_run = None
                 self.num_wakeups += 1
-                if env.now < ends[j - 1]:
-                    self.pending_tail = (j, durations, ends, env.now)
-                    yield Timer(env, ends[j - 1] - env.now)
-                    self.touch(env.now)
+                if env._now < ends[j - 1]:
+                    self.pending_tail = (j, durations, ends, env._now)
+                    yield Timer(env, ends[j - 1] - env._now)
+                    self.touch(env._now)
                     self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
                 continue
             self.num_wakeups += 1
-            out = sched.schedule(env.now)
+            out = sched.schedule(env._now)
             if out.is_empty:
                 # nothing fits even an empty pool: cannot happen for admitted requests (checked at dispatch)
                 raise RuntimeError(f"{self.id}: scheduler made no progress with {len(sched.waiting)} waiting")
             dt = self.perf.step_time(out.batch())
-            self.pending_step = (out, env.now + dt)
+            self.pending_step = (out, env._now + dt)
             yield Timer(env, dt)
-            self.touch(env.now)
+            self.touch(env._now)
             self.pending_step = None
-            sched.update_from_output(out, env.now)
+            sched.update_from_output(out, env._now)
 
     def _run_async(self) -> Generator[Any, Any, None]:
         """`run` under async scheduling: vLLM's `EngineCore.step_with_batch_queue` (see twin.engine.scheduler).
@@ -229,13 +229,13 @@ class Instance:
                         self.on_idle(self)  # kept their blocks until the step after they finished
                     self._wakeup = env.event()
                     yield self._wakeup
-                    self.touch(env.now)
+                    self.touch(env._now)
                     self._wakeup = None
-                sched.wake(env.now)
+                sched.wake(env._now)
             sched.admit_inbox()
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
             if k >= 2:
-                t0 = env.now
+                t0 = env._now
                 durations, ends = sched.decode_run_plan(k, t0)
                 self._run = ends
                 self.pending_run = (k, durations, ends, t0)
@@ -245,8 +245,8 @@ class Instance:
                     yield Timer(env, ends[-1] - t0)
                 except simpy.Interrupt:
                     # an arrival during step s: step s+1 was decided before it, so it sees it at s+2
-                    j = min(bisect_left(ends, env.now) + 2, k)
-                now = env.now
+                    j = min(bisect_left(ends, env._now) + 2, k)
+                now = env._now
                 self.touch(now)
                 self._interruptible = False
                 self._run = None
@@ -255,12 +255,12 @@ class Instance:
                 if now < ends[j - 1]:
                     self.pending_tail = (j, durations, ends, now)
                     yield Timer(env, ends[j - 1] - now)
-                    self.touch(env.now)
+                    self.touch(env._now)
                     self.pending_tail = None
                 sched.commit_decode_run(j, durations, ends)
                 continue
             self.num_wakeups += 1
-            now = env.now
+            now = env._now
             out = sched.schedule(now)
             released = sched.release_finished()
             if out.is_empty:
@@ -272,14 +272,14 @@ class Instance:
             dt = sched.step_duration(out)
             self.pending_step = (out, now + dt)
             yield Timer(env, dt)
-            now = env.now
+            now = env._now
             self.touch(now)
             self.pending_step = None
             sched.update_from_output(out, now)
 
     def add_request(self, r: Request) -> None:
         """Dispatch: the request joins the waiting queue; a sleeping or fast-forwarding engine is woken."""
-        now = self.env.now
+        now = self.env._now
         self.touch(now)
         self.num_dispatched += 1
         self.log.instance[r.idx] = self.index
@@ -305,7 +305,7 @@ class Instance:
 
     @property
     def free_blocks(self) -> int:
-        return self.free_blocks_at(self.env.now)
+        return self.free_blocks_at(self.env._now)
 
     def free_blocks_at(self, t: float) -> int:
         """Free blocks at time t, no change since: the decode run in progress took a block per step started."""
@@ -319,7 +319,7 @@ class Instance:
     def token_rate(self) -> float:
         """Tokens per second the step in progress emits (its batch's sampled tokens over its duration): the
         per-step account of the output work the API server streams (twin.api_server). 0 when idle."""
-        now = self.env.now
+        now = self.env._now
         run = self.pending_run
         if run is not None:  # a fast-forwarded decode run: every step emits one token per member
             k, durations, ends, _t0 = run
