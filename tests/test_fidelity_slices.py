@@ -289,6 +289,27 @@ def test_a_probe_sent_late_still_tells_its_isolated_requests_from_its_burst(tmp_
     late.loc[0, ["arrival_s", "first_token_s", "finish_s"]] += shift
     obs.requests = late
     sp = probe_speed(obs)
-    assert sp["requests"] == len(load) and sp["failed"] == 0
+    assert sp["requests"] == len(load) and sp["failed"] == 0 and sp["unresolved"] == 0
     assert sp["burst_tpot_ms"] == pytest.approx(on_time["burst_tpot_ms"])
     assert sp["tpot_ms"] == pytest.approx(on_time["tpot_ms"]) and PROBE_ALONE == 8
+
+
+def test_a_probe_answer_read_in_one_piece_has_no_cadence_rather_than_a_zero_one(tmp_path):
+    """Through the controller on 2 cores a whole answer sometimes reaches the client in one read (first token
+    and last at the same instant): that request is unresolved, not a decode time of 0 that halves the median."""
+    import pandas as pd
+
+    from twin.fidelity import probe_load, probe_speed
+
+    load = probe_load(512)
+    obs = synthetic(Profile.from_params(TRUE), load.arrival_s, load.prompt_tokens, load.output_tokens)
+    req = pd.DataFrame(obs.requests).copy()
+    tpot = (req.finish_s - req.first_token_s) / (req.output_tokens - 1)
+    lumped = [2, 9, 10, 11, 12, 13]  # one isolated request, five of the burst of 8
+    req.loc[lumped, "first_token_s"] = req.loc[lumped, "finish_s"]
+    obs.requests = req
+    sp = probe_speed(obs)
+    assert sp["unresolved"] == len(lumped) and sp["requests"] == len(load)
+    keep = [i for i in range(8, 16) if i not in lumped]
+    assert sp["burst_tpot_ms"] == pytest.approx(float(np.median(tpot[keep])) * 1e3)
+    assert sp["tpot_ms"] == pytest.approx(float(np.median(tpot[[i for i in range(8) if i not in lumped]])) * 1e3)

@@ -36,5 +36,11 @@ def test_two_workers_under_two_routers(calib_model, tmp_path):
         speed = summary["routers"][router]["speed"]
         assert [p["probe"][3:] for p in speed["probes"]] == [
             "before-calibration", "before-azure-conv", "before-sharegpt-sessions", "after-sharegpt-sessions"]
-        assert all(p["requests"] == 16 and p["burst_tpot_ms"] > 0 for p in speed["probes"]), speed["probes"]
-        assert speed["probes"][0]["drift_burst_tpot_pct"] == 0 and speed["max_drift_pct"] >= 0
+        # every probe answered; a decode cadence wherever the client saw the tokens spread out (on 2 cores a
+        # starved proxy or client sometimes reads a whole answer at once: `unresolved`, left out of the medians)
+        assert all(p["requests"] == 16 and p["failed"] == 0 and (p["burst_tpot_ms"] > 0 or p["unresolved"] >= 8)
+                   for p in speed["probes"]), [
+            (p["probe"], p["requests"], p["failed"], p["unresolved"], p["tpot_ms"], p["burst_tpot_ms"])
+            for p in speed["probes"]]
+        first = speed["probes"][0]
+        assert (first["drift_burst_tpot_pct"] == 0 or first["unresolved"] >= 8) and speed["max_drift_pct"] >= 0

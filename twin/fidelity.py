@@ -141,16 +141,25 @@ def probe_load(max_model_len: int):
 def probe_speed(obs: Observation) -> dict:
     """A probe's median decode time per token and median TTFT, isolated requests and the burst apart (ms).
 
-    Which is which comes from the request's place in the load, not its send time: a loaded client sends late."""
+    Which is which comes from the request's place in the load, not its send time: a loaded client sends late.
+    A request whose tokens reached the client in fewer reads than half its tokens has no visible cadence (on 2
+    cores with two workers and the controller, a starved process passes a whole answer on at once, or in two
+    pieces): it is counted as `unresolved` and left out of the decode medians, not taken as a decode time of 0."""
     f = obs.finished
     tpot = (f.finish_s - f.first_token_s) / (f.output_tokens - 1).clip(lower=1)
     ttft = f.first_token_s - f.arrival_s
     alone = f.request_id < PROBE_ALONE
+    seen = tpot > 0
+    tok = obs.tokens
+    if tok is not None and not tok.empty:  # the distinct arrival instants of each request's tokens
+        reads = tok.groupby("request_id")["t_s"].nunique()
+        seen &= f.request_id.map(reads).fillna(0).to_numpy() * 2 >= f.output_tokens.to_numpy()
     med = lambda x: float(np.median(x) * 1e3) if len(x) else float("nan")  # noqa: E731
     failed = obs.requests[obs.requests["status"] != "finished"]
     return {"requests": int(len(f)), "failed": int(len(failed)),
             "errors": sorted(set(failed["reject_reason"].astype(str))) if "reject_reason" in failed else [],
-            "tpot_ms": med(tpot[alone]), "ttft_ms": med(ttft[alone]), "burst_tpot_ms": med(tpot[~alone])}
+            "unresolved": int((~seen).sum()),
+            "tpot_ms": med(tpot[alone & seen]), "ttft_ms": med(ttft[alone]), "burst_tpot_ms": med(tpot[~alone & seen])}
 
 
 def probe_drift(probe_dirs: Sequence[Path]) -> dict:
