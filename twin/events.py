@@ -113,9 +113,7 @@ class Proc:
                     nxt = gen.send(value)
                 else:  # the process handles the failure (or fails itself) on its own copy of the exception
                     event._defused = True
-                    exc = type(value)(*value.args)
-                    exc.__cause__ = value
-                    nxt = gen.throw(exc)
+                    nxt = gen.throw(_copy_of(value))
             except StopIteration as e:
                 self.alive = False
                 self.value = e.value
@@ -190,10 +188,7 @@ def run(env: Any, until: Optional[Any] = None) -> Optional[Any]:
                     heappush(queue, (entry[0], -1, next(env._eid), t))
                     raise
                 if not t._ok and not t._defused:
-                    failure = t._value
-                    exc = type(failure)(*failure.args)
-                    exc.__cause__ = failure
-                    raise exc
+                    raise _copy_of(t._value)
             else:
                 _fire(env, entry, queue)
         raise EmptySchedule
@@ -221,7 +216,11 @@ def _fire(env: Any, entry: tuple, queue: list) -> None:
         heappush(queue, (entry[0], -1, next(env._eid), event))
         raise
     if not event._ok and not hasattr(event, "_defused"):
-        failure = event._value
-        exc = type(failure)(*failure.args)
-        exc.__cause__ = failure
-        raise exc
+        raise _copy_of(event._value)
+
+
+def _copy_of(failure: Any) -> BaseException:
+    """A fresh copy of a failed event's exception, as SimPy raises it: the original, traceback and all, is its cause."""
+    exc = type(failure)(*failure.args)
+    exc.__cause__ = failure
+    return exc
