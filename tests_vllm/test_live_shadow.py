@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import pytest
 
@@ -32,11 +33,14 @@ def series(page: str, name: str) -> dict[str, float]:
 
 
 def test_shadow_forecasts_and_scores_itself_on_real_workers(two_workers):
+    """The shadow twin in a child process (`shadow.executor: process`; the Block test below runs it in a
+    thread): forecasts for every variant, scored against what the workers then did, on /metrics and /shadow."""
     workers = [{"id": w.id, "url": w.url, "kv_events_endpoint": w.kv_endpoint, "max_num_seqs": 32,
                 "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN} for w in two_workers]
     cfg = static_config(two_workers, tokenizer={"mode": "worker"},
                         shadow={"enabled": True, "interval_s": 2.0, "hardware": "CPU-2core-AVX512",
-                                "model": "tiny-llama", "engine": {"async_scheduling": False}})
+                                "model": "tiny-llama", "engine": {"async_scheduling": False},
+                                "executor": "process"})
     cfg = cfg.model_copy(update={"workers": [WorkerSpec(**w) for w in workers]})  # the launch limits, as run
     rc = run_controller(cfg)
     sent = 0
@@ -69,10 +73,13 @@ def test_shadow_forecasts_and_scores_itself_on_real_workers(two_workers):
         shadow = json.loads(httpx.get(rc.url + "/shadow", timeout=30).text)
         ctl = rc.ctl
         mirrored = ctl.shadow.mirror.total
+        shadow_pool = ctl.shadow._executor
+        children = [p.pid for p in getattr(shadow_pool, "_processes", {}).values()]
     finally:
         rc.stop()
 
     assert statuses == [200] * sent
+    assert isinstance(shadow_pool, ProcessPoolExecutor) and children and os.getpid() not in children
     assert mirrored == sent  # every proxied request reached the mirror
     requests = series(page, "llmtwin_requests_total")
     assert sum(requests.values()) == sent
