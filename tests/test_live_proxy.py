@@ -35,6 +35,7 @@ class FakeWorker:
         self.received: list[dict] = []
         self.chunks = 5
         self.delay = 0.0
+        self.wrote: list[float] = []  # loop time of each SSE event written
         self.port = 0
         self.runner: web.AppRunner | None = None
 
@@ -87,6 +88,7 @@ class FakeWorker:
         await resp.prepare(request)
         for i in range(self.chunks):
             await resp.write(f"data: {json.dumps({'worker': self.name, 'i': i})}\n\n".encode())
+            self.wrote.append(asyncio.get_running_loop().time())
             await asyncio.sleep(self.delay)
             if self.mode == "die_mid_stream" and i == 1:
                 request.transport.close()
@@ -183,6 +185,32 @@ def test_unary_and_stream_pass_through_with_bookkeeping_and_hooks():
     assert rec.calls[2][3] == 3 and rec.calls[5][3] == 5  # output tokens: usage, then counted SSE events
     assert 'llmtwin_requests_total{status="200",worker="w0"} 1.0' in page
     assert "llmtwin_decision_latency_seconds_count 2.0" in page
+
+
+def test_a_stream_is_passed_on_as_it_arrives_not_gathered():
+    """The proxy forwards each upstream chunk when it comes (`iter_any`), so a client's token times are the
+    worker's: it reads the first event before the worker has written the last, in about one read per event."""
+    async def main():
+        ws = await fakes(1)
+        ws[0].chunks, ws[0].delay = 8, 0.05
+        reads: list[tuple[float, int]] = []
+        async with proxy(ws) as (ctl, url, c):
+            async with c.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 8, "stream": True}) as r:
+                assert r.status == 200
+                async for chunk in r.content.iter_any():
+                    reads.append((asyncio.get_running_loop().time(), chunk.count(b"data: ")))
+        await ws[0].stop()
+        return reads, ws[0].wrote
+
+    reads, wrote = run(main())
+    assert sum(n for _, n in reads) == 9 and len(wrote) == 8
+    seen, t_seven = 0, None
+    for t, n in reads:
+        seen += n
+        if seen >= 7 and t_seven is None:
+            t_seven = t
+    assert t_seven is not None and t_seven < wrote[-1]  # 7 events read before the worker wrote the 8th
+    assert len(reads) >= 5  # events 50 ms apart arrive apart (slack for a loaded guest)
 
 
 def test_router_by_name_from_config_round_robin():
