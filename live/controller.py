@@ -482,7 +482,7 @@ class Controller:
         now = time.monotonic()
         return {"router": self.router_name, "prefix_index": self.index_kind, "tokenizer": self.tokenizer.mode,
                 "in_flight": self.bookkeeping.in_flight(), "accepting": self.accepting,
-                "workers": [{"id": w.id, "url": w.url, "state": w.view_state, "healthy": w.healthy,
+                "workers": [{"id": w.id, "url": w.url, "state": w.status, "healthy": w.healthy,
                              "models": list(w.models), "in_flight": self.bookkeeping.load(w.id).requests,
                              "running": w.gauges.num_running, "waiting": w.gauges.num_waiting,
                              "kv_usage": w.gauges.kv_usage, "block_size": w.config.block_size,

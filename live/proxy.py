@@ -117,15 +117,15 @@ class Proxy:
         n = len(ctl.registry.routable())
         status = 200 if n and ctl.accepting else 503
         return web.json_response({"status": "ok" if status == 200 else "unavailable", "serving": n,
-                                  "workers": {w.id: w.view_state for w in ctl.registry}}, status=status)
+                                  "workers": {w.id: w.status for w in ctl.registry}}, status=status)
 
     async def metrics(self, request: web.Request) -> web.Response:
         ctl = self.ctl
         m = ctl.metrics
         now = time.monotonic()
-        states: dict[str, int] = {"starting": 0, "serving": 0, "draining": 0, "stopped": 0}
+        states: dict[str, int] = {"starting": 0, "serving": 0, "down": 0, "draining": 0, "stopped": 0}
         for w in ctl.registry:
-            states[w.view_state] = states.get(w.view_state, 0) + 1
+            states[w.status] = states.get(w.status, 0) + 1
             m.inflight.labels(w.id).set(ctl.bookkeeping.load(w.id).requests)
             if w.last_scrape:
                 m.scrape_age.labels(w.id).set(now - w.last_scrape)
@@ -148,7 +148,7 @@ class Proxy:
         ws = list(self.ctl.registry)
         if not ws:
             return "no worker is registered"
-        why = "; ".join(f"{w.id}: {w.view_state}" + (f" ({w.last_error})" if w.last_error else "") for w in ws)
+        why = "; ".join(f"{w.id}: {w.status}" + (f" ({w.last_error})" if w.last_error else "") for w in ws)
         return f"no worker is serving ({why})"
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:

@@ -41,8 +41,17 @@ class Worker:
 
     @property
     def view_state(self) -> str:
+        """The state routers see (the twin's `InstanceState`): a serving worker that failed is `stopped`."""
         if self.state == "serving" and not self.healthy:
             return "stopped"
+        return self.state
+
+    @property
+    def status(self) -> str:
+        """The state operators see (/health, /workers, `llmtwin_workers`): a serving worker that failed is
+        `down` (its process may still run; health probes bring it back), not `stopped`."""
+        if self.state == "serving" and not self.healthy:
+            return "down"
         return self.state
 
     @property

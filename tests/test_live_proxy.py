@@ -308,6 +308,7 @@ def test_failure_before_first_byte_is_retried_once_elsewhere_and_marks_down():
     assert res["second"][0] == 200 and '"worker": "w1"' in res["second"][1]
     assert res["all_down"][0] == 502 and "w1" in res["all_down"][1]["error"]["message"]
     assert res["after"][0] == 503 and "no worker is serving" in res["after"][1]["error"]["message"]
+    assert "w0: down" in res["after"][1]["error"]["message"]
     assert res["inflight"] == 0
     assert "llmtwin_retries_total 1.0" in res["page"]
 
@@ -326,6 +327,9 @@ def test_worker_dying_mid_stream_gives_an_sse_error_and_later_requests_go_elsewh
             async with other as r2:
                 res["other"] = (r2.status, (await r2.read()).decode())
             res["state"] = ctl.registry.get("w0").view_state
+            res["health"] = await (await c.get(url + "/health")).json()
+            res["workers"] = {w["id"]: w["state"] for w in (await (await c.get(url + "/workers")).json())["workers"]}
+            res["page"] = await (await c.get(url + "/metrics")).text()
             for i in range(3):
                 async with c.post(url + "/v1/completions", json={"prompt": "z"}) as r:
                     res[f"later{i}"] = (await r.json())["worker"]
@@ -343,7 +347,10 @@ def test_worker_dying_mid_stream_gives_an_sse_error_and_later_requests_go_elsewh
     assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
     assert res["other"][0] == 200 and res["other"][1].endswith("data: [DONE]\n\n")  # the other one is not lost
     assert res["other"][1].count('"worker": "w1"') == 5
-    assert res["state"] == "stopped"
+    assert res["state"] == "stopped"  # to routers (the twin's InstanceState); to operators it is down
+    assert res["health"]["workers"] == {"w0": "down", "w1": "serving"} and res["health"]["serving"] == 1
+    assert res["workers"] == {"w0": "down", "w1": "serving"}
+    assert 'llmtwin_workers{state="down"} 1.0' in res["page"] and 'llmtwin_workers{state="stopped"} 0.0' in res["page"]
     assert [res[f"later{i}"] for i in range(3)] == ["w1"] * 3
     assert res["inflight"] == 0
 
