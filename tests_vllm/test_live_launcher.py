@@ -58,12 +58,30 @@ def test_launch_scale_retry_drain(launched):
     assert 'llmtwin_scale_events_total{action="start"} 2.0' in page
 
     with httpx.Client(timeout=120) as c:
-        # local-0 dies unseen (no scrape or probe noticed yet): a request sent there is retried on local-1
-        w0.handle.popen.send_signal(signal.SIGKILL)
+        # local-0 dies unseen: a request sent there is retried on local-1. Deterministic: local-0 is frozen
+        # first (SIGSTOP: a scrape reaches its socket and waits, nothing marks it down), the request pinned to
+        # it is dispatched there, then it is killed, so the request fails before its first byte. Killing it
+        # outright raced the 0.1 s scrape, whose refused connection marks it down before the request is routed
+        books0 = ctl.bookkeeping.load("local-0")
+        sent0 = books0.dispatched_total
+        box: dict = {}
 
+        def pinned():
+            with httpx.Client(timeout=120) as c3:
+                box["r"] = c3.post(rc.url + "/v1/completions", headers={"X-Session-Id": "local-0"},
+                                   json={"model": SERVED, "prompt": "retry me", "max_tokens": 3})
+
+        os.killpg(w0.handle.popen.pid, signal.SIGSTOP)
+        t = threading.Thread(target=pinned)
+        t.start()
+        deadline = time.monotonic() + 30
+        while books0.dispatched_total == sent0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sent_there = books0.dispatched_total - sent0
         os.killpg(w0.handle.popen.pid, signal.SIGKILL)
-        r = c.post(rc.url + "/v1/completions", headers={"X-Session-Id": "local-0"},
-                   json={"model": SERVED, "prompt": "retry me", "max_tokens": 3})
+        t.join(120)
+        r = box["r"]
+        assert sent_there == 1  # dispatched to local-0 while it was frozen, not around it
         assert r.status_code == 200, r.text
         assert ctl.bookkeeping.load("local-1").dispatched_total >= 1
         assert not ctl.registry.get("local-0").healthy

@@ -33,8 +33,9 @@ def series(page: str, name: str) -> dict[str, float]:
 
 
 def test_shadow_forecasts_and_scores_itself_on_real_workers(two_workers):
-    """The shadow twin in a child process (`shadow.executor: process`; the Block test below runs it in a
-    thread): forecasts for every variant, scored against what the workers then did, on /metrics and /shadow."""
+    """The shadow twin in a child process (`shadow.executor: process`; the default thread executor runs end
+    to end in tests/test_live_shadow.py, with fake workers): forecasts for every variant, scored against what
+    the workers then did, on /metrics and /shadow."""
     workers = [{"id": w.id, "url": w.url, "kv_events_endpoint": w.kv_endpoint, "max_num_seqs": 32,
                 "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN} for w in two_workers]
     cfg = static_config(two_workers, tokenizer={"mode": "worker"},
