@@ -261,12 +261,11 @@ class Cluster:
         texts = self.stream.texts
         sid = None if r.session_id < 0 else str(r.session_id)
         text = None if texts is None else texts[r.idx]
+        view = new_request_view(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix, bs,
+                                sid, 0, None, text)
         p = self.predictor
         if p is None:
-            return new_request_view(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix,
-                                    bs, sid, 0, None, text)
-        view = new_request_view(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix,
-                                bs, sid, 0, None, text)
+            return view
         if getattr(p, "needs_truth", False):  # the oracle (or noise around it) is handed the true length
             p.reveal(view.id, r.max_tokens)
         return new_request_view(view.id, view.arrival_time, view.num_prompt_tokens, view.max_tokens, prefix, bs,

@@ -173,24 +173,20 @@ def run(env: Any, until: Optional[Any] = None) -> Optional[Any]:
             entry = heappop(queue)
             event = entry[3]
             env._now = entry[0]
-            if type(event) is Timer:
+            if type(event) is Timer:  # compiled: the fields, not attribute lookups
                 t = cast(Timer, event)
                 cbs = t.callbacks
                 t.callbacks = None
                 assert cbs is not None
-                i = 0
-                try:
-                    for cb in cbs:
-                        i += 1
-                        cb(t)
-                except StopSimulation:  # the rest of its callbacks run when the simulation resumes, first
-                    t.callbacks = cbs[i:]
-                    heappush(queue, (entry[0], -1, next(env._eid), t))
-                    raise
+                _call_back(env, entry, queue, cbs)
                 if not t._ok and not t._defused:
                     raise _copy_of(t._value)
             else:
-                _fire(env, entry, queue)
+                cbs = event.callbacks
+                event.callbacks = None
+                _call_back(env, entry, queue, cbs)
+                if not event._ok and not hasattr(event, "_defused"):
+                    raise _copy_of(event._value)
         raise EmptySchedule
     except StopSimulation as stop:
         return stop.args[0]
@@ -201,11 +197,10 @@ def run(env: Any, until: Optional[Any] = None) -> Optional[Any]:
     return None
 
 
-def _fire(env: Any, entry: tuple, queue: list) -> None:
-    """`Environment.step` after the pop, for SimPy's own events."""
+def _call_back(env: Any, entry: tuple, queue: list, cbs: list) -> None:
+    """`Environment.step`'s callback loop for the event just popped (`entry`): on a stop inside it, the event's
+    remaining callbacks run first when the simulation resumes."""
     event = entry[3]
-    cbs = event.callbacks
-    event.callbacks = None
     i = 0
     try:
         for cb in cbs:
@@ -215,8 +210,6 @@ def _fire(env: Any, entry: tuple, queue: list) -> None:
         event.callbacks = cbs[i:]
         heappush(queue, (entry[0], -1, next(env._eid), event))
         raise
-    if not event._ok and not hasattr(event, "_defused"):
-        raise _copy_of(event._value)
 
 
 def _copy_of(failure: Any) -> BaseException:
