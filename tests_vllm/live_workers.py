@@ -17,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -263,3 +265,13 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def poll_while(cond: Callable[[], bool], timeout_s: float, every_s: float = 0.05) -> bool:
+    """Ask `cond()` until it turns false or `timeout_s` has passed; its last answer (True: it held throughout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = cond()
+        if not held or time.monotonic() >= deadline:
+            return held
+        time.sleep(every_s)

@@ -14,7 +14,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("vllm")
 
-from live_workers import SERVED, launcher_section, run_controller, stop_launched, tiny_model  # noqa: E402,F401
+from live_workers import (SERVED, launcher_section, poll_while, run_controller, stop_launched,  # noqa: E402,F401
+                          tiny_model)
 from test_live_workers import Pin, streamed_tokens  # noqa: E402
 
 
@@ -74,9 +75,7 @@ def test_launch_scale_retry_drain(launched):
         os.killpg(w0.handle.popen.pid, signal.SIGSTOP)
         t = threading.Thread(target=pinned)
         t.start()
-        deadline = time.monotonic() + 30
-        while books0.dispatched_total == sent0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        poll_while(lambda: books0.dispatched_total == sent0, 30.0, 0.01)
         sent_there = books0.dispatched_total - sent0
         os.killpg(w0.handle.popen.pid, signal.SIGKILL)
         t.join(120)
@@ -111,9 +110,7 @@ def test_launch_scale_retry_drain(launched):
         t = threading.Thread(target=stream)
         try:
             t.start()
-            deadline = time.monotonic() + 30
-            while books.dispatched_total == sent_before and time.monotonic() < deadline:
-                time.sleep(0.01)
+            poll_while(lambda: books.dispatched_total == sent_before, 30.0, 0.01)
             assert books.requests == 1  # dispatched to the frozen worker: in flight
             fut = asyncio.run_coroutine_threadsafe(ctl.actuator.drain("local-1"), rc.loop)
             deadline = time.monotonic() + 30

@@ -18,7 +18,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("vllm")
 
-from live_workers import (MAX_MODEL_LEN, SERVED, rss_kib, run_controller, static_config,  # noqa: E402
+from live_workers import (MAX_MODEL_LEN, SERVED, poll_while, rss_kib, run_controller, static_config,  # noqa: E402
                           metric, tiny_model, two_workers)  # noqa: F401  (fixtures)
 from twin.policy import RouterBase, RoundRobin  # noqa: E402
 
@@ -318,13 +318,8 @@ def test_load_loses_nothing_memory_stays_flat_and_sigterm_finishes_in_flight(two
                     first = next(it)
                     for w in two_workers:
                         w.kill(signal.SIGSTOP)
-                    try:
-                        for _ in range(30):  # what the workers wrote before the freeze reaches the controller
-                            inflight = inflight_now()
-                            if inflight != 1 or b"[DONE]" in first:
-                                break
-                            time.sleep(0.1)
-                        held = inflight == 1 and b"[DONE]" not in first
+                    try:  # what the workers wrote before the freeze reaches the controller meanwhile
+                        held = b"[DONE]" not in first and poll_while(lambda: inflight_now() == 1, 3.0)
                         if not held:
                             continue  # answered before the freeze: resumed in `finally`, read out below
                         proc.send_signal(signal.SIGTERM)
@@ -390,11 +385,8 @@ def test_worker_killed_mid_stream(two_workers):
                     it = s.iter_raw()
                     got = next(it)
                     victim.kill(signal.SIGSTOP)  # frozen mid-generation: it writes no more tokens
-                    for _ in range(60):  # what it wrote before the freeze reaches the proxy
-                        if b"[DONE]" in got or ctl.bookkeeping.load("w0").requests == 0:
-                            break
-                        time.sleep(0.05)
-                    killed = ctl.bookkeeping.load("w0").requests == 1 and b"[DONE]" not in got
+                    # what it wrote before the freeze reaches the proxy meanwhile
+                    killed = b"[DONE]" not in got and poll_while(lambda: ctl.bookkeeping.load("w0").requests == 1, 3.0)
                     victim.kill(signal.SIGKILL if killed else signal.SIGCONT)
                     got += b"".join(it)
                     status = s.status_code
