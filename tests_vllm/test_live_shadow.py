@@ -66,9 +66,13 @@ def test_shadow_forecasts_and_scores_itself_on_real_workers(two_workers):
                 sent += 6
                 page = httpx.get(rc.url + "/metrics", timeout=30).text
                 fc = series(page, "llmtwin_shadow_forecast_seconds")
-                # gauges are cleared after a window without requests: stop on a page that has them all
+                done = series(page, "llmtwin_shadow_runs_total")
+                # gauges are cleared after a window without requests: stop on a page that has them all. A run
+                # scores the past window before it simulates, and counts itself when its simulation is back
+                # (from the child process: seconds later), so the error can show before the second run counts
                 if (series(page, "llmtwin_shadow_forecast_error_ratio") and sent >= 24
-                        and all(f'{{metric="e2e_p50",variant="{v}"}}' in fc for v in VARIANTS)):
+                        and all(f'{{metric="e2e_p50",variant="{v}"}}' in fc for v in VARIANTS)
+                        and next(iter(done.values()), 0) >= 2):
                     break
                 time.sleep(0.5)
         shadow = json.loads(httpx.get(rc.url + "/shadow", timeout=30).text)
