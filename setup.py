@@ -14,16 +14,17 @@ HOT_MODULES = [
     "twin/engine/request.py",
     "twin/engine/segment_pool.py",
     "twin/engine/scheduler.py",
-    "twin/engine/instance.py",
+    "twin/engine/config.py",
+    "twin/sim/instance.py",
     "twin/perf/base.py",
     "twin/perf/roofline.py",
-    "twin/cluster.py",
-    "twin/dispatcher.py",
-    "twin/api_server.py",
-    "twin/timeline.py",
+    "twin/sim/cluster.py",
+    "twin/sim/dispatcher.py",
+    "twin/sim/api_server.py",
+    "twin/sim/timeline.py",
     "twin/policy/bookkeeping.py",
     "twin/policy/signals.py",
-    "twin/events.py",
+    "twin/sim/events.py",
 ]
 
 ext_modules = []

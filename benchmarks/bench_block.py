@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--candidates", default="0,4")
     args = ap.parse_args()
 
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster
     from twin.policy.block import Block
     from twin.scenario import load_scenario
     from twin.workload import build_stream

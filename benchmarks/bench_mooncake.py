@@ -43,14 +43,14 @@ POOL_FUNCS = ("release_keyed", "allocate", "_register_full_blocks", "touch", "en
 
 
 def one_run(path, overrides, pool="auto"):
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster, trace_key_runs
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 
     sc = load_scenario(path, overrides)
     stream = build_stream(sc)
     t0 = time.perf_counter()
-    stream.key_runs()  # once per stream (every run of it shares it): timed apart, printed
+    trace_key_runs(stream)  # once per stream (every run of it shares it): timed apart, printed
     prep = time.perf_counter() - t0
     cl = Cluster(sc, stream, pool=pool)
     t0 = time.perf_counter()
@@ -59,7 +59,7 @@ def one_run(path, overrides, pool="auto"):
 
 
 def pool_share(path, overrides, pool="auto") -> float:
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 

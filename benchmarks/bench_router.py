@@ -48,7 +48,7 @@ TARGET_US = {16: 20.0, 256: 200.0}
 
 
 def machine_info() -> str:
-    from twin.machine import describe
+    from twin.lab.machine import describe
 
     return describe()
 

@@ -20,8 +20,8 @@ Usage (from the repository root):
   .venv/bin/python benchmarks/bench_speed.py --scenarios scenarios/bench-16xh100.yaml --sizes 1000000 --bar
   .venv/bin/python benchmarks/bench_speed.py --trace full --json benchmarks/results/speed.json
 
-Only the public API is used (twin.scenario.load_scenario, twin.workload.build_stream, twin.cluster.Cluster,
-twin.metrics.summarize), so the script measures whatever the engine under twin/ currently is.
+Only the public API is used (twin.scenario.load_scenario, twin.workload.build_stream, twin.sim.cluster.Cluster,
+twin.sim.metrics.summarize), so the script measures whatever the engine under twin/ currently is.
 No timed assertions: this prints numbers, it never fails on them.
 """
 
@@ -49,7 +49,7 @@ MILLION = 1_000_000
 # machine description
 # ---------------------------------------------------------------------------------------------------
 def machine_info() -> dict:
-    from twin.machine import machine  # twin/__init__.py is empty: this imports nothing else of twin
+    from twin.lab.machine import machine  # twin/__init__.py is empty: this imports nothing else of twin
 
     m = machine()
     cpu, usable, mem_gib = m["cpu"], m["usable_cores"], m["mem_gib"]
@@ -114,8 +114,8 @@ def _maxrss_mib() -> float:
 def child(args: argparse.Namespace) -> None:
     t_proc0 = time.perf_counter()
     rss0 = _maxrss_mib()
-    from twin.cluster import Cluster
-    from twin.metrics import summarize
+    from twin.sim.cluster import Cluster
+    from twin.sim.metrics import summarize
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 

@@ -28,13 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import sys
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster, trace_key_runs
 from twin.scenario import load_scenario
 from twin.workload import build_stream
 n = int(sys.argv[1]); path = sys.argv[2]; over = sys.argv[3:]
 sc = load_scenario(path, over)
 stream = build_stream(sc)
-stream.key_runs()
+trace_key_runs(stream)
 if n:
     Cluster(sc, stream).run()  # warm-up: imports, first-call costs
 for _ in range(n):
@@ -58,9 +58,9 @@ def main() -> None:
     args = ap.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed: this benchmark counts instructions with it")
-    import twin.cluster
+    import twin.sim.cluster
 
-    compiled = not twin.cluster.__file__.endswith(".py")
+    compiled = not twin.sim.cluster.__file__.endswith(".py")
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as d:
         child = Path(d) / "child.py"
@@ -78,7 +78,7 @@ def main() -> None:
             per_run = (with_runs - without) / (args.runs + 1)
     build = "compiled" if compiled else "pure Python"
     print(f"{build}: {per_run / 1e6:,.1f} M instructions per Cluster.run ({Path(args.scenario).name}"
-          f"{' ' + ' '.join(args.set) if args.set else ''}; {twin.cluster.__file__})")
+          f"{' ' + ' '.join(args.set) if args.set else ''}; {twin.sim.cluster.__file__})")
 
 
 if __name__ == "__main__":

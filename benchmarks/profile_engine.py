@@ -35,7 +35,7 @@ DEFAULT_SCENARIO = ROOT / "scenarios" / "bench-16xh100.yaml"
 
 
 def build(args):
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 
@@ -157,7 +157,7 @@ def run_pyspy(args, out: Path) -> None:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        # frames look like "Cluster.run (twin/cluster.py:157)": drop the line number, keep the function
+        # frames look like "Cluster.run (twin/sim/cluster.py:157)": drop the line number, keep the function
         frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
         idx = next((i for i, f in enumerate(frames) if f.startswith("Cluster.run (")), None)
         if idx is None:

@@ -84,7 +84,7 @@ STEP_CASES = [  # must match vidur_runner.STEP_CASES: (label, decode seqs, decod
 
 def twin_step_table() -> dict:
     """The twin's step time (ms) for the same batches, from its public perf model."""
-    from twin.cluster import build_perf
+    from twin.sim.cluster import build_perf
     from twin.perf.base import StepBatch
     from twin.scenario import load_scenario
 

@@ -1,6 +1,6 @@
 """The controller's state and background work: registry, router, bookkeeping, indexes, scrapes, health, scaling.
 
-It is the live mirror of `twin.dispatcher.Dispatcher`: the router gets the same `RequestView`s and
+It is the live mirror of `twin.sim.dispatcher.Dispatcher`: the router gets the same `RequestView`s and
 `FleetView`s, built from real signals. Gauges come from each worker's `/metrics` every
 `router.scrape_interval_s` (floored at `min_scrape_interval_s`); bookkeeping is updated at dispatch, first
 chunk and finish by the proxy (`live.proxy`); the approximate index is fed at dispatch, the precise one by

@@ -4,14 +4,14 @@ Every `shadow.interval_s` the controller's recent arrivals (mirrored from the pr
 arrival, prompt tokens and prefix hashes, worker, first token, finish, output tokens) become a twin workload
 for the NEXT window. The load model is pluggable (`LOAD_MODELS`); the default `replay` is an ASSUMPTION:
 the next window looks like the last one (the same arrivals, shifted forward one window). That workload is
-simulated on a twin `Cluster` built like a scenario's (`twin.scenario.parse_scenario`, `twin.cluster.Cluster`):
+simulated on a twin `Cluster` built like a scenario's (`twin.scenario.parse_scenario`, `twin.sim.cluster.Cluster`):
 the live workers' engine settings (`vllm:cache_config_info`, launch arguments), the router by name and
 parameters, the perf profile the config names (`shadow.perf`, as a scenario's `cluster.perf`). It runs for the
 current configuration and alternatives (+1 / -1 instance, other `max_num_batched_tokens`), off the event loop
 (a thread or a child process), and the forecasts are exported as Prometheus gauges. When a window has passed,
 the forecast made for it is scored against what the proxy measured in it (`llmtwin_shadow_forecast_error_ratio`,
 and a history at `/shadow`). The `twin` scaler reads `ShadowFleetForecaster.attainment`, the live side of the
-simulator's `twin.forecaster.FleetForecaster`.
+simulator's `twin.sim.forecaster.FleetForecaster`.
 
 ASSUMPTIONS of the forecast (documented in the README, "Shadow mode"; each is settable or pluggable): the
 next window's arrivals come from the load model (`shadow.load`); each simulation starts from idle engines
@@ -309,7 +309,7 @@ def _profile_api_times(cfg: "LiveConfig") -> dict:
 
 def shadow_scenario(cfg: "LiveConfig", num_instances: int, engine: dict, label: str = "current",
                     api: dict | None = None) -> "Scenario":
-    """A scenario of the live fleet, as `twin.calibrate.twin_scenario` builds one for an observed server."""
+    """A scenario of the live fleet, as `twin.lab.calibrate.twin_scenario` builds one for an observed server."""
     from twin.scenario import parse_scenario
 
     s = cfg.shadow
@@ -329,7 +329,7 @@ def shadow_scenario(cfg: "LiveConfig", num_instances: int, engine: dict, label: 
 
 def check_config(cfg: "LiveConfig") -> None:
     """Build the shadow twin once at load time, so a bad name, engine key or profile is one line now."""
-    from twin.cluster import engine_config
+    from twin.sim.cluster import engine_config
     from twin.perf.registry import build_perf
 
     try:
@@ -361,7 +361,7 @@ def variants(cfg: "LiveConfig", n: int, engine: dict) -> list[Variant]:
 
 
 def _q(values, q: str) -> float | None:
-    from twin.metrics import describe
+    from twin.sim.metrics import describe
 
     v = describe(np.asarray(values, dtype=np.float64))[q]
     return None if v is None else float(v)
@@ -370,7 +370,7 @@ def _q(values, q: str) -> float | None:
 def forecast_metrics(result: Any, window_s: float, slo: Any, carried: int = 0) -> dict:
     """TTFT/TPOT/ITL/E2E/queue quantiles, goodput and SLO attainment of a simulated window's own requests
     (the `carried` in-flight ones first in the log are load, not counted; ITL is per step, so counts them)."""
-    from twin.metrics import itl_samples, slo_mask, weighted_quantiles
+    from twin.sim.metrics import itl_samples, slo_mask, weighted_quantiles
 
     lg = result.log
     mine = np.arange(lg.n) >= carried
@@ -405,7 +405,7 @@ class ShadowJob:
 
 
 def simulate(job: ShadowJob, v: Variant) -> Any:
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster
 
     sc = shadow_scenario(job.cfg, v.num_instances, {**job.engine, **v.engine}, v.label, job.api)
     if job.max_sim_time_s is not None:
@@ -654,7 +654,7 @@ class Shadow:
 
 class ShadowFleetForecaster:
     """The live twin scaler's `forecast` argument: `attainment(n_instances, horizon_s, rate, slo, oracle)`, as
-    `twin.forecaster.FleetForecaster` answers it in the simulator, from the observed window's pattern at the
+    `twin.sim.forecaster.FleetForecaster` answers it in the simulator, from the observed window's pattern at the
     predicted rate (`reshape`). Blocking: the controller calls the scaler in a thread."""
 
     def __init__(self, cfg: Any, engine: dict, load: WindowLoad, api: dict, max_requests: int) -> None:
@@ -691,7 +691,7 @@ class ShadowFleetForecaster:
 
 class ShadowInstanceForecaster:
     """Block's `fleet.forecaster` on the live side: `forecast(instance_id, extra_request, horizon_s, until)`, as
-    `twin.forecaster.SimForecaster` answers it in the simulator, from what the controller knows of the worker.
+    `twin.sim.forecaster.SimForecaster` answers it in the simulator, from what the controller knows of the worker.
 
     The simulator forks the instance's exact engine; the controller cannot see a worker's batch, so it rebuilds
     one from the mirror: the requests in flight on that worker (`with_in_flight`: the same ASSUMPTIONS as the
@@ -721,7 +721,7 @@ class ShadowInstanceForecaster:
 
     def forecast(self, instance_id: str, extra_request: Any = None, horizon_s: float | None = None,
                  until: str = "finish") -> Any:
-        from twin.cluster import Cluster
+        from twin.sim.cluster import Cluster
         from twin.policy.views import Forecast
 
         self.calls += 1

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     import pandas as pd
     import torch
 
-    from twin.models import get_model
+    from twin.specs.models import get_model
 
     if not torch.cuda.is_available():
         print("error: no CUDA device: this script measures a GPU (the fitted CSV format is in its docstring)",

@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 
-from twin.cluster import Cluster, account
+from twin.sim.cluster import Cluster, account
 from twin.scenario import parse_scenario
 from twin.workload import RequestStream
 

@@ -1,4 +1,4 @@
-"""The API server as a queue (twin.api_server): bursts wait for each other, the token stream stretches
+"""The API server as a queue (twin.sim.api_server): bursts wait for each other, the token stream stretches
 pre-processing, tokens wait behind queued requests, and without API time nothing changes."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from twin.api_server import ApiServer
-from twin.cluster import Cluster
+from twin.sim.api_server import ApiServer
+from twin.sim.cluster import Cluster
 
 from conftest import make_scenario, run_checked, stream_of
 

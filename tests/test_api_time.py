@@ -2,7 +2,7 @@
 
 import pytest
 
-from twin.cluster import build_perf
+from twin.sim.cluster import build_perf
 
 from conftest import make_scenario, run_checked, stream_of
 

@@ -9,12 +9,12 @@ import pytest
 import conftest
 import test_fast_forward
 import test_fork
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.perf.base import StepBatch
-from twin.records import RequestLog
+from twin.engine.records import RequestLog
 from twin.scenario import parse_scenario
 from twin.workload import build_stream
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.policy import make_router
 from twin.policy.block import Block
 
@@ -91,7 +91,7 @@ def test_a_configured_predictor_fills_the_view_and_learns_from_finishes():
     stream = stream_of([0, 0.1, 0.2, 0.3], [100] * 4, outs)
     res = run_checked(make_scenario(predictor={"name": "oracle"}), stream, router=Spy())
     assert [seen[str(i)] for i in range(4)] == outs  # the oracle was handed the truth
-    from twin.metrics import summarize
+    from twin.sim.metrics import summarize
 
     assert summarize(res)["router"]["predictor"]["oracle"] is True
     seen.clear()
@@ -113,6 +113,6 @@ def test_block_with_an_oracle_predictor_beats_round_robin_on_ttft_under_load():
     rr = run_checked(make_scenario(**base, **{"router.name": "round-robin"}), stream)
     blk = run_checked(make_scenario(**base, **{"router.name": "block", "router.params": {"objective": "ttft"}},
                                     predictor={"name": "oracle"}), stream)
-    from twin.metrics import summarize
+    from twin.sim.metrics import summarize
 
     assert summarize(blk)["ttft_s"]["mean"] < summarize(rr)["ttft_s"]["mean"]

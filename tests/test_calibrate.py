@@ -10,13 +10,13 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from twin.calibrate import (Observation, Profile, fit_operator_profile, fit_schedule, perf_block, profile_document,
+from twin.lab.calibrate import (Observation, Profile, fit_operator_profile, fit_schedule, perf_block, profile_document,
                             read_observation, simulate_observation, write_profile)
 from twin.cli import app
 from twin.errors import TwinInputError
-from twin.hardware import get_gpu
-from twin.models import get_model
-from twin.observe import Load, cache_config, calibration_load, check_loopback
+from twin.specs.hardware import get_gpu
+from twin.specs.models import get_model
+from twin.lab.observe import Load, cache_config, calibration_load, check_loopback
 from twin.perf.fitted import FittedModel
 from twin.perf.roofline import RooflineModel
 

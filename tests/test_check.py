@@ -8,12 +8,12 @@ from typer.testing import CliRunner
 
 from conftest import make_scenario
 from twin.cli import app
-from twin.cluster import build_perf, engine_config
+from twin.sim.cluster import build_perf, engine_config
 from twin.errors import TwinInputError
-from twin.hardware import get_gpu
-from twin.models import get_model
+from twin.specs.hardware import get_gpu
+from twin.specs.models import get_model
 from twin.perf import registry
-from twin.physics import ceilings, judge, parse_claim, parse_mix
+from twin.analysis.physics import ceilings, judge, parse_claim, parse_mix
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "scenarios" / "quickstart.yaml"

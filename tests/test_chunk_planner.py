@@ -9,7 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from twin.cli import app
-from twin.planning import TwinEvaluator, window_of
+from twin.analysis.planning import twin_evaluator, window_of
 from twin.policy.chunk import SLO, ChunkPlanner, EngineKnobs, OnlineChunkPlanner, WorkloadWindow
 from twin.scenario import parse_scenario
 from twin.workload import build_stream
@@ -107,7 +107,7 @@ def mixed(tmp_path, slo):
 
 def plan_real(raw, slo):
     sc = parse_scenario(raw)
-    p = ChunkPlanner(TwinEvaluator(sc))
+    p = ChunkPlanner(twin_evaluator(sc))
     return p.plan(window_of(build_stream(sc)), slo), p
 
 
@@ -133,7 +133,7 @@ def test_twin_evaluator_runs_a_bare_window():
     raw = {"name": "w", "cluster": {"num_instances": 1, "hardware": "H100", "model": "Llama-3-8B",
                                     "engine": {"max_num_seqs": 64}},
            "workload": {"num_requests": 1, "arrival": {"rate": 1}, "lengths": {"prompt_tokens": 10, "output_tokens": 2}}}
-    ev = TwinEvaluator(parse_scenario(raw))
+    ev = twin_evaluator(parse_scenario(raw))
     w = window(n=50, prompt=400, output=30, t0=1000.0, rate=5)  # an online window: its clock starts late
     s = ev(w, EngineKnobs(512), SLO(ttft_s=0.5))
     assert s["requests_total"] == 50 and s["requests_finished"] == 50

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from twin.cluster import Cluster, build_perf
+from twin.sim.cluster import Cluster, build_perf
 from twin.perf import StepBatch
 from twin.workload import build_stream
 
@@ -149,7 +149,7 @@ def test_a_preempted_request_hits_its_own_surviving_blocks_when_resumed():
 
 def test_a_turn_sent_while_the_previous_answer_streams_hits_the_blocks_it_filled():
     """vLLM caches each decode block as it fills (`allocate_slots` caches up to num_tokens)."""
-    from twin.parity import ParityRequest, Workload, run_twin
+    from twin.lab.parity import ParityRequest, Workload, run_twin
 
     prompt = list(range(1, 33))  # 2 blocks
     answer = list(range(100, 164))  # 64 output tokens

@@ -9,12 +9,12 @@ from typer.testing import CliRunner
 
 from conftest import make_scenario, stream_of
 from twin.cli import app
-from twin.cluster import Cluster, build_perf, engine_config
+from twin.sim.cluster import Cluster, build_perf, engine_config
 from twin.engine.defaults import batch_defaults, resolve_batch_limits
-from twin.engine.instance import EngineConfig, num_gpu_blocks
+from twin.engine.config import EngineConfig, num_gpu_blocks
 from twin.errors import TwinInputError
-from twin.hardware import GiB, get_gpu
-from twin.metrics import summarize
+from twin.specs.hardware import GiB, get_gpu
+from twin.sim.metrics import summarize
 
 UNSET = {"cluster.engine": {"block_size": 16}}  # neither max_num_batched_tokens nor max_num_seqs
 

@@ -1,11 +1,11 @@
-"""twin.events against SimPy: the same processes, timers, interrupts and stops give the same steps in the same order."""
+"""twin.sim.events against SimPy: the same processes, timers, interrupts and stops give the same steps in the same order."""
 
 import random
 
 import pytest
 import simpy
 
-from twin.events import Proc, Timer, run
+from twin.sim.events import Proc, Timer, run
 
 
 class SimPyKit:
@@ -25,7 +25,7 @@ class SimPyKit:
 
 
 class TwinKit:
-    """twin.events' classes in the same SimPy environment."""
+    """twin.sim.events' classes in the same SimPy environment."""
 
     def process(self, env, gen):
         return Proc(env, gen)

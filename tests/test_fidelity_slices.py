@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from twin.calibrate import Observation, Profile, api_gap, fit_schedule, router_block, simulate_observation
+from twin.lab.calibrate import Observation, Profile, api_gap, fit_schedule, router_block, simulate_observation
 from twin.errors import TwinInputError
-from twin.fidelity import slice_load, slices
-from twin.observe import Load, _drive, block_ids, bursty_load, session_load
+from twin.lab.fidelity import slice_load, slices
+from twin.lab.observe import Load, _drive, block_ids, bursty_load, session_load
 
 from test_calibrate import META, TRUE, deterministic_load, synthetic
 
@@ -174,14 +174,14 @@ def test_fit_keeps_the_roofline_floor_and_shrugs_off_stalled_requests():
 def test_router_block_and_slice_kinds():
     assert router_block("cache-aware", {"cache_threshold": 0.5}) == {
         "name": "cache-aware", "params": {"cache_threshold": 0.5}, "scrape_interval_s": 0.0}
-    from twin.fidelity import SliceSpec
+    from twin.lab.fidelity import SliceSpec
 
     with pytest.raises(TwinInputError, match="unknown kind"):
         slice_load(SliceSpec("x", "nope", SG, 3), 512)
 
 
 def test_the_start_takes_the_measured_api_gap():
-    from twin.calibrate import initial_params
+    from twin.lab.calibrate import initial_params
 
     obs = with_histograms(synthetic(Profile.from_params(TRUE), *deterministic_load()), 0.0)
     f = obs.requests
@@ -206,7 +206,7 @@ def test_cli_fidelity_router_bad_input(tmp_path):
 
 
 def test_the_servers_own_itl_pins_the_engine_speed_when_the_client_saw_bursts():
-    from twin.calibrate import server_itl
+    from twin.lab.calibrate import server_itl
 
     obs = synthetic(Profile.from_params(TRUE), *deterministic_load())
     f = obs.requests
@@ -252,7 +252,7 @@ def test_speed_probes_tell_a_steady_machine_from_one_that_slowed(tmp_path):
     """The same probe before every load: a server that got 30 % slower mid-run is flagged, a steady one is not."""
     import pandas as pd
 
-    from twin.fidelity import DRIFT_LIMIT_PCT, probe_drift, probe_load
+    from twin.lab.fidelity import DRIFT_LIMIT_PCT, probe_drift, probe_load
 
     load = probe_load(512)
     slow = dict(TRUE, linear=TRUE["linear"] * 1.3, attn=TRUE["attn"] * 1.3, step_s=TRUE["step_s"] * 1.3,
@@ -279,7 +279,7 @@ def test_a_probe_sent_late_still_tells_its_isolated_requests_from_its_burst(tmp_
     """A loaded client sends the first probe request late: its burst is still the burst (CI once saw none)."""
     import pandas as pd
 
-    from twin.fidelity import PROBE_ALONE, probe_load, probe_speed
+    from twin.lab.fidelity import PROBE_ALONE, probe_load, probe_speed
 
     load = probe_load(512)
     obs = synthetic(Profile.from_params(TRUE), load.arrival_s, load.prompt_tokens, load.output_tokens)
@@ -299,7 +299,7 @@ def test_a_probe_answer_read_in_one_piece_has_no_cadence_rather_than_a_zero_one(
     and last at the same instant): that request is unresolved, not a decode time of 0 that halves the median."""
     import pandas as pd
 
-    from twin.fidelity import probe_load, probe_speed
+    from twin.lab.fidelity import probe_load, probe_speed
 
     load = probe_load(512)
     obs = synthetic(Profile.from_params(TRUE), load.arrival_s, load.prompt_tokens, load.output_tokens)

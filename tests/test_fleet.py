@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from twin.cli import app
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.policy.scalers import QueueScaler, ScaleAction, ThresholdScaler, ThroughputScaler, make_scaler
 from twin.policy.signals import RecentWindow
 
@@ -79,7 +79,7 @@ def test_a_new_instance_pays_the_start_up_delay_and_is_billed_for_it():
     log = res.log
     assert (log.instance == new).any()
     assert log.arrival_s[log.instance == new].min() >= ready.t  # nothing routed to it while starting
-    from twin.metrics import summarize
+    from twin.sim.metrics import summarize
 
     s = summarize(res)
     assert s["gpu_seconds"] == pytest.approx(res.sim_time_s + (res.sim_time_s - start.t))
@@ -190,7 +190,7 @@ def test_the_twin_scaler_scales_before_a_forecast_burst_the_threshold_scaler_aft
     cl2, res2 = run_with(thr_sc, burst_stream(), None)
     starts2 = [e.t for e in cl2.fleet.events if e.action == "start"]
     assert starts2 and min(starts2) > 120.0
-    from twin.metrics import summarize
+    from twin.sim.metrics import summarize
 
     assert summarize(res)["slo_attainment"] > summarize(res2)["slo_attainment"]
 
@@ -245,14 +245,15 @@ def test_capacity_of_short_requests_is_confirmed_with_full_length_probes():
     """Short requests at a high rate: the request cap made probes a few seconds long, too short for a slowly
     growing queue to show, and the rate came out about 25 % high. The measured rate must hold for a probe of the
     full length, and a rate 15 % above it must not."""
-    from twin.capacity import measure_capacity
-    from twin.metrics import slo_mask
+    from twin.sim.capacity import measure_capacity
+    from twin.sim.cluster import simulate
+    from twin.sim.metrics import slo_mask
     from twin.scenario import load_scenario
     from twin.workload import RequestStream
 
     sc = load_scenario(ROOT / "scenarios" / "quickstart.yaml", ["slo.ttft_s=0.5", "slo.tpot_s=0.05"])
     p, o = np.full(200, 60), np.full(200, 20)
-    cap = measure_capacity(sc, p, o, probe_s=10.0, max_requests=500)
+    cap = measure_capacity(sc, p, o, probe_s=10.0, max_requests=500, simulate=simulate)
     assert any(n > 500 for n in (int(r * 10.0) for r, _ in cap.probes))  # full-length probes were run
 
     def later_half_attainment(rate: float) -> float:

@@ -4,7 +4,7 @@ never touches the original; an arrival added to a fork is handled as the origina
 import numpy as np
 import pytest
 
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.engine.fork import _fork_request, fork_instance
 from twin.engine.request import Request
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from twin.parity import WORKLOADS, run_twin
+from twin.lab.parity import WORKLOADS, run_twin
 from twin.policy.prefix_index import PreciseIndex
 
 

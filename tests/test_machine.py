@@ -2,7 +2,7 @@
 
 import os
 
-from twin.machine import describe, machine
+from twin.lab.machine import describe, machine
 
 
 def test_machine_names_cpu_cores_memory_and_load():

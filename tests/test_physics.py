@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from twin.hardware import get_gpu
-from twin.models import get_model
+from twin.specs.hardware import get_gpu
+from twin.specs.models import get_model
 from twin.perf import RooflineModel, StepBatch
 
 # ../shared next to the checkout (/work/main), or two levels up from a worktree (/work/wt/NAME)

@@ -25,7 +25,7 @@ def test_policy_package_imports_nothing_from_the_simulator_or_live():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for n in names:
-                assert not n.startswith(("twin.cluster", "twin.engine", "twin.dispatcher", "live", "simpy")), \
+                assert not n.startswith(("twin.sim.cluster", "twin.engine", "twin.sim.dispatcher", "live", "simpy")), \
                     (path.name, n)
 
 
@@ -155,7 +155,7 @@ def test_least_outstanding_spreads_a_burst_evenly_in_the_simulator():
 
 
 def test_a_router_that_raises_stops_the_run_with_the_request_named():
-    from twin.dispatcher import RouterError
+    from twin.sim.dispatcher import RouterError
 
     class Broken:
         name = "broken"

@@ -47,7 +47,7 @@ def rv(i, text, prompt=12, session=None):
 
 
 def test_xgboost_learns_the_instruction_and_round_trips(tmp_path):
-    from twin.predict.model import load_model, train_model
+    from twin.predict.registry import load_model, train_model
 
     ex = load_examples(write_pairs(tmp_path / "d.csv", 300))
     train, held = split(ex, 0.2, 0)
@@ -75,7 +75,7 @@ def test_xgboost_learns_the_instruction_and_round_trips(tmp_path):
 
 
 def test_model_predictor_tracks_session_history(tmp_path):
-    from twin.predict.model import train_model
+    from twin.predict.registry import train_model
 
     # second turns answer like the first did: history is the only signal
     rows = []
@@ -104,7 +104,7 @@ def _text_deps():
 
 def test_text_model_round_trips_and_serves(tmp_path):
     _text_deps()
-    from twin.predict.model import load_model, train_model
+    from twin.predict.registry import load_model, train_model
 
     ex = load_examples(write_pairs(tmp_path / "d.csv", 64))
     m = train_model("text", ex, seed=0, epochs=1)
@@ -165,7 +165,7 @@ def test_cli_train_text_on_a_small_slice(tmp_path):
 
 def test_text_model_prime_embeds_in_batches_with_the_same_answers(tmp_path):
     _text_deps()
-    from twin.predict.model import train_model
+    from twin.predict.registry import train_model
 
     ex = load_examples(write_pairs(tmp_path / "d.csv", 64))
     train_model("text", ex, seed=0, epochs=1).save(tmp_path / "tm")

@@ -248,7 +248,7 @@ class GaugeRecorder(RouterBase):
 @pytest.mark.parametrize("async_on", [True, False])
 def test_gauges_read_at_a_decision_are_the_state_at_the_last_scrape_tick(mode, async_on):
     """No scrape process runs: a decision's gauges must still equal a /metrics poll at the last tick."""
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster
 
     dt = 0.05
     rng = np.random.default_rng(3)
@@ -302,7 +302,7 @@ def test_a_router_sees_the_view_the_dataclass_would_build(predictor):
             seen.append(req)
             return fleet.instances[0].id
 
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster
 
     stream = shared_prefix_stream(n=12)
     stream.session_id = np.arange(12) % 3

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import BlockKeys, engine_block_keys, engine_block_runs
 from twin.engine.segment_pool import SegmentPool
@@ -316,7 +316,7 @@ def test_the_differential_workloads_run_identically_on_the_range_pool(name, seed
     """tests_vllm/test_parity.py checks the per-block pool against vLLM's scheduler on these workloads
     (token-hash keys, duplicates, streaming output blocks, preemption); the range pool must give the same
     trace (its keys regrouped from per-block hashes, one-block runs)."""
-    import twin.parity as parity
+    import twin.lab.parity as parity
 
     wl = parity.WORKLOADS[name](seed)
     ref = parity.run_twin(wl, mode)

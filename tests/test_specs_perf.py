@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from twin.errors import TwinInputError
-from twin.hardware import get_gpu, known_gpus
-from twin.models import get_model, known_models
+from twin.specs.hardware import get_gpu, known_gpus
+from twin.specs.models import get_model, known_models
 from twin.perf import RooflineModel, StepBatch
 from twin.perf.base import decode_run_times_by_steps
 

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from twin import specs
 from twin.cli import app
-from twin.hardware import get_gpu
-from twin.models import get_model
+from twin.specs.hardware import get_gpu
+from twin.specs.models import get_model
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "scenarios" / "quickstart.yaml"
@@ -70,7 +70,7 @@ def test_a_new_gpu_and_model_simulate_and_show_where_they_come_from(tmp_path):
 
 
 def test_a_correction_merges_field_by_field_and_moves_the_kv_pool(tmp_path):
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 

@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from conftest import make_scenario, run_checked, stream_of
-from twin.cluster import Cluster, build_perf
+from twin.sim.cluster import Cluster, build_perf
 from twin.errors import TwinInputError
-from twin.metrics import summarize
+from twin.sim.metrics import summarize
 from twin.perf import STEP_MODELS, FittedModel, RooflineModel, StepBatch, StepTimeModel
 from twin.perf.base import decode_run_times_by_steps
 from twin.perf.fitted import COEFFICIENTS

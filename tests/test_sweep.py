@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from twin.cli import app
 from twin.errors import TwinInputError
 from twin.scenario import parse_scenario
-from twin.sweep import (LocalBackend, RayBackend, build_grid, expand, flatten, mark_pareto, parse_grid, pareto_mask,
+from twin.analysis.sweep import (LocalBackend, RayBackend, build_grid, expand, flatten, mark_pareto, parse_grid, pareto_mask,
                         plan_sweep, results_frame, run_sweep)
 
 BASE = {

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.errors import TwinInputError
-from twin.metrics import summarize
+from twin.sim.metrics import summarize
 from twin.scenario import load_scenario, parse_scenario
 from twin.workload import build_stream
 from twin.workload.formats import BurstGPTSynthetic, ideal_block_reuse, load_trace

@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from conftest import make_scenario, run_checked, stream_of
 from twin.cli import app
-from twin.cluster import Cluster, engine_config
-from twin.engine.instance import num_gpu_blocks
+from twin.sim.cluster import Cluster, engine_config
+from twin.engine.config import num_gpu_blocks
 from twin.errors import TwinInputError
 from twin.perf import RooflineModel, StepBatch, build_perf
 from twin.perf.base import decode_run_times_by_steps
@@ -205,7 +205,7 @@ def test_runs_with_each_action_account_for_every_request_and_stay_under_the_ceil
                     ("sem", {"semantic_batching": {"predictor": "oracle"}})]:
         sc = make_scenario(**({"whatif": w} if w else {}))
         res = run_checked(sc, st)
-        from twin.metrics import summarize
+        from twin.sim.metrics import summarize
 
         s = summarize(res)
         assert s["physics_ok"], name

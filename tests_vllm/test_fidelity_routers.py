@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from calib_workers import calib_model  # noqa: F401 - fixture
-from twin.calibrate import read_observation
-from twin.fidelity import run_fidelity
+from twin.lab.calibrate import read_observation
+from twin.lab.fidelity import run_fidelity
 
 
 def test_two_workers_under_two_routers(calib_model, tmp_path):

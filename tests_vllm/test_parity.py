@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from twin.parity import WORKLOADS, first_divergence, run_twin, run_vllm, vllm_engine
+from twin.lab.parity import WORKLOADS, first_divergence, run_twin, run_vllm, vllm_engine
 
 NAMED = [n for n in WORKLOADS if n != "random"]
 NAMED_SEEDS = range(3)

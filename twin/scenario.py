@@ -9,8 +9,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
-from twin.hardware import get_gpu
-from twin.models import get_model
+from twin.specs.hardware import get_gpu
+from twin.specs.models import get_model
 from twin.whatif.spec import EarlyExitSpec, PartialKVSpec, PrecisionSpec, SemanticBatchingSpec
 
 # GPUs one tensor-parallel group may span: vLLM's default multiprocessing executor runs a TP group inside one
@@ -47,7 +47,7 @@ class PerfSpec(_Spec):
     api_request_overhead_s: float = Field(0.003, ge=0)
     api_prompt_token_s: float = Field(1e-6, ge=0)
     api_output_token_s: float = Field(46e-6, ge=0)
-    # the API server as one server shared by requests and streamed tokens (twin.api_server): requests in
+    # the API server as one server shared by requests and streamed tokens (twin.sim.api_server): requests in
     # processor sharing ("ps", as its event loop interleaves them) or "fifo"; "off": the api_* are fixed delays
     api_queue: Literal["ps", "fifo", "off"] = "ps"
     api_rho_cap: float = Field(0.9, ge=0, lt=1)  # ASSUMPTION: the token stream's largest share of the server

@@ -1,8 +1,8 @@
-"""One inference instance modelled on vLLM V1: block pool, scheduler, step loop."""
+"""One inference engine modelled on vLLM V1: KV block pool, scheduler, engine config, SimPy-free (the SimPy process that runs it is twin.sim.instance)."""
 
 from twin.engine.block_pool import BlockPool
-from twin.engine.instance import EngineConfig, Instance
+from twin.engine.config import EngineConfig
 from twin.engine.request import Request, RequestStatus
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 
-__all__ = ["BlockPool", "EngineConfig", "Instance", "Request", "RequestStatus", "Scheduler", "SchedulerConfig"]
+__all__ = ["BlockPool", "EngineConfig", "Request", "RequestStatus", "Scheduler", "SchedulerConfig"]

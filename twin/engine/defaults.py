@@ -18,7 +18,7 @@ at the token budget. Finally vLLM's `SchedulerConfig` requires max_num_batched_t
 from __future__ import annotations
 
 from twin.errors import TwinInputError
-from twin.hardware import GiB, GPUSpec
+from twin.specs.hardware import GiB, GPUSpec
 
 
 def batch_defaults(gpu: GPUSpec) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 `fork_instance(inst)` copies an instance's scheduler, block pool and requests (plain data: no SimPy, no
 shared log, no callbacks), together with the step or decode run it is in the middle of. `EngineFork.advance`
-then runs the same loop as `Instance.run` (twin/engine/instance.py), step for step and with the same clock
+then runs the same loop as `Instance.run` (twin/sim/instance.py), step for step and with the same clock
 arithmetic, so a fork advanced alone gives exactly what the original gives with no further arrivals, and a
 request added to the fork at its fork time is handled as an arrival at that time would be. The original is
 never touched. What the fork did is read from its own `ForkLog` (dicts keyed by request index).
@@ -18,7 +18,7 @@ from twin.engine.block_pool import BlockPool, Dup, Run
 from twin.engine.request import Request
 from twin.engine.segment_pool import Seg, SegmentPool
 from twin.engine.scheduler import EngineStats, Scheduler, SchedulerOutput
-from twin.records import RequestLog
+from twin.engine.records import RequestLog
 
 
 class ForkLog(RequestLog):

@@ -153,7 +153,7 @@ def engine_block_keys(hash_ids, hash_block_size: int, block_size: int, num_token
 def engine_block_runs(hash_ids, hash_block_size: int, block_size: int, num_tokens: int,
                       trace_runs: list[tuple[int, int, int]] | None = None) -> "BlockKeys":
     """`engine_block_keys` as runs: one (key base, first block, count) per trace block, or with the
-    `trace_runs` a `KeyBases` gave (`RequestStream.key_runs`) one per path of continued trace blocks (a
+    `trace_runs` a `KeyBases` gave (`twin.sim.cluster.trace_key_runs`) one per path of continued trace blocks (a
     conversation's turns: usually one or two). Engine block j belongs to the trace block holding its last
     token, so trace blocks [t0, t1) hold engine blocks [t0 * hbs // bs, t1 * hbs // bs)."""
     covered = min(len(hash_ids) * hash_block_size, num_tokens) if hash_ids else 0

@@ -55,7 +55,7 @@ from twin.engine.segment_pool import SegmentPool
 from twin.policy.kv_events import BlockStored
 from twin.engine.request import BlockKeys, Request, RequestStatus
 from twin.perf.base import StepBatch, StepTimeModel
-from twin.records import RequestLog
+from twin.engine.records import RequestLog
 
 
 @dataclass

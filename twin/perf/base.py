@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from twin.hardware import GPUSpec
+from twin.specs.hardware import GPUSpec
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ File format (YAML or JSON; `perf.kind: fitted`, `perf.fit_path: FILE`, relative 
       per_request_s: 4.0e-6
     fit: {data: ..., date: ..., mape: ...}   # optional, free-form provenance, shown in describe()
 
-The API-server times (`api_request_s`, `api_token_s`, and the queue's `api_queue_settings`, twin.api_server) are not
+The API-server times (`api_request_s`, `api_token_s`, and the queue's `api_queue_settings`, twin.sim.api_server) are not
 part of the step model; they come from `perf:` in the scenario as for the roofline.
 """
 
@@ -40,8 +40,8 @@ from typing import Any
 import yaml
 
 from twin.errors import TwinInputError
-from twin.hardware import get_gpu
-from twin.models import get_model
+from twin.specs.hardware import get_gpu
+from twin.specs.models import get_model
 from twin.perf.base import StepBatch
 from twin.perf.roofline import GROUPS, RooflineModel
 

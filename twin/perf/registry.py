@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from twin.hardware import get_gpu
-from twin.models import get_model
+from twin.specs.hardware import get_gpu
+from twin.specs.models import get_model
 from twin.perf.base import StepTimeModel
 from twin.perf.fitted import FittedModel
 from twin.perf.roofline import RooflineModel

@@ -43,8 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twin.errors import TwinInputError
-from twin.hardware import GPUSpec
-from twin.models import DTYPE_BYTES, ModelSpec
+from twin.specs.hardware import GPUSpec
+from twin.specs.models import DTYPE_BYTES, ModelSpec
 from twin.perf.base import StepBatch
 
 GROUPS = ("linear", "prefill_attn", "decode_attn", "lm_head", "allreduce")
@@ -67,7 +67,7 @@ class RooflineModel:
     api_request_overhead_s: float = 0.003  # ASSUMPTION: API server per request before the engine
     api_prompt_token_s: float = 1e-6  # ASSUMPTION: tokenization per prompt token
     api_output_token_s: float = 46e-6  # ASSUMPTION: detokenize + stream per output token
-    # the API server as one server shared by requests and streamed tokens (twin.api_server), its requests
+    # the API server as one server shared by requests and streamed tokens (twin.sim.api_server), its requests
     # in processor sharing ("ps") or one at a time ("fifo"); "off": the three terms are fixed delays. The cap
     # on the token stream's share of the server: ASSUMPTION
     api_queue: str = "ps"  # "ps" (processor sharing), "fifo", or "off"
@@ -159,7 +159,7 @@ class RooflineModel:
         return self.api_output_token_s
 
     def api_queue_settings(self) -> tuple[float | None, float, str]:
-        """(the cap on the token stream's share of the API server when it is a queue, twin.api_server, or None:
+        """(the cap on the token stream's share of the API server when it is a queue, twin.sim.api_server, or None:
         its terms are fixed delays; the hand-off latency to the engine that holds no server; the discipline)."""
         return (None if self.api_queue == "off" else self.api_rho_cap), self.api_handoff_s, self.api_queue
 

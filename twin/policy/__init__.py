@@ -1,6 +1,6 @@
 """THE SHARED POLICY OBJECTS: pure routers, predictors, scalers and planners that both the twin and `live` run.
 
-Nothing here imports from `twin.cluster`, `twin.engine`, `live` or simpy: policies read views
+Nothing here imports from `twin.sim.cluster`, `twin.engine`, `live` or simpy: policies read views
 (`twin.policy.views`) and return decisions.
 """
 

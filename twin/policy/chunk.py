@@ -2,7 +2,7 @@
 
 Pure policy objects (DESIGN.md, "Policies and their hooks": `ChunkPlanner.plan(window, slo) -> EngineKnobs`).
 They never run the twin themselves: the world hands them an *evaluator*, a callable
-`(window, knobs, slo) -> summary-like mapping` (the simulator's is `twin.planning.TwinEvaluator`; a test's is a
+`(window, knobs, slo) -> summary-like mapping` (the simulator's is `twin.sim.evaluate.TwinEvaluator`; a test's is a
 formula). The mapping needs `goodput_req_s` and may carry `slo_attainment` and the `ttft_s`/`tpot_s`/`itl_s`
 distributions (each a mapping with `p99`) that the table reports.
 
@@ -48,7 +48,7 @@ class EngineKnobs:
 
 @dataclass(frozen=True)
 class SLO:
-    """Per-request bounds; a request counts toward goodput when every set bound holds (as twin.metrics does)."""
+    """Per-request bounds; a request counts toward goodput when every set bound holds (as twin.sim.metrics does)."""
 
     ttft_s: Optional[float] = None
     tpot_s: Optional[float] = None  # the per-request mean inter-token latency (ITL)

@@ -348,7 +348,7 @@ class ModelPredictor(PredictorBase):
     name = "model"
 
     def __init__(self, path: str) -> None:
-        from twin.predict.model import load_model  # heavy imports stay out of the policy layer
+        from twin.predict.registry import load_model  # heavy imports stay out of the policy layer
 
         self.path = str(path)
         self.model = load_model(path)

@@ -165,7 +165,7 @@ class ThroughputScaler(ScalerBase):
     replicas = ceil(forecast req/s x (mean prompt + output tokens) / (capacity_req_s x capacity tokens per
     request)). `capacity_req_s` is the rate one instance sustains within the SLO at `capacity_tokens`
     tokens per request; when None the simulator measures it with the twin before the run
-    (`twin.capacity.measure_capacity`). `headroom` over-provisions by that fraction.
+    (`twin.sim.capacity.measure_capacity`). `headroom` over-provisions by that fraction.
     """
 
     name = "throughput"
@@ -209,7 +209,7 @@ class TwinScaler(ScalerBase):
     SLO attainment reaches `target`.
 
     The world supplies `forecast`, an object with `attainment(n_instances, horizon_s, rate, slo, oracle)`
-    (the simulator's `twin.forecaster.FleetForecaster`, or the live shadow twin). The arrival rate comes from
+    (the simulator's `twin.sim.forecaster.FleetForecaster`, or the live shadow twin). The arrival rate comes from
     a load predictor over recent per-interval rates, or, with `oracle: true`, from the workload's own
     future (a known schedule; reports name it oracle). `slo` is the scenario's unless given here.
     """

@@ -9,12 +9,15 @@ field, so a user can correct one figure (say `device_memory_gib`) without restat
 
 from __future__ import annotations
 
+import functools
 import os
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 import yaml
+
+from twin.errors import TwinInputError
 
 ENV_VAR = "LLMTWIN_SPECS"
 # the user file's section for each built-in spec file
@@ -71,7 +74,6 @@ def _builtin(name: str) -> dict:
 
 @lru_cache(maxsize=32)
 def _merged(name: str, files: tuple[str, ...]) -> tuple[dict, dict]:
-    from twin.errors import TwinInputError
 
     table = {k: dict(v) for k, v in _builtin(name).items()}
     where: dict[str, str] = {}
@@ -96,7 +98,6 @@ def _merged(name: str, files: tuple[str, ...]) -> tuple[dict, dict]:
 @lru_cache(maxsize=32)
 def _read_user_file(path: str) -> dict:
     """One user spec file, checked for shape; every problem is one line naming the file."""
-    from twin.errors import TwinInputError
 
     p = Path(path)
     if not p.is_file():
@@ -132,3 +133,27 @@ def resolve(table: dict, name: str) -> tuple[str, dict] | None:
         if key.lower() == want or want in (a.lower() for a in entry.get("aliases", [])):
             return key, entry
     return None
+
+
+def spec_entry_errors(spec_file: str):
+    """Decorate a spec lookup `get_x(name)` so an entry missing a field (KeyError) or holding a value of the
+    wrong type is a TwinInputError naming the spec file, the entry and the field, not a traceback."""
+
+    def wrap(lookup):
+        @functools.wraps(lookup)
+        def checked(name, *args, **kwargs):
+            try:
+                return lookup(name, *args, **kwargs)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                if isinstance(e, TwinInputError):
+                    raise
+                found = resolve(load(spec_file), name)
+                entry = f"entry {found[0] if found else name!r}"
+                where = spec_file_of(spec_file, found[0]) if found else Path(__file__).with_name(spec_file)
+                if isinstance(e, KeyError):
+                    raise TwinInputError(f"{where}: {entry}: missing field {e.args[0]!r}") from None
+                raise TwinInputError(f"{where}: {entry}: a field has a bad value ({e})") from None
+
+        return checked
+
+    return wrap

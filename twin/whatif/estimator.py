@@ -57,7 +57,7 @@ class RecordingModel:
 
 def record_run(sc, stream) -> RecordingModel:
     """Run `sc` on `stream` (one instance, step mode) and return the recorder with every step it saw."""
-    from twin.cluster import Cluster, build_perf
+    from twin.sim.cluster import Cluster, build_perf
 
     sc = sc.model_copy(deep=True)
     sc.sim.mode = "step"

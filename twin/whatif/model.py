@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twin.errors import TwinInputError
-from twin.models import DTYPE_BYTES
+from twin.specs.models import DTYPE_BYTES
 from twin.perf.base import StepBatch, StepTimeModel
 from twin.perf.fitted import FittedModel
 from twin.perf.roofline import GROUPS, RooflineModel

@@ -12,7 +12,7 @@ placed, then every request of its cluster whose predicted output is within `max_
 anchor's, in arrival order, and repeats. A request is delayed only behind groups anchored by older requests.
 
 `WaitingQueueOrder` applies it where requests enter an instance's waiting queue (the hook in
-`twin.cluster.Cluster.dispatch`), to the never-scheduled tail of that queue only: preempted requests, which
+`twin.sim.cluster.Cluster.dispatch`), to the never-scheduled tail of that queue only: preempted requests, which
 vLLM puts back at the front, keep their place; the engine's scheduler is unchanged and admits the queue in
 its (now regrouped) order, as vLLM's FCFS policy would. Predicted output lengths: the client's cap
 (`predictor: cap`) or, as an upper bound on what a predictor could give, the true length (`predictor: oracle`,

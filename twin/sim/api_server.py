@@ -22,7 +22,7 @@ The account is per event, never per token: one `preprocess` per request, one `de
 first token and at its finish; the token rate is read off the engine's step in progress
 (`Instance.token_rate`).
 
-For the fit (twin.calibrate) the server can carry the gradient of its times with respect to the three API
+For the fit (twin.lab.calibrate) the server can carry the gradient of its times with respect to the three API
 terms (`api_request_overhead_s`, `api_prompt_token_s`, `api_output_token_s`) on the run's schedule, and
 record them per request (`record`).
 """
@@ -63,7 +63,7 @@ class ApiServer:
     sum_tags: float = 0.0
     sum_gtags: Grad = ZERO
     # request index -> (engine entry time, its gradient), and (wait, gradient of the delivery time) at the
-    # first token and at the finish; None unless the fit asks (twin.calibrate)
+    # first token and at the finish; None unless the fit asks (twin.lab.calibrate)
     record: dict[int, list] | None = field(default=None, repr=False)
 
     def work(self, raw: float, prompt_tokens: int, output_token_s: float, token_rate: float) -> tuple[float, Grad]:

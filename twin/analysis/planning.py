@@ -1,60 +1,22 @@
-"""The simulator's side of the chunk planner: an evaluator that runs the twin, and the table and figure behind a plan."""
+"""The chunk planner's table and figure, and the evaluator `twin plan-chunk` runs (`twin.sim.evaluate`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import pandas as pd
 
-from twin.policy.chunk import SLO, Candidate, EngineKnobs, WorkloadWindow
-from twin.scenario import Scenario, parse_scenario
-from twin.workload import RequestStream
+from twin.policy.chunk import SLO, Candidate
+from twin.scenario import Scenario
+from twin.sim.evaluate import TwinEvaluator, slo_of, window_of, with_knobs
 
 
-def slo_of(sc: Scenario) -> SLO:
-    return SLO(sc.slo.ttft_s, sc.slo.tpot_s, sc.slo.e2e_s)
+def twin_evaluator(sc: Scenario) -> TwinEvaluator:
+    """The evaluator `twin plan-chunk` uses: each candidate a full twin run of the window."""
+    from twin.sim.cluster import simulate
 
-
-def window_of(stream: RequestStream) -> WorkloadWindow:
-    """A whole stream as a planner's window (the stream rides along, so the twin replays it exactly)."""
-    return WorkloadWindow(stream.arrival_s, stream.prompt_tokens, stream.output_tokens, source=stream)
-
-
-def with_knobs(sc: Scenario, knobs: EngineKnobs, slo: SLO | None = None) -> Scenario:
-    """The scenario with `knobs` in cluster.engine (and `slo`), validated as a scenario file would be."""
-    raw = sc.model_dump(mode="json")
-    raw["cluster"]["engine"].update(knobs.as_engine_args())
-    if slo is not None:
-        raw["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s}
-    return parse_scenario(raw, f"candidate {knobs.label()}", sc.base_dir)
-
-
-class TwinEvaluator:
-    """`(window, knobs, slo) -> summary`: the twin run on the window's requests with candidate engine knobs.
-
-    A window that carries its RequestStream is replayed as is (prefix hashes, closed-loop turns); a bare window
-    (arrival times and lengths, as the online planner keeps) becomes an open-loop stream starting at 0 with no
-    shared prefixes.
-    """
-
-    def __init__(self, sc: Scenario) -> None:
-        self.scenario = sc
-        self.runs = 0
-
-    def stream_of(self, window: WorkloadWindow) -> RequestStream:
-        if isinstance(window.source, RequestStream):
-            return window.source
-        a = window.arrival_s - (window.arrival_s[0] if len(window) else 0.0)
-        return RequestStream(a, window.prompt_tokens, window.output_tokens)
-
-    def __call__(self, window: WorkloadWindow, knobs: EngineKnobs, slo: SLO) -> dict[str, Any]:
-        from twin.cluster import Cluster
-        from twin.metrics import summarize
-
-        sc = with_knobs(self.scenario, knobs, slo)
-        self.runs += 1
-        return summarize(Cluster(sc, self.stream_of(window)).run())
+    return TwinEvaluator(sc, simulate)
 
 
 def plan_frame(rows: Sequence[Candidate]) -> pd.DataFrame:
@@ -130,5 +92,5 @@ def candidate_values(text: str | None, what: str) -> list[int] | None:
     return out
 
 
-__all__ = ["TwinEvaluator", "candidate_values", "plan_frame", "plot_plan", "slo_of", "window_of",
+__all__ = ["TwinEvaluator", "candidate_values", "plan_frame", "plot_plan", "slo_of", "twin_evaluator", "window_of",
            "with_knobs"]

@@ -128,7 +128,7 @@ class Fleet:
         d = self.cluster.dispatcher
         forecast = None
         if getattr(self.scaler, "needs_forecaster", False):
-            from twin.forecaster import FleetForecaster
+            from twin.sim.forecaster import FleetForecaster
 
             forecast = FleetForecaster(self.cluster, seed=self.cluster.scenario.seed)
             if getattr(self.scaler, "slo", 0) is None:
@@ -144,7 +144,7 @@ class Fleet:
         """The online chunk planner: observe finished requests, re-plan every interval, apply changes."""
         from dataclasses import replace as dc_replace
 
-        from twin.planning import TwinEvaluator, slo_of
+        from twin.sim.evaluate import TwinEvaluator, slo_of
         from twin.policy.chunk import DEFAULT_CHUNKS, ChunkPlanner, EngineKnobs, OnlineChunkPlanner
 
         cl = self.cluster
@@ -156,7 +156,7 @@ class Fleet:
             "sim": sc.sim.model_copy(update={"timeline_interval_s": 0.0, "max_sim_time_s": None})})
         ec = cl.engine_config
         current = EngineKnobs(ec.max_num_batched_tokens)
-        planner = OnlineChunkPlanner(ChunkPlanner(TwinEvaluator(quiet), tuple(spec.candidates) or DEFAULT_CHUNKS),
+        planner = OnlineChunkPlanner(ChunkPlanner(TwinEvaluator(quiet, lambda s, st: type(cl)(s, st).run()), tuple(spec.candidates) or DEFAULT_CHUNKS),
                                      current, window_s=spec.window_s, min_requests=spec.min_requests,
                                      shift_threshold=spec.shift_threshold, margin=spec.margin)
         self.chunk_planner = planner

@@ -4,7 +4,7 @@ Per request: the send time (`arrival_s`), the first streamed token, every token'
 output tokens (from the final `usage` chunk: `stream_options: {include_usage: true}`), cached prompt tokens where
 the server reports them; and the server's `/metrics` before and after. Prompts are token-id lists (so the
 prompt length is exact) and `ignore_eos` with `max_tokens` fixes the output length. Written as
-`requests.parquet` in the columns of the twin's own (twin.records.RequestLog.to_frame), `tokens.parquet`
+`requests.parquet` in the columns of the twin's own (twin.engine.records.RequestLog.to_frame), `tokens.parquet`
 (request_id, index, t_s), `metrics_before.prom`, `metrics_after.prom` and `observe.json` (server, engine
 settings, the twin's hardware and model names), so `twin calibrate` and `twin fidelity` read it back.
 
@@ -538,14 +538,14 @@ def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny
             model: str = "tiny-llama", vocab_size: int = 4096, timeout_s: float = 600.0, progress=None,
             server_note: str = "", metrics_urls: list[str] | None = None, num_instances: int | None = None,
             router: str | None = None, router_params: dict | None = None) -> Observed:
-    """Send `load` to the servers (round-robin over `urls`) and record every request (twin.records columns).
+    """Send `load` to the servers (round-robin over `urls`) and record every request (twin.engine.records columns).
 
     Through a router (the live controller): `urls` is the controller, `metrics_urls` the workers behind it
     (scraped before and after), `num_instances`, `router` and `router_params` what the twin simulates."""
     import pandas as pd
 
     from twin.engine.request import RequestStatus
-    from twin.records import RequestLog
+    from twin.engine.records import RequestLog
 
     for u in urls:
         check_loopback(u)
@@ -621,7 +621,7 @@ def counter(metrics: str, name: str) -> float:
 
 def machine() -> dict:
     """The host the observation ran on, for the report (CPU model, cores, memory, load average)."""
-    from twin.machine import machine as host
+    from twin.lab.machine import machine as host
 
     return host()
 

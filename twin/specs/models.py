@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from twin import specs
-from twin.errors import TwinInputError, spec_entry_errors
+from twin.errors import TwinInputError
+from twin.specs import spec_entry_errors
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 

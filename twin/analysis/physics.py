@@ -15,7 +15,7 @@ per-group roofline of twin.perf.roofline, with any what-if actions applied), so 
   of the two ceilings); co-batching cannot beat the compute-bound ceiling either.
 
 Per GPU is per instance divided by the tensor-parallel degree. KV capacity is vLLM's block count for the
-scenario's engine settings (twin.engine.instance.num_gpu_blocks).
+scenario's engine settings (twin.engine.config.num_gpu_blocks).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from twin.engine.instance import EngineConfig, num_gpu_blocks
+from twin.engine.config import EngineConfig, num_gpu_blocks
 from twin.errors import TwinInputError
 from twin.perf.base import StepBatch, StepTimeModel
 
@@ -202,7 +202,7 @@ def parse_claim(text: str) -> Claim:
     elif per_raw in _PER_INSTANCE:
         per = "instance"
     else:
-        from twin.hardware import get_gpu
+        from twin.specs.hardware import get_gpu
 
         try:
             named = get_gpu(per_raw).name

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from twin.api_server import ApiServer
+from twin.sim.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.policy.views import Forecast, RequestView
@@ -95,7 +95,7 @@ class SimForecaster:
         arrivals = list(transit)
         if extra_request is not None:
             # the engine sees the request after the API server's work, as in the cluster
-            # (behind the requests queued in its API server: twin.api_server)
+            # (behind the requests queued in its API server: twin.sim.api_server)
             arrivals.append((cl.api_entry_s(instance_id, extra_request.num_prompt_tokens),
                              self.engine_request(extra_request)))
         arrivals.sort(key=lambda a: a[0])  # stable: the extra request after any in transit at the same time

@@ -74,9 +74,9 @@ class Comparison:
 def compare(path: Path, variants: list[Variant], overrides: list[str] | None = None, seeds: int = 1,
             seed: int | None = None, progress: Callable[[str], None] | None = None) -> Comparison:
     """Run every variant on each seed's arrivals; nothing but the router section differs within a seed."""
-    from twin.cluster import Cluster, account
-    from twin.metrics import summarize
-    from twin.report import load_imbalance, summary_row
+    from twin.sim.cluster import Cluster, account
+    from twin.sim.metrics import summarize
+    from twin.analysis.report import load_imbalance, summary_row
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 
@@ -91,7 +91,7 @@ def compare(path: Path, variants: list[Variant], overrides: list[str] | None = N
     seed_list = [base.seed + k for k in range(seeds)]
     # validate every contender before running any
     scenarios = {(v.label, s): _variant_scenario(path, overrides, v, s) for s in seed_list for v in variants}
-    from twin.cluster import build_router
+    from twin.sim.cluster import build_router
 
     for sc in scenarios.values():
         build_router(sc)
@@ -128,7 +128,7 @@ def compare(path: Path, variants: list[Variant], overrides: list[str] | None = N
 
 def write(cmp: Comparison, out: Path, title: str) -> list[Path]:
     """comparison.csv (per seed), comparison_mean.csv, requests per label, and the PNG figures."""
-    from twin.report import latency_cdfs, timelines, ttft_cdf
+    from twin.analysis.report import latency_cdfs, timelines, ttft_cdf
 
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "comparison.csv", out / "comparison_mean.csv"]

@@ -7,6 +7,7 @@ single-instance simulations of the scenario's own request lengths, bisecting on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -22,7 +23,8 @@ class Capacity:
 
 
 def measure_capacity(sc, prompt_tokens=None, output_tokens=None, attainment: float = 0.9, iterations: int = 7,
-                     probe_s: float = 30.0, min_requests: int = 200, max_requests: int = 2000) -> Capacity:
+                     probe_s: float = 30.0, min_requests: int = 200, max_requests: int = 2000, *,
+                     simulate: Callable[[Any, Any], Any]) -> Capacity:
     """Bisect the Poisson rate at which one instance meets the SLOs for `attainment` of requests.
 
     Request lengths are drawn from `prompt_tokens`/`output_tokens` (the run's own stream) or, without them,
@@ -30,9 +32,12 @@ def measure_capacity(sc, prompt_tokens=None, output_tokens=None, attainment: flo
     for an overloaded queue to show, within [min_requests, max_requests] requests; where that cap made the
     probes shorter than `probe_s`, the result is confirmed (and refined) with full-length probes of up to
     10 x max_requests. A probe is judged on its later half of arrivals, where a growing queue shows.
+
+    `simulate(scenario, stream) -> SimResult` runs each probe (`twin.sim.cluster.simulate`): handed in, so that
+    the cluster, which measures its throughput scaler's capacity before a run, and this module do not import
+    each other.
     """
-    from twin.cluster import Cluster
-    from twin.metrics import slo_mask
+    from twin.sim.metrics import slo_mask
     from twin.workload import RequestStream, build_stream
 
     s = sc.slo
@@ -59,7 +64,7 @@ def measure_capacity(sc, prompt_tokens=None, output_tokens=None, attainment: flo
         n = int(min(max(rate * probe_s, min_requests), cap))
         idx = rng.integers(0, len(prompt_tokens), n)
         stream = RequestStream(np.cumsum(rng.exponential(1.0 / rate, n)), prompt_tokens[idx], output_tokens[idx])
-        res = Cluster(one, stream).run()
+        res = simulate(one, stream)
         # judged on the later half of arrivals: an overloaded queue grows over the probe, so early requests see
         # a near-empty engine and a short probe (many short requests, max_requests) would flatter the rate
         got = float(slo_mask(res.log, s)[n // 2:].mean())

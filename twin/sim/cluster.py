@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import inspect
+import threading
 import time
 from collections import deque
 from functools import partial
@@ -14,37 +15,22 @@ from typing import Any, Callable, Generator, Sequence
 import numpy as np
 import simpy
 
-from twin.api_server import ApiServer
-from twin.engine.defaults import resolve_batch_limits
-from twin.engine.instance import EngineConfig, Instance, num_gpu_blocks
-from twin.engine.request import BlockKeys, Request, RequestStatus, engine_block_keys, engine_block_runs
-from twin.events import Proc, Timer
-from twin.events import run as run_events
-from twin.hardware import get_gpu
-from twin.models import get_model
-from twin.dispatcher import Dispatcher, RouterError
+from twin.sim.api_server import ApiServer
+from twin.engine.config import num_gpu_blocks
+from twin.sim.instance import Instance
+from twin.engine.request import BlockKeys, KeyBases, Request, RequestStatus, engine_block_keys, engine_block_runs
+from twin.sim.events import Proc, Timer
+from twin.sim.events import run as run_events
+from twin.sim.dispatcher import Dispatcher, RouterError
 from twin.perf.base import StepTimeModel
-from twin.perf.registry import build_perf
+from twin.sim.build import build_perf, build_router, engine_config
 from twin.policy.base import Router, prefix_index_kind
-from twin.policy.base import build_router as build_router_from
 from twin.policy.scalers import Scaler
 from twin.policy.views import Reject, RequestView
-from twin.records import RequestLog
+from twin.engine.records import RequestLog, account
 from twin.scenario import Scenario
-from twin.timeline import Timeline
+from twin.sim.timeline import Timeline
 from twin.workload.stream import RequestStream
-
-
-def engine_config(sc: Scenario) -> EngineConfig:
-    """The engine's knobs with vLLM's per-GPU defaults filled in where the scenario leaves them unset."""
-    e = sc.cluster.engine
-    d = e.model_dump()
-    if d["max_model_len"] is None:
-        d["max_model_len"] = get_model(sc.cluster.model).max_model_len
-    d["max_num_batched_tokens"], d["max_num_seqs"] = resolve_batch_limits(
-        get_gpu(sc.cluster.hardware), e.max_num_batched_tokens, e.max_num_seqs, d["max_model_len"],
-        e.enable_chunked_prefill)
-    return EngineConfig(**d)
 
 
 @dataclass
@@ -61,7 +47,7 @@ class SimResult:
     stream_stats: dict = field(default_factory=dict)
     router_info: dict = field(default_factory=dict)
     timeline: Timeline | None = None  # when sim.timeline_interval_s > 0
-    fleet: object | None = None  # twin.fleet.Fleet: lifetimes, scale events, GPU-seconds
+    fleet: object | None = None  # twin.sim.fleet.Fleet: lifetimes, scale events, GPU-seconds
 
 
 # RequestView is a frozen dataclass: its generated __init__ sets each field through object.__setattr__ from
@@ -70,7 +56,7 @@ class SimResult:
 _VIEW_FIELDS = ("id", "arrival_time", "num_prompt_tokens", "max_tokens", "prefix", "prefix_block_size", "session_id",
                 "priority", "predicted_output_tokens", "text")
 if tuple(f.name for f in fields(RequestView)) != _VIEW_FIELDS:  # pragma: no cover - a RequestView field changed
-    raise ImportError("twin.cluster.new_request_view must set RequestView's fields: update _VIEW_FIELDS")
+    raise ImportError("twin.sim.cluster.new_request_view must set RequestView's fields: update _VIEW_FIELDS")
 _VIEW_SETTERS = tuple(getattr(RequestView, name).__set__ for name in _VIEW_FIELDS)
 
 
@@ -154,14 +140,14 @@ class Cluster:
             if prime is not None and stream.texts is not None:
                 prime([t for t in stream.texts if t])  # a text model embeds known prompts in batches
         if getattr(router, "needs_forecaster", False):
-            from twin.forecaster import SimForecaster
+            from twin.sim.forecaster import SimForecaster
 
             self.dispatcher.fleet.forecaster = SimForecaster(self)
         self.in_transit: dict[str, dict[int, tuple[Request, float]]] = {}  # routed, not yet in the engine
         # trace ids naming several engine blocks: continued prefixes share key ranges (twin.engine.request.KeyBases)
         self.trace_runs: list | None = None
         if stream.hash_ids is not None and stream.hash_block_size != self.engine_config.block_size:
-            self.trace_runs = stream.key_runs()
+            self.trace_runs = trace_key_runs(stream)
         self.num_arrived = 0
         # the run ends exactly when the last request does (finished or rejected), not at a progress slice's end
         self.num_ended = 0
@@ -172,15 +158,15 @@ class Cluster:
             self._next_turn = np.full(len(stream), -1, dtype=np.int64)
             has = np.flatnonzero(stream.after >= 0)
             self._next_turn[stream.after[has]] = has
-        # the API server of each instance as a queue (twin.api_server), when it has work to queue: per request
+        # the API server of each instance as a queue (twin.sim.api_server), when it has work to queue: per request
         # and per token; the waits its tokens had for queued pre-processing (first token, finish)
         self.api_cap, self.api_handoff_s, self.api_discipline = self._api_queue_settings()
         self.api_servers: dict[str, ApiServer] = {}
-        self.api_record: bool = False  # the fit's gradients (twin.calibrate)
+        self.api_record: bool = False  # the fit's gradients (twin.lab.calibrate)
         n_api = len(stream) if self.api_cap is not None else 0
         self.api_wait_first = np.zeros(n_api)
         self.api_wait_finish = np.zeros(n_api)
-        from twin.fleet import Fleet
+        from twin.sim.fleet import Fleet
 
         c = sc.cluster
         self.fleet = Fleet(self, c.min_instances, c.max_instances, c.startup_delay_s, c.tensor_parallel)
@@ -196,7 +182,7 @@ class Cluster:
         self.timeline: Timeline | None = None
         if sc.sim.timeline_interval_s > 0:
             self.timeline = Timeline(self.env, self.dispatcher, sc.sim.timeline_interval_s)
-        Proc(self.env, self.arrivals())  # twin.events: SimPy's process, compiled
+        Proc(self.env, self.arrivals())  # twin.sim.events: SimPy's process, compiled
 
     def _build_instance(self) -> Instance:
         i = len(self.instances)
@@ -227,9 +213,10 @@ class Cluster:
         """Scalers that need a measured per-instance capacity get it from the twin before the run."""
         scaler = self.fleet.scaler
         if getattr(scaler, "capacity_req_s", 0) is None:
-            from twin.capacity import measure_capacity
+            from twin.sim.capacity import measure_capacity
 
-            cap = measure_capacity(self.scenario, self.stream.prompt_tokens, self.stream.output_tokens)
+            cap = measure_capacity(self.scenario, self.stream.prompt_tokens, self.stream.output_tokens,
+                                   simulate=simulate)
             setattr(scaler, "capacity_req_s", cap.req_s)
             setattr(scaler, "capacity_tokens", cap.tokens_per_request)
             self.capacity = cap
@@ -465,7 +452,11 @@ class Cluster:
         The run stops when the last request ends (`all_ended`), so `sim_time_s` does not depend on `slices`."""
         env = self.env
         # Requests waiting in a long queue are many young objects and no cycles: Python's collector
-        # rescanning them was ~15 % of a million-request run. Collect rarely; restore afterwards.
+        # rescanning them was ~15 % of a million-request run. Collect rarely; restore afterwards. The collector's
+        # settings are the whole process's: a run in another thread (the live controller's shadow twin, a Block
+        # forecast) leaves them to the program that owns them.
+        if threading.current_thread() is not threading.main_thread():
+            return self._run(progress, slices)
         gc_threshold = gc.get_threshold()
         gc.freeze()
         gc.set_threshold(max(gc_threshold[0], 100_000), gc_threshold[1], max(gc_threshold[2], 100))
@@ -532,16 +523,18 @@ class Cluster:
                 "scrapes": d.scrapes}
 
 
-def build_router(sc: Scenario) -> Router:
-    """The scenario's router by name or `module:Class`; bad names or parameters are one line."""
-    return build_router_from(sc.router, sc.seed)
+def trace_key_runs(stream: RequestStream) -> list:
+    """Each request's prefix as trace-block runs of continued keys (`twin.engine.request.KeyBases`), worked out
+    once per stream and kept on it: every simulation of the stream (a sweep's, a fork's) reads the same keys."""
+    if stream._key_runs is None:
+        kb = KeyBases()
+        stream._key_runs = [kb.runs_of(h) if h else [] for h in (stream.hash_ids or [])]
+    return stream._key_runs
 
 
 def simulate(sc: Scenario, stream: RequestStream, progress=None, router=None) -> SimResult:
     return Cluster(sc, stream, router).run(progress)
 
 
-def account(log: RequestLog) -> dict[str, int]:
-    """How many requests ended in each state; they always add up to the total."""
-    counts = np.bincount(log.status, minlength=len(RequestStatus))
-    return {s.name.lower(): int(counts[s]) for s in RequestStatus}
+# what callers import from here: the run, and the parts a scenario is turned into (twin.sim.build)
+__all__ = ["Cluster", "SimResult", "account", "build_perf", "build_router", "engine_config", "simulate", "trace_key_runs"]

@@ -8,7 +8,7 @@ with no weights, a hand-made `KVCacheConfig`, and a fake `ModelRunnerOutput` tha
 every request whose prompt is computed. vLLM is imported only inside functions: the light install can
 import this module; running it needs the heavy environment (`scripts/setup_vllm_env.sh`).
 
-    .venv-vllm/bin/python -m twin.parity --workload random --seed 7 [--mode step|fast]
+    .venv-vllm/bin/python -m twin.lab.parity --workload random --seed 7 [--mode step|fast]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.perf.base import StepBatch
-from twin.records import RequestLog
+from twin.engine.records import RequestLog
 
 VOCAB = 4096
 MAX_MODEL_LEN = 8192
@@ -547,7 +547,7 @@ def compare(wl: Workload, modes: Iterable[str] = ("step", "fast"), reference: Tr
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m twin.parity", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m twin.lab.parity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="random", choices=sorted(WORKLOADS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=["step", "fast", "both"], default="both")

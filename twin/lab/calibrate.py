@@ -22,7 +22,7 @@ Two sources, one output (a `roofline-groups/1` coefficients file that scenarios 
    schedule, one simulation per iteration. Eight parameters are fitted: `linear` (lm_head tied to it),
    `attn` (prefill_attn and decode_attn tied), `step_s`, `per_request_s`, and the API server's
    `api_request_overhead_s`, `api_prompt_token_s`, `api_output_token_s`, `api_handoff_s` (PerfSpec fields,
-   outside the engine step). The API server is a queue (twin.api_server): a request's engine entry and the
+   outside the engine step). The API server is a queue (twin.sim.api_server): a request's engine entry and the
    wait of its tokens behind queued pre-processing come with their gradients from the run's own queue, so
    bursts (which queue) tell the server's per-request work from the hand-off latency and the per-token
    delay (which do not). A weak relative pull toward the starting point (ridge 1e-6) keeps what the data
@@ -114,7 +114,7 @@ def read_profile_csv(path: str | Path) -> pd.DataFrame:
 
 def _match_model(df: pd.DataFrame, path: Path, model_name: str | None):
     """The bundled model whose shapes the profile's rows have (or the named one, checked)."""
-    from twin.models import get_model, known_models
+    from twin.specs.models import get_model, known_models
 
     missing = [c for c in (*SHAPE_COLS, "num_tokens", "num_tensor_parallel_workers") if c not in df.columns]
     if missing:
@@ -402,7 +402,7 @@ class Simulated:
     itl_weights: np.ndarray
     wall_s: float
     # per request, same order: when it reached the engine (after the API server), and how long its first token
-    # waited there for pre-processing queued ahead of it (twin.api_server); NaN / 0 without an API queue
+    # waited there for pre-processing queued ahead of it (twin.sim.api_server); NaN / 0 without an API queue
     entry_s: np.ndarray | None = None
     first_token_wait_s: np.ndarray | None = None
 
@@ -410,8 +410,8 @@ class Simulated:
 def simulate_observation(obs: Observation, profile: Profile, num_instances: int | None = None,
                          router: str | None = None) -> Simulated:
     """Replay the observed arrivals in the twin with `profile` and the observed engine settings."""
-    from twin.cluster import Cluster
-    from twin.metrics import itl_samples
+    from twin.sim.cluster import Cluster
+    from twin.sim.metrics import itl_samples
     from twin.perf.registry import roofline
 
     n_inst = num_instances or int(obs.meta.get("num_instances", 1))
@@ -561,10 +561,10 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     constant + gradient . theta for the schedule that run produced (theta: FIT_PARAMS order). Returns the rows,
     the targets (both divided by the observed value: relative error), and the run's mean squared log error.
 
-    The API server is a queue (twin.api_server): a request's engine entry, and the wait of a token behind
+    The API server is a queue (twin.sim.api_server): a request's engine entry, and the wait of a token behind
     queued pre-processing, come with their gradients in the three API terms from the run's own queue
     (`Cluster.api_record`), linear on that run's order of events as the steps are."""
-    from twin.cluster import Cluster
+    from twin.sim.cluster import Cluster
     from twin.perf.registry import roofline
 
     n_inst = int(obs.meta.get("num_instances", 1))
@@ -775,7 +775,7 @@ ENGINE_TTFT = True
 def _histogram_deltas(obs: Observation) -> list[dict]:
     """Per worker, the server's histogram sums and counts after minus before the load (from the saved
     `/metrics` scrapes where they are there: they hold every histogram; else what observe.json kept)."""
-    from twin.observe import histogram_sums
+    from twin.lab.observe import histogram_sums
 
     kept = (obs.meta.get("server") or {}).get("histogram_deltas") or []
     out = []

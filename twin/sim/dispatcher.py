@@ -6,7 +6,7 @@ bookkeeping is updated at dispatch, first token and finish, and KV events reach 
 `kv_event_delay_s` after the block pool emits them.
 
 No process scrapes: the views are brought to the last tick when a decision reads them, from the values each
-instance kept at that tick (`twin.engine.instance.ScrapeClock`). A fleet polled every 50 ms over hours of
+instance kept at that tick (`twin.sim.instance.ScrapeClock`). A fleet polled every 50 ms over hours of
 simulated time costs nothing between decisions.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import simpy
 
-from twin.engine.instance import ScrapeClock
+from twin.sim.instance import ScrapeClock
 from twin.policy.base import has_hook
 from twin.policy.bookkeeping import Bookkeeping
 from twin.policy.kv_events import KVEvent

@@ -1,0 +1,1 @@
+"""What users do with runs: reports, comparisons, sweeps, planning, the roofline check."""
