@@ -6,9 +6,19 @@ import os
 
 import pytest
 
-HOT = ["twin.engine.block_pool", "twin.engine.request", "twin.engine.segment_pool", "twin.engine.scheduler",
-       "twin.engine.instance", "twin.perf.base", "twin.perf.roofline", "twin.cluster", "twin.dispatcher",
-       "twin.api_server", "twin.timeline", "twin.policy.bookkeeping", "twin.policy.signals", "twin.events"]
+def hot_modules() -> list[str]:
+    """The compiled modules, read from setup.py's HOT_MODULES: the one list (the Makefile reads it too)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "HOT_MODULES":
+            return [p.removesuffix(".py").replace("/", ".") for p in ast.literal_eval(node.value)]
+    raise AssertionError("setup.py has no HOT_MODULES list")
+
+
+HOT = hot_modules()
 
 
 @pytest.mark.skipif(os.environ.get("LLMTWIN_EXPECT_COMPILED") != "1",
@@ -28,7 +38,7 @@ def test_compiled_build_gives_the_pure_python_results(tmp_path):
 
     import pandas as pd
 
-    from twin.cluster import simulate
+    from twin.sim.cluster import simulate
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 
@@ -41,7 +51,7 @@ def test_compiled_build_gives_the_pure_python_results(tmp_path):
     script = (
         "import sys, twin.engine.scheduler as s; assert s.__file__.endswith('.py'), s.__file__;"
         "from twin.scenario import load_scenario; from twin.workload import build_stream;"
-        "from twin.cluster import simulate;"
+        "from twin.sim.cluster import simulate;"
         f"sc = load_scenario({str(scenario)!r}, {overrides!r});"
         f"simulate(sc, build_stream(sc)).log.to_frame().to_parquet({str(tmp_path / 'pure.parquet')!r})"
     )
