@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
-from twin.scenario import PerfSpec, RouterSpec, SLOSpec, _format_error, apply_overrides
+from twin.scenario import PerfSpec, PredictorSpec, RouterSpec, SLOSpec, _format_error, apply_overrides
 
 
 class _Spec(BaseModel):
@@ -184,6 +184,8 @@ class LiveConfig(_Spec):
     model: Optional[str] = Field(None, description="the served model name (default: what the workers serve)")
     server: ServerSpec = ServerSpec()
     router: RouterSpec = RouterSpec()
+    # the scenario's own predictor section: its guesses fill predicted_output_tokens before the router decides
+    predictor: Optional[PredictorSpec] = None
     min_scrape_interval_s: float = Field(0.02, gt=0, description=(
         "live floor for router.scrape_interval_s (0 means exact in the twin; live scrapes cannot be)"))
     workers: list[WorkerSpec] = Field(default_factory=list)
@@ -202,6 +204,14 @@ class LiveConfig(_Spec):
         ids = [w.id for w in self.workers if w.id]
         if len(ids) != len(set(ids)):
             raise ValueError("workers: ids must be unique")
+        if self.predictor is not None:  # built once now: a bad parameter or model file is one line at load
+            from twin.policy.predictors import make_predictor
+
+            p = make_predictor(self.predictor.name, **self.predictor.params)
+            if getattr(p, "is_oracle", False) or getattr(p, "needs_truth", False):
+                raise ValueError(f"predictor.name: {self.predictor.name} reads the true output length, which the "
+                                 "live controller cannot know before the answer ends; use a learning predictor "
+                                 "(mean, bucket-quantile, model)")
         if self.scaler.name == "twin" and not self.shadow.enabled:
             raise ValueError("scaler twin reads the shadow twin's forecasts: set shadow.enabled: true (and "
                              "shadow.hardware, shadow.model)")

@@ -19,9 +19,8 @@ from typing import Any, Mapping
 import aiohttp
 
 from twin.policy.base import build_router as build_router_from
-from twin.policy.base import has_hook, prefix_index_kind
-from twin.policy.bookkeeping import Bookkeeping
-from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex
+from twin.policy.host import PolicyHost
+from twin.policy.prefix_index import PreciseIndex
 from twin.policy.views import FleetView, InstanceConfig
 
 from live.config import LiveConfig
@@ -49,6 +48,15 @@ def prepare_scaler_slo(scaler: Any, cfg: LiveConfig) -> None:
         scaler.slo = SLOSpec(**scaler.slo)
 
 
+def build_predictor(cfg: LiveConfig) -> Any:
+    """The config's length predictor (as a scenario names it), or None; it fills `predicted_output_tokens`."""
+    if cfg.predictor is None:
+        return None
+    from twin.policy.predictors import make_predictor
+
+    return make_predictor(cfg.predictor.name, **cfg.predictor.params)
+
+
 def build_router(cfg: LiveConfig) -> Any:
     """The config's router by name and parameters, exactly as the simulator builds it."""
     return build_router_from(cfg.router, cfg.seed)
@@ -61,15 +69,16 @@ class Controller:
         self.cfg = cfg
         self.metrics = ControllerMetrics()
         self.router = router if router is not None else build_router(cfg)
-        self.router_name = getattr(self.router, "name", type(self.router).__name__)
-        self.bookkeeping = Bookkeeping()
-        kind = prefix_index_kind(self.router, cfg.router.prefix_index)
+        # the shared seam (twin.policy.host): router and hooks, books, prefix index, recent window, predictor,
+        # and the error rule, exactly as the simulator's dispatcher holds them
+        self.host = PolicyHost(self.router, prefix_index=cfg.router.prefix_index, resolve_index=True,
+                               prefix_index_capacity_blocks=cfg.router.prefix_index_capacity_blocks,
+                               predictor=build_predictor(cfg), on_error=cfg.router.on_error)
+        self.router_name = self.host.router_name
+        self.bookkeeping = self.host.bookkeeping
+        kind = self.host.index_kind
         self.index_kind = kind
-        index: Any = None
-        if kind == "approximate":
-            index = ApproxPrefixIndex(cfg.router.prefix_index_capacity_blocks)
-        elif kind == "precise":
-            index = PreciseIndex()
+        index: Any = self.host.index
         # the precise index is kept from KV events whether or not the router reads it (observability)
         self.precise: PreciseIndex = index if kind == "precise" else PreciseIndex()
         self.registry = Registry(self.bookkeeping, index)
@@ -80,9 +89,6 @@ class Controller:
             mode = "local" if tk.path else ("worker" if kind is not None else "estimate")
         path = str(cfg.resolve_path(tk.path)) if tk.path else None
         self.tokenizer = PromptTokenizer(mode, path, tk.chars_per_token)
-        self.hook_dispatch = has_hook(self.router, "on_dispatch")
-        self.hook_first = has_hook(self.router, "on_first_token")
-        self.hook_finish = has_hook(self.router, "on_finish")
         self.scaler = make_scaler(cfg.scaler.name, **cfg.scaler.params)
         # shadow mode (live.shadow): the twin forecasts the next window from mirrored arrivals
         self.shadow: Any = None
@@ -94,9 +100,8 @@ class Controller:
         if self.shadow is not None and getattr(self.router, "needs_forecaster", False):
             self.registry.fleet.forecaster = self.shadow.instance_forecaster()  # Block's look-ahead, live
         # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it
-        self.signals = RecentWindow()
+        self.signals = self.host.signals
         self.registry.fleet.signals = self.signals
-        self._first_token_at: dict[str, float] = {}
         self.api_key = cfg.server.resolved_api_key()
         self.session: aiohttp.ClientSession | None = None
         self.kv: KVEventSubscriber | None = None
@@ -425,32 +430,18 @@ class Controller:
         return f"live-{self._ids}"
 
     def dispatched(self, req: Any, worker_id: str, now: float) -> None:
-        expected = int(req.predicted_output_tokens or req.max_tokens or 0)
-        self.bookkeeping.dispatched(req.id, worker_id, req.num_prompt_tokens, expected)
-        self.signals.arrived(now, req.num_prompt_tokens)
-        if self.index is not None:
-            self.index.on_dispatch(req.prefix, worker_id, now)
-        if self.hook_dispatch:
-            self._call_hook("on_dispatch", req, worker_id, now)
+        self.host.dispatched(req, worker_id, now)
         if self.shadow is not None:
             self.shadow.dispatched(req, worker_id, now)
 
     def first_token(self, req: Any, worker_id: str, now: float) -> None:
-        self.bookkeeping.first_token(req.id)
-        self._first_token_at.setdefault(req.id, now)
-        if self.hook_first:
-            self._call_hook("on_first_token", req, worker_id, now)
+        self.host.first_token(req, worker_id, now)
         if self.shadow is not None:
             self.shadow.first_token(req, now)
 
     def finished(self, req: Any, worker_id: str, now: float, output_tokens: int) -> None:
-        self.bookkeeping.finished(req.id)
-        ft = self._first_token_at.pop(req.id, None)
-        if ft is not None and output_tokens > 0:  # completed requests only: failures carry no latency
-            self.signals.finished(now, ft - req.arrival_time, now - req.arrival_time, req.num_prompt_tokens,
-                                  output_tokens)
-        if self.hook_finish:
-            self._call_hook("on_finish", req, worker_id, now, output_tokens)
+        """Completed requests only enter the recent window and teach the predictor: failures carry no latency."""
+        self.host.finished(req, worker_id, now, output_tokens)
         if self.shadow is not None:
             self.shadow.finished(req, now, output_tokens)
         if self.bookkeeping.load(worker_id).requests == 0:
@@ -462,12 +453,6 @@ class Controller:
         """The proxy says whether a request streams (its first chunk is then a first token, not the answer)."""
         if self.shadow is not None:
             self.shadow.mirror.streamed(req.id, stream)
-
-    def _call_hook(self, name: str, *args: Any) -> None:
-        try:
-            getattr(self.router, name)(*args)
-        except Exception:  # noqa: BLE001 - a hook bug must not drop the request; it is logged
-            log.error("router %s.%s raised:\n%s", self.router_name, name, traceback.format_exc())
 
     def served_models(self) -> set[str]:
         out: set[str] = set()

@@ -15,12 +15,14 @@ import logging
 import signal
 import time
 import traceback
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from twin.policy.host import RouterError, router_cause
 from twin.policy.views import Reject, RequestView
 
 from live.controller import Controller
@@ -227,6 +229,8 @@ class Proxy:
         prio = body.get("priority", 0)
         req = RequestView(ctl.next_id(), now, info.num_tokens, max_tokens, prefix, bs, session,
                           prio if isinstance(prio, int) else 0, None, info.text)
+        if ctl.host.predictor is not None:  # the configured length predictor, as the simulator asks it
+            req = replace(req, predicted_output_tokens=ctl.host.predict(req))
         stream = bool(body.get("stream"))
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: list[str] = []
@@ -240,14 +244,17 @@ class Proxy:
                 return error(503, self._none_serving())
             if attempt:
                 m.retries.inc()
-            try:
-                target = ctl.router.choose(req, fleet)
-            except Exception as e:  # noqa: BLE001 - a policy bug: logged with its traceback, answered 500/503
-                log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id, traceback.format_exc())
-                if ctl.cfg.router.on_error == "reject":
-                    m.rejected.labels("router_error").inc()
-                    return error(503, f"router error: {type(e).__name__}: {e}")
-                return error(500, f"router {ctl.router_name!r} raised {type(e).__name__}: {e}")
+            errors = ctl.host.hook_errors.get("choose", 0)
+            try:  # the host's error rule (twin.policy.host): raise -> answered 500, reject -> answered 503
+                target = ctl.host.choose(req, fleet)
+            except RouterError as e:
+                cause = router_cause(e)
+                log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
+                          "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
+                return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
+            if ctl.host.hook_errors.get("choose", 0) > errors:  # on_error: reject turned a raise into this Reject
+                m.rejected.labels("router_error").inc()
+                return error(503, target.reason if isinstance(target, Reject) else "router error")
             if attempt == 0:
                 m.decision_latency.observe(time.perf_counter() - t0)
             if isinstance(target, Reject):

@@ -181,6 +181,11 @@ def _report(sc, result, out: Optional[Path], quiet: bool, console: Console) -> d
         console.print(f"wrote {out / written[0]} and {', '.join(written[1:])} beside it"
                       + (" (no --out given)" if chosen else "") + f"; figures: twin plot {out}",
                       highlight=False, soft_wrap=True)
+    hook_errors = (summary.get("router") or {}).get("hook_errors") or {}
+    if hook_errors:  # a policy bug that dropped no request (twin.policy.host): said, never silent
+        err.print("[bold yellow]warning:[/] policy errors during the run, no request dropped: "
+                  + ", ".join(f"{k} raised {n:,}x" for k, n in sorted(hook_errors.items()))
+                  + " (the first traceback of each is logged)", highlight=False, soft_wrap=True)
     if not summary["physics_ok"]:
         _physics_failed(summary, out)
     return summary

@@ -139,6 +139,7 @@ class Cluster:
             prime = getattr(self.predictor, "prime", None)
             if prime is not None and stream.texts is not None:
                 prime([t for t in stream.texts if t])  # a text model embeds known prompts in batches
+            self.dispatcher.host.predictor = self.predictor  # it predicts at arrival, learns at each finish
         if getattr(router, "needs_forecaster", False):
             from twin.sim.forecaster import SimForecaster
 
@@ -256,7 +257,7 @@ class Cluster:
         if getattr(p, "needs_truth", False):  # the oracle (or noise around it) is handed the true length
             p.reveal(view.id, r.max_tokens)
         return new_request_view(view.id, view.arrival_time, view.num_prompt_tokens, view.max_tokens, prefix, bs,
-                                sid, 0, float(p.predict(view)), text)
+                                sid, 0, self.dispatcher.host.predict(view), text)
 
     def arrivals(self) -> Generator[Any, Any, None]:
         """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor."""
@@ -406,10 +407,6 @@ class Cluster:
         planner = self.fleet.chunk_planner
         if planner is not None:
             planner.observe(float(self.log.arrival_s[i]), int(self.log.prompt_tokens[i]), int(self.log.output_tokens[i]))
-        if self.predictor is not None:
-            view = self.dispatcher.last_finished
-            if view is not None:
-                self.predictor.observe(view, int(self.log.output_tokens[i]))
         self._turn_ended(i)  # a draining instance stops when its engine runs out of work (`_instance_idle`)
 
     def _instance_idle(self, inst: Instance) -> None:
@@ -520,7 +517,9 @@ class Cluster:
                 "kv_event_delay_s": rs.kv_event_delay_s if d.bus is not None else None,
                 "kv_events_published": d.bus.published if d.bus is not None else 0,
                 "predictor": self.predictor_info(),
-                "scrapes": d.scrapes}
+                "scrapes": d.scrapes,
+                # policy errors that dropped nothing (twin.policy.host): hooks, predictor.observe, choose on reject
+                "hook_errors": dict(d.host.hook_errors)}
 
 
 def trace_key_runs(stream: RequestStream) -> list:

@@ -1,6 +1,7 @@
-"""The simulator's side of the policy seam: views, bookkeeping, prefix index, KV-event delivery, hooks.
+"""The simulator's side of the policy seam: views and KV-event delivery around the shared `PolicyHost`.
 
-It mirrors the live proxy (`live/`): the router sees `RequestView`s and `InstanceView`s built here, never
+The host (`twin.policy.host`) owns the router, its hooks, the bookkeeping, the prefix index and the recent
+window, as the live controller's does. This adapter mirrors the live proxy (`live/`): the router sees `RequestView`s and `InstanceView`s built here, never
 engine objects. Gauges are as of the last scrape, every `scrape_interval_s` (0 = exact at each decision),
 bookkeeping is updated at dispatch, first token and finish, and KV events reach a precise index
 `kv_event_delay_s` after the block pool emits them.
@@ -17,34 +18,11 @@ from typing import Any, Callable, Sequence
 
 import simpy
 
-from twin.sim.instance import ScrapeClock
-from twin.policy.base import has_hook
-from twin.policy.bookkeeping import Bookkeeping
+from twin.policy.host import PolicyHost, RouterError, router_cause
 from twin.policy.kv_events import KVEvent
-from twin.policy.prefix_index import ApproxPrefixIndex, PreciseIndex
-from twin.policy.signals import RecentWindow
+from twin.policy.prefix_index import PreciseIndex
 from twin.policy.views import FleetView, Gauges, InstanceConfig, InstanceView, Reject, RequestView
-
-
-class RouterError(Exception):
-    """A router raised: a bug in the policy the user must see, with the request that triggered it.
-
-    One message argument only (SimPy re-creates exceptions from their args); the router's own exception
-    is the `__cause__` chain's root (`router_traceback` finds it).
-    """
-
-    @classmethod
-    def of(cls, router_name: str, req: RequestView, cause: BaseException) -> "RouterError":
-        return cls(f"router {router_name!r} raised {type(cause).__name__}: {cause} while routing request "
-                   f"{req.id} (arrival {req.arrival_time:.6f} s, {req.num_prompt_tokens} prompt tokens, "
-                   f"session {req.session_id})")
-
-
-def router_cause(e: BaseException) -> BaseException:
-    """The router's own exception behind a RouterError (through SimPy's re-raise)."""
-    while isinstance(e, RouterError) and e.__cause__ is not None:
-        e = e.__cause__
-    return e
+from twin.sim.instance import ScrapeClock
 
 
 class KVEventBus:
@@ -94,32 +72,24 @@ class Dispatcher:
         self.instances = list(instances)
         self.by_id = {inst.id: inst for inst in self.instances}
         self.scrape_interval_s = scrape_interval_s
-        self.on_error = on_error
-        self.bookkeeping = Bookkeeping()
-        self.index: ApproxPrefixIndex | PreciseIndex | None = None
+        self.host = PolicyHost(router, prefix_index=prefix_index,
+                               prefix_index_capacity_blocks=prefix_index_capacity_blocks, on_error=on_error)
+        self.bookkeeping = self.host.bookkeeping
+        self.index = self.host.index
         self.bus: KVEventBus | None = None
-        if prefix_index == "approximate":
-            self.index = ApproxPrefixIndex(prefix_index_capacity_blocks)
-        elif prefix_index == "precise":
-            self.index = PreciseIndex()
+        if isinstance(self.index, PreciseIndex):
             self.bus = KVEventBus(env, kv_event_delay_s)
             self.bus.subscribers.append(self.index)
             for inst in self.instances:
                 inst.pool.event_sink = self.bus.sink_for(inst.id)
-        elif prefix_index is not None:
-            raise ValueError(f"prefix_index must be 'approximate' or 'precise', got {prefix_index!r}")
         self.views: dict[str, InstanceView] = {}
         for inst in self.instances:
             self.views[inst.id] = self._new_view(inst)
-        self.signals = RecentWindow()
+        self.signals = self.host.signals
         self.fleet = FleetView(env._now, [], self.bookkeeping, self.index, signals=self.signals)
         self._refresh_lists()
-        self._hook_dispatch = has_hook(router, "on_dispatch")
-        self._hook_first = has_hook(router, "on_first_token")
-        self._hook_finish = has_hook(router, "on_finish")
-        self.inflight: dict[int, list] = {}  # engine idx -> [view, instance id, first token time]
+        self.inflight: dict[int, tuple[RequestView, str]] = {}  # engine idx -> (view, instance id)
         self.explicit_scrapes = 0  # scrapes asked for outside the poller's ticks (the scaler's, exact mode)
-        self.last_finished: RequestView | None = None  # the view of the request `finished` was last told of
         self.clock: ScrapeClock | None = None
         self._views_tick = env._now  # the tick the views were last brought to (they start fresh now)
         if scrape_interval_s > 0:
@@ -207,50 +177,28 @@ class Dispatcher:
 
     # -- a decision ----------------------------------------------------------------------------------
     def route(self, req: RequestView) -> str | Reject:
-        """Ask the router. Exceptions become a RouterError (default) or a rejection (`on_error: reject`)."""
+        """Ask the router, through the host (its error rule: a RouterError, or a rejection with `reject`)."""
         if self.clock is None:
             self.scrape()
         else:
             self._bring_to_tick()
         fleet = self.fleet
         fleet.now = self.env._now
-        try:
-            target = self.router.choose(req, fleet)
-        except Exception as e:  # noqa: BLE001 - a policy bug: surfaced, never lost
-            if self.on_error == "reject":
-                return Reject(f"router error: {type(e).__name__}: {e}")
-            raise RouterError.of(self.router_name, req, e) from e
-        return target
+        return self.host.choose(req, fleet)
 
     def dispatched(self, idx: int, req: RequestView, instance_id: str) -> None:
-        expected = int(req.predicted_output_tokens or req.max_tokens or 0)
-        self.bookkeeping.dispatched(req.id, instance_id, req.num_prompt_tokens, expected)
-        self.inflight[idx] = [req, instance_id, -1.0]
-        self.signals.arrived(self.env._now, req.num_prompt_tokens)
-        if self.index is not None:
-            self.index.on_dispatch(req.prefix, instance_id, self.env._now)
-        if self._hook_dispatch:
-            self.router.on_dispatch(req, instance_id, self.env._now)
+        self.inflight[idx] = (req, instance_id)
+        self.host.dispatched(req, instance_id, self.env._now)
 
     def first_token(self, idx: int, t: float) -> None:
         rec = self.inflight.get(idx)
-        if rec is None:
-            return
-        self.bookkeeping.first_token(rec[0].id)
-        rec[2] = t
-        if self._hook_first:
-            self.router.on_first_token(rec[0], rec[1], t)
+        if rec is not None:
+            self.host.first_token(rec[0], rec[1], t)
 
     def finished(self, idx: int, output_tokens: int) -> None:
         rec = self.inflight.pop(idx, None)
-        if rec is None:
-            self.last_finished = None
-            return
-        self.last_finished = rec[0]
-        self.bookkeeping.finished(rec[0].id)
-        now = self.env._now
-        req = rec[0]
-        self.signals.finished(now, rec[2] - req.arrival_time, now - req.arrival_time, req.num_prompt_tokens,
-                              output_tokens)
-        if self._hook_finish:
-            self.router.on_finish(rec[0], rec[1], self.env._now, output_tokens)
+        if rec is not None:
+            self.host.finished(rec[0], rec[1], self.env._now, output_tokens)
+
+
+__all__ = ["Dispatcher", "KVEventBus", "RouterError", "router_cause"]
