@@ -401,6 +401,7 @@ class Controller:
             if fleet.signals is not None:  # a copy: the loop keeps appending to the original meanwhile
                 signals = RecentWindow(fleet.signals.horizon_s)
                 signals.arrivals.extend(fleet.signals.arrivals)
+                signals.first_arrival_s = fleet.signals.first_arrival_s
                 signals.completions.extend(fleet.signals.completions)
             view = FleetView(fleet.now, list(fleet.instances), fleet.bookkeeping, fleet.prefix_index, forecast,
                              list(fleet.all_instances), signals=signals, extras=fleet.extras)

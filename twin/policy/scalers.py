@@ -188,6 +188,8 @@ class ThroughputScaler(ScalerBase):
         if sig is None or not self.capacity_req_s or now - self._last < self.min_change_s:
             return NO_CHANGE
         series = sig.arrival_series(now, self.interval_s, self.history)
+        if not series:
+            return NO_CHANGE  # no arrival observed yet: nothing to forecast from
         rate = self.predictor.predict(series)
         self.last_forecast_req_s = rate
         isl, osl = sig.mean_lengths(now, self.interval_s * self.history)
@@ -235,7 +237,10 @@ class TwinScaler(ScalerBase):
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
         if forecast is None or fleet.signals is None or self.slo is None:
             return NO_CHANGE
-        rate = self.predictor.predict(fleet.signals.arrival_series(now, self.interval_s, self.history))
+        series = fleet.signals.arrival_series(now, self.interval_s, self.history)
+        if not series:
+            return NO_CHANGE  # no arrival observed yet: nothing to forecast from
+        rate = self.predictor.predict(series)
         n = active_count(fleet)
         lo = max(1, n - 1)
         tried = {}
