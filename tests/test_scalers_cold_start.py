@@ -3,7 +3,7 @@
 import numpy as np
 
 from twin.cluster import Cluster
-from twin.policy.scalers import ThroughputScaler
+from twin.policy.scalers import QueueScaler, ThroughputScaler
 from twin.policy.signals import RecentWindow
 
 from conftest import make_scenario, stream_of
@@ -76,3 +76,21 @@ def test_the_twin_scaler_in_the_simulator_does_not_drain_on_its_first_decision()
     cl, acts = first_decisions("twin", {"horizon_s": 30.0, "interval_s": 10.0})
     assert not [e for e in acts if e.action == "drain"], acts
     assert cl.fleet.scaler.last["rate"] == 10.0
+
+
+def test_the_queue_scaler_does_not_drain_on_its_first_reading_as_the_hpa():
+    s = QueueScaler(target_waiting=5, stabilization_s=300)
+    idle = fleet_of(*({"id": f"i{k}", "waiting": 0} for k in range(4)))
+    assert s.decide(30.0, idle).target is None  # nothing queued yet: the window holds the current 4
+    assert s.decide(300.0, idle).target is None  # still within 300 s of the first reading
+    assert s.decide(331.0, idle).target == 1  # the window is full of idle readings: now it drains
+
+
+def test_the_queue_scaler_scales_up_at_most_as_fast_as_the_hpa_default():
+    s = QueueScaler(target_waiting=5)
+    fleet = fleet_of({"id": "a", "waiting": 200})
+    assert s.decide(0.0, fleet).target == 5  # max(2 x 1, 1 + 4), not ceil(200 / 5) = 40
+    five = fleet_of(*({"id": f"i{k}", "waiting": 200} for k in range(5)))
+    assert s.decide(10.0, five).target is None  # within the 15 s period: the limit was spent on 1 -> 5
+    assert s.decide(30.0, five).target == 10  # a new period: double
+    assert QueueScaler(target_waiting=5, scale_up_percent=None).decide(0.0, fleet).target == 40

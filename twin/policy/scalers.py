@@ -127,24 +127,37 @@ class QueueScaler(ScalerBase):
 
     desired = ceil(current x mean waiting per serving instance / target), unchanged within `tolerance`
     (HPA's 10 %), and scale-down held back by a `stabilization_s` window (HPA's 300 s default: the highest
-    recommendation over the window wins).
+    recommendation over the window wins). As the HPA (pkg/controller/podautoscaler/horizontal.go,
+    `recordInitialRecommendation`), the window starts holding the current count at the first decision, so a
+    recommendation made before the window is full never scales down: the first reading (nothing queued yet)
+    no longer drains the fleet. Scale-up is limited as the HPA's default behaviour: at most
+    max(`scale_up_percent` %, `scale_up_pods`) more than at the start of the last `scale_up_period_s`
+    (100 %, 4 pods, 15 s); None for no limit.
     """
 
     name = "queue"
 
-    def __init__(self, target_waiting: float = 5.0, tolerance: float = 0.1, stabilization_s: float = 300.0) -> None:
+    def __init__(self, target_waiting: float = 5.0, tolerance: float = 0.1, stabilization_s: float = 300.0,
+                 scale_up_percent: float | None = 100.0, scale_up_pods: int = 4,
+                 scale_up_period_s: float = 15.0) -> None:
         if target_waiting <= 0:
             raise ValueError("target_waiting must be > 0")
         self.target_waiting = target_waiting
         self.tolerance = tolerance
         self.stabilization_s = stabilization_s
+        self.scale_up_percent = scale_up_percent
+        self.scale_up_pods = scale_up_pods
+        self.scale_up_period_s = scale_up_period_s
         self._recs: deque[tuple[float, int]] = deque()
+        self._ups: deque[tuple[float, int]] = deque()  # (time, instances added)
 
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
         serving = [v for v in fleet.all_instances if v.state == "serving"]
         n = active_count(fleet)
         if not serving:
             return NO_CHANGE
+        if not self._recs:
+            self._recs.append((now, n))  # HPA's initial recommendation: the current count
         waiting = sum(v.num_waiting for v in serving) / len(serving)
         ratio = waiting / self.target_waiting
         desired = n if abs(ratio - 1.0) <= self.tolerance else max(1, math.ceil(len(serving) * ratio))
@@ -153,8 +166,16 @@ class QueueScaler(ScalerBase):
             self._recs.popleft()
         if desired < n:
             desired = max(r for _, r in self._recs)
+        if desired > n and self.scale_up_percent is not None:
+            while self._ups and self._ups[0][0] <= now - self.scale_up_period_s:
+                self._ups.popleft()
+            base = n - sum(k for _, k in self._ups)  # the count at the period's start
+            limit = max(math.ceil(base * (1 + self.scale_up_percent / 100)), base + self.scale_up_pods)
+            desired = max(n, min(desired, limit))
         if desired == n:
             return NO_CHANGE
+        if desired > n:
+            self._ups.append((now, desired - n))
         return ScaleAction(desired, f"mean waiting {waiting:.1f} vs target {self.target_waiting}")
 
 
