@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
+from twin.errors import TwinInputError
 from twin.policy.base import build_router as build_router_from
 from twin.policy.base import has_hook, prefix_index_kind
 from twin.policy.bookkeeping import Bookkeeping
@@ -38,15 +39,19 @@ log = logging.getLogger("llmtwin.live")
 
 def prepare_scaler_slo(scaler: Any, cfg: LiveConfig) -> None:
     """A scaler with an `slo` attribute gets `shadow.slo` when it has none (as the simulator's fleet gives it
-    the scenario's), and a mapping given in `scaler.params.slo` becomes the scenario's SLO object."""
+    the scenario's), and a mapping given in `scaler.params.slo` becomes the scenario's SLO object. The
+    threshold scaler takes its default metric and threshold from it, shadow or not."""
     from twin.scenario import SLOSpec
 
     if not hasattr(scaler, "slo"):
         return
-    if scaler.slo is None:
-        scaler.slo = cfg.shadow.slo
-    elif isinstance(scaler.slo, dict):
-        scaler.slo = SLOSpec(**scaler.slo)
+    try:
+        if scaler.slo is None:
+            scaler.slo = cfg.shadow.slo
+        elif isinstance(scaler.slo, dict):
+            scaler.slo = SLOSpec(**scaler.slo)
+    except ValueError as e:
+        raise TwinInputError(f"scaler.params: {e}") from None
 
 
 def build_router(cfg: LiveConfig) -> Any:
@@ -90,7 +95,7 @@ class Controller:
             from live.shadow import Shadow
 
             self.shadow = Shadow(self)
-            prepare_scaler_slo(self.scaler, cfg)
+        prepare_scaler_slo(self.scaler, cfg)
         if self.shadow is not None and getattr(self.router, "needs_forecaster", False):
             self.registry.fleet.forecaster = self.shadow.instance_forecaster()  # Block's look-ahead, live
         # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it

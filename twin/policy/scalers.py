@@ -17,6 +17,7 @@ from twin.policy.forecast import make_load_predictor
 from twin.policy.views import FleetView
 
 ACTIVE = ("starting", "serving")
+SLO_METRICS = ("ttft_s", "tpot_s", "e2e_s")  # the order a threshold scaler takes its default metric in
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +79,28 @@ class ThresholdScaler(ScalerBase):
     `scale_down_frac` x threshold and the cool-down has passed. With `early_periods > 0` and a forecast
     (a callable `forecast(now + k * interval) -> predicted P99`, e.g. from Block's predicted completion
     times), it triggers that many decision periods early.
+
+    Defaults from the SLO (`slo`: the scenario's in the simulator, `shadow.slo` or `scaler.params.slo` live,
+    given by the world as to the twin scaler): without `metric`, the first bound the SLO sets of TTFT, TPOT,
+    E2E (E2E with no SLO); without `threshold_s`, the SLO's bound on that metric. A fixed E2E default fired
+    on any trace with long answers. With neither `threshold_s` nor an SLO bound for the metric it is refused.
     """
 
     name = "threshold"
 
-    def __init__(self, metric: str = "e2e_s", quantile: float = 0.99, threshold_s: float = 3.0,
+    def __init__(self, metric: str | None = None, quantile: float = 0.99, threshold_s: float | None = None,
                  window_s: float = 60.0, cooldown_s: float = 300.0, max_step_frac: float = 0.2,
-                 scale_down_frac: float = 0.3, early_periods: int = 0, interval_s: float = 30.0) -> None:
-        if metric not in ("e2e_s", "ttft_s", "tpot_s"):
+                 scale_down_frac: float = 0.3, early_periods: int = 0, interval_s: float = 30.0,
+                 slo: Any = None) -> None:
+        if metric is not None and metric not in SLO_METRICS:
             raise ValueError(f"metric must be e2e_s, ttft_s or tpot_s, got {metric!r}")
-        self.metric = metric
-        self.quantile = quantile
+        if threshold_s is not None and threshold_s <= 0:
+            raise ValueError("threshold_s must be > 0")
+        self._metric_given = metric
+        self._threshold_given = threshold_s
+        self.metric = metric or "e2e_s"
         self.threshold_s = threshold_s
+        self.quantile = quantile
         self.window_s = window_s
         self.cooldown_s = cooldown_s
         self.max_step_frac = max_step_frac
@@ -97,6 +108,27 @@ class ThresholdScaler(ScalerBase):
         self.early_periods = early_periods
         self.interval_s = interval_s
         self._last_action = -math.inf
+        self._slo = None
+        self.slo = slo
+
+    @property
+    def slo(self) -> Any:
+        return self._slo
+
+    @slo.setter
+    def slo(self, slo: Any) -> None:
+        """Take the metric and threshold not given from `slo` (an SLOSpec or a mapping); None keeps them open."""
+        self._slo = slo
+        if slo is None:
+            return
+        bound = (lambda m: slo.get(m)) if isinstance(slo, dict) else (lambda m: getattr(slo, m, None))
+        metric = self._metric_given
+        if metric is None:
+            metric = next((m for m in SLO_METRICS if bound(m) is not None), "e2e_s")
+        threshold = self._threshold_given if self._threshold_given is not None else bound(metric)
+        if threshold is None:
+            raise ValueError(f"threshold scaler: give threshold_s, or an SLO bound on {metric} to take it from")
+        self.metric, self.threshold_s = metric, float(threshold)
 
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
         sig = fleet.signals
@@ -110,6 +142,8 @@ class ThresholdScaler(ScalerBase):
                 p = ahead if p is None else max(p, ahead)
         if p is None:
             return NO_CHANGE
+        if self.threshold_s is None:
+            raise ValueError("threshold scaler: give threshold_s, or an SLO (slo) to take it from")
         if p > self.threshold_s:
             self._last_action = now
             step = max(1, math.floor(self.max_step_frac * n))
