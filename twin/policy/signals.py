@@ -108,8 +108,9 @@ class RecentWindow:
         is older): bins before it were never observed, and counting them as zero arrivals made a moving
         average ~5x low at a scaler's first decision. The oldest observed bin's rate is over its observed part
         (from the first arrival to the bin's end); one observed for under half a bin is folded into the next,
-        and with under half a bin observed in all the series is empty: no forecast yet. The live controller's
-        window starts with the proxy and sees the same cold start.
+        and with under half a bin observed in all the series is empty: no forecast yet. The live controller
+        keeps one window from the proxy's start, so it has no forecast before its first request either, and
+        its first bins are the observed part only, as in the simulator.
         """
         first = self.first_arrival_s
         if first is None or first > now or bin_s <= 0 or bins < 1:
