@@ -222,6 +222,14 @@ class LiveConfig(_Spec):
             if not slo:
                 raise ValueError("scaler twin chooses the smallest fleet meeting an SLO: give shadow.slo (ttft_s, "
                                  "tpot_s, e2e_s) or scaler.params.slo")
+        if self.scaler.name == "threshold" and self.scaler.params.get("threshold_s") is None:
+            from twin.policy.scalers import SLO_METRICS
+
+            slo = self.scaler.params.get("slo") or self.shadow.slo.model_dump(exclude_none=True)
+            metric = self.scaler.params.get("metric") or next((m for m in SLO_METRICS if m in slo), "e2e_s")
+            if metric not in slo:
+                raise ValueError(f"scaler threshold without scaler.params.threshold_s takes it from the SLO: give "
+                                 f"shadow.slo.{metric} (or scaler.params.threshold_s)")
         if not self.shadow.enabled and _router_needs_forecaster(self.router.name):
             raise ValueError(f"router {self.router.name} looks ahead with the twin (it needs a forecaster): set "
                              "shadow.enabled: true (and shadow.hardware, shadow.model, shadow.perf)")

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
+from twin.errors import TwinInputError
 from twin.policy.base import build_router as build_router_from
 from twin.policy.host import PolicyHost
 from twin.policy.prefix_index import PreciseIndex
@@ -37,15 +38,19 @@ log = logging.getLogger("llmtwin.live")
 
 def prepare_scaler_slo(scaler: Any, cfg: LiveConfig) -> None:
     """A scaler with an `slo` attribute gets `shadow.slo` when it has none (as the simulator's fleet gives it
-    the scenario's), and a mapping given in `scaler.params.slo` becomes the scenario's SLO object."""
+    the scenario's), and a mapping given in `scaler.params.slo` becomes the scenario's SLO object. The
+    threshold scaler takes its default metric and threshold from it, shadow or not."""
     from twin.scenario import SLOSpec
 
     if not hasattr(scaler, "slo"):
         return
-    if scaler.slo is None:
-        scaler.slo = cfg.shadow.slo
-    elif isinstance(scaler.slo, dict):
-        scaler.slo = SLOSpec(**scaler.slo)
+    try:
+        if scaler.slo is None:
+            scaler.slo = cfg.shadow.slo
+        elif isinstance(scaler.slo, dict):
+            scaler.slo = SLOSpec(**scaler.slo)
+    except ValueError as e:
+        raise TwinInputError(f"scaler.params: {e}") from None
 
 
 def build_predictor(cfg: LiveConfig) -> Any:
@@ -96,7 +101,7 @@ class Controller:
             from live.shadow import Shadow
 
             self.shadow = Shadow(self)
-            prepare_scaler_slo(self.scaler, cfg)
+        prepare_scaler_slo(self.scaler, cfg)
         if self.shadow is not None and getattr(self.router, "needs_forecaster", False):
             self.registry.fleet.forecaster = self.shadow.instance_forecaster()  # Block's look-ahead, live
         # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it
@@ -406,6 +411,7 @@ class Controller:
             if fleet.signals is not None:  # a copy: the loop keeps appending to the original meanwhile
                 signals = RecentWindow(fleet.signals.horizon_s)
                 signals.arrivals.extend(fleet.signals.arrivals)
+                signals.first_arrival_s = fleet.signals.first_arrival_s
                 signals.completions.extend(fleet.signals.completions)
             view = FleetView(fleet.now, list(fleet.instances), fleet.bookkeeping, fleet.prefix_index, forecast,
                              list(fleet.all_instances), signals=signals, extras=fleet.extras)

@@ -24,6 +24,7 @@ from yarl import URL
 
 from twin.policy.host import RouterError, router_cause
 from twin.policy.views import Reject, RequestView
+from twin.workload.text_prefix import text_block_ids
 
 from live.controller import Controller
 from live.hashing import chain_hashes
@@ -222,7 +223,10 @@ class Proxy:
                                   f"{max_tokens} in the completion). Please reduce the length of the prompt or "
                                   "max_tokens.")
         bs = ctl.registry.block_size()
-        prefix = chain_hashes(info.token_ids, bs) if info.token_ids is not None else ()
+        # token ids where known; else the text's chained character blocks, as the simulator derives them from a
+        # trace's texts (twin.workload.text_prefix), so text-matching routers (cache-aware) work in estimate mode
+        prefix = (chain_hashes(info.token_ids, bs) if info.token_ids is not None
+                  else text_block_ids(info.text, bs, ctl.tokenizer.chars_per_token))
         now = time.monotonic()
         session = request.headers.get("X-Session-Id") or (body.get("user") if isinstance(body.get("user"), str)
                                                           else None)

@@ -104,7 +104,7 @@ def test_threshold_scaler_scales_up_after_the_burst_then_cools_down():
         w.finished(100.0 + k * 0.1, 0.5, 5.0, 100, 50)  # P99 E2E 5 s > 3 s
     fleet = fleet_of(*({"id": f"i{k}"} for k in range(10)), now=105.0)
     fleet.signals = w
-    s = ThresholdScaler()
+    s = ThresholdScaler(metric="e2e_s", threshold_s=3.0)
     a = s.decide(105.0, fleet)
     assert a.target == 12  # +20 % of 10
     assert s.decide(200.0, fleet).target is None  # cool-down (300 s)

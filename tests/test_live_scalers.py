@@ -22,6 +22,6 @@ def test_a_target_becomes_starts_or_drains_of_the_least_loaded():
 
 
 def test_the_live_queue_scaler_reads_scraped_waiting_through_the_same_view():
-    s = make_scaler("queue", target_waiting=2)
+    s = make_scaler("queue", target_waiting=2, scale_up_percent=None)  # no HPA rate limit: the plain rule
     fleet = fleet_of({"id": "a", "waiting": 8}, {"id": "b", "waiting": 8})
     assert as_action(s.decide(0.0, fleet, None), fleet).add == 6  # ceil(2 x 8 / 2) = 8 active wanted

@@ -389,7 +389,15 @@ class CacheAware(RouterBase):
       SGLang: matched characters / text characters) is above `cache_threshold`;
     - else `fallback`: `smallest-cache` (SGLang's `get_smallest_tenant`, the instance holding the fewest
       blocks in the index: most room) or `least-loaded`.
-    Ties go at random (SGLang takes the first found).
+    Ties go at random (SGLang takes the first found); ties for the smallest cache go to the least loaded.
+
+    The prefix is SGLang's text by another name: SGLang's tree holds the prompt characters, the twin's index
+    chained block hashes (`RequestView.prefix`). Where a trace has no prefix hashes but the prompt text
+    (`RequestStream.texts`), the simulator derives them from the text, and the live proxy from the token ids,
+    or from the text in `tokenizer.mode: estimate` (`twin.workload.text_prefix`), so shared prefixes match in
+    both worlds. On a trace with neither (e.g. Azure or BurstGPT lengths-only traces) there is nothing to
+    match and every instance's cache is empty in the index: the smallest-cache tie then goes to the least
+    loaded (SGLang's shortest queue), not to a random instance.
     """
 
     name = "cache-aware"
@@ -434,5 +442,10 @@ class CacheAware(RouterBase):
                     return insts[tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]].id
         idx = fleet.prefix_index
         if self.fallback == "smallest-cache" and idx is not None and hasattr(idx, "blocks_held"):
-            return insts[_argmin([idx.blocks_held(v.id) for v in insts], self._rng)].id
+            held = [idx.blocks_held(v.id) for v in insts]
+            least = min(held)
+            tied = [k for k, h in enumerate(held) if h == least]
+            if len(tied) == 1:
+                return insts[tied[0]].id
+            return insts[tied[_argmin([loads[k] for k in tied], self._rng)]].id
         return insts[_argmin(loads, self._rng)].id

@@ -17,6 +17,7 @@ from twin.policy.forecast import make_load_predictor
 from twin.policy.views import FleetView
 
 ACTIVE = ("starting", "serving")
+SLO_METRICS = ("ttft_s", "tpot_s", "e2e_s")  # the order a threshold scaler takes its default metric in
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +79,28 @@ class ThresholdScaler(ScalerBase):
     `scale_down_frac` x threshold and the cool-down has passed. With `early_periods > 0` and a forecast
     (a callable `forecast(now + k * interval) -> predicted P99`, e.g. from Block's predicted completion
     times), it triggers that many decision periods early.
+
+    Defaults from the SLO (`slo`: the scenario's in the simulator, `shadow.slo` or `scaler.params.slo` live,
+    given by the world as to the twin scaler): without `metric`, the first bound the SLO sets of TTFT, TPOT,
+    E2E (E2E with no SLO); without `threshold_s`, the SLO's bound on that metric. A fixed E2E default fired
+    on any trace with long answers. With neither `threshold_s` nor an SLO bound for the metric it is refused.
     """
 
     name = "threshold"
 
-    def __init__(self, metric: str = "e2e_s", quantile: float = 0.99, threshold_s: float = 3.0,
+    def __init__(self, metric: str | None = None, quantile: float = 0.99, threshold_s: float | None = None,
                  window_s: float = 60.0, cooldown_s: float = 300.0, max_step_frac: float = 0.2,
-                 scale_down_frac: float = 0.3, early_periods: int = 0, interval_s: float = 30.0) -> None:
-        if metric not in ("e2e_s", "ttft_s", "tpot_s"):
+                 scale_down_frac: float = 0.3, early_periods: int = 0, interval_s: float = 30.0,
+                 slo: Any = None) -> None:
+        if metric is not None and metric not in SLO_METRICS:
             raise ValueError(f"metric must be e2e_s, ttft_s or tpot_s, got {metric!r}")
-        self.metric = metric
-        self.quantile = quantile
+        if threshold_s is not None and threshold_s <= 0:
+            raise ValueError("threshold_s must be > 0")
+        self._metric_given = metric
+        self._threshold_given = threshold_s
+        self.metric = metric or "e2e_s"
         self.threshold_s = threshold_s
+        self.quantile = quantile
         self.window_s = window_s
         self.cooldown_s = cooldown_s
         self.max_step_frac = max_step_frac
@@ -97,6 +108,27 @@ class ThresholdScaler(ScalerBase):
         self.early_periods = early_periods
         self.interval_s = interval_s
         self._last_action = -math.inf
+        self._slo = None
+        self.slo = slo
+
+    @property
+    def slo(self) -> Any:
+        return self._slo
+
+    @slo.setter
+    def slo(self, slo: Any) -> None:
+        """Take the metric and threshold not given from `slo` (an SLOSpec or a mapping); None keeps them open."""
+        self._slo = slo
+        if slo is None:
+            return
+        bound = (lambda m: slo.get(m)) if isinstance(slo, dict) else (lambda m: getattr(slo, m, None))
+        metric = self._metric_given
+        if metric is None:
+            metric = next((m for m in SLO_METRICS if bound(m) is not None), "e2e_s")
+        threshold = self._threshold_given if self._threshold_given is not None else bound(metric)
+        if threshold is None:
+            raise ValueError(f"threshold scaler: give threshold_s, or an SLO bound on {metric} to take it from")
+        self.metric, self.threshold_s = metric, float(threshold)
 
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
         sig = fleet.signals
@@ -110,6 +142,8 @@ class ThresholdScaler(ScalerBase):
                 p = ahead if p is None else max(p, ahead)
         if p is None:
             return NO_CHANGE
+        if self.threshold_s is None:
+            raise ValueError("threshold scaler: give threshold_s, or an SLO (slo) to take it from")
         if p > self.threshold_s:
             self._last_action = now
             step = max(1, math.floor(self.max_step_frac * n))
@@ -127,24 +161,37 @@ class QueueScaler(ScalerBase):
 
     desired = ceil(current x mean waiting per serving instance / target), unchanged within `tolerance`
     (HPA's 10 %), and scale-down held back by a `stabilization_s` window (HPA's 300 s default: the highest
-    recommendation over the window wins).
+    recommendation over the window wins). As the HPA (pkg/controller/podautoscaler/horizontal.go,
+    `recordInitialRecommendation`), the window starts holding the current count at the first decision, so a
+    recommendation made before the window is full never scales down: the first reading (nothing queued yet)
+    no longer drains the fleet. Scale-up is limited as the HPA's default behaviour: at most
+    max(`scale_up_percent` %, `scale_up_pods`) more than at the start of the last `scale_up_period_s`
+    (100 %, 4 pods, 15 s); None for no limit.
     """
 
     name = "queue"
 
-    def __init__(self, target_waiting: float = 5.0, tolerance: float = 0.1, stabilization_s: float = 300.0) -> None:
+    def __init__(self, target_waiting: float = 5.0, tolerance: float = 0.1, stabilization_s: float = 300.0,
+                 scale_up_percent: float | None = 100.0, scale_up_pods: int = 4,
+                 scale_up_period_s: float = 15.0) -> None:
         if target_waiting <= 0:
             raise ValueError("target_waiting must be > 0")
         self.target_waiting = target_waiting
         self.tolerance = tolerance
         self.stabilization_s = stabilization_s
+        self.scale_up_percent = scale_up_percent
+        self.scale_up_pods = scale_up_pods
+        self.scale_up_period_s = scale_up_period_s
         self._recs: deque[tuple[float, int]] = deque()
+        self._ups: deque[tuple[float, int]] = deque()  # (time, instances added)
 
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
         serving = [v for v in fleet.all_instances if v.state == "serving"]
         n = active_count(fleet)
         if not serving:
             return NO_CHANGE
+        if not self._recs:
+            self._recs.append((now, n))  # HPA's initial recommendation: the current count
         waiting = sum(v.num_waiting for v in serving) / len(serving)
         ratio = waiting / self.target_waiting
         desired = n if abs(ratio - 1.0) <= self.tolerance else max(1, math.ceil(len(serving) * ratio))
@@ -153,8 +200,16 @@ class QueueScaler(ScalerBase):
             self._recs.popleft()
         if desired < n:
             desired = max(r for _, r in self._recs)
+        if desired > n and self.scale_up_percent is not None:
+            while self._ups and self._ups[0][0] <= now - self.scale_up_period_s:
+                self._ups.popleft()
+            base = n - sum(k for _, k in self._ups)  # the count at the period's start
+            limit = max(math.ceil(base * (1 + self.scale_up_percent / 100)), base + self.scale_up_pods)
+            desired = max(n, min(desired, limit))
         if desired == n:
             return NO_CHANGE
+        if desired > n:
+            self._ups.append((now, desired - n))
         return ScaleAction(desired, f"mean waiting {waiting:.1f} vs target {self.target_waiting}")
 
 
@@ -188,6 +243,8 @@ class ThroughputScaler(ScalerBase):
         if sig is None or not self.capacity_req_s or now - self._last < self.min_change_s:
             return NO_CHANGE
         series = sig.arrival_series(now, self.interval_s, self.history)
+        if not series:
+            return NO_CHANGE  # no arrival observed yet: nothing to forecast from
         rate = self.predictor.predict(series)
         self.last_forecast_req_s = rate
         isl, osl = sig.mean_lengths(now, self.interval_s * self.history)
@@ -235,7 +292,10 @@ class TwinScaler(ScalerBase):
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
         if forecast is None or fleet.signals is None or self.slo is None:
             return NO_CHANGE
-        rate = self.predictor.predict(fleet.signals.arrival_series(now, self.interval_s, self.history))
+        series = fleet.signals.arrival_series(now, self.interval_s, self.history)
+        if not series:
+            return NO_CHANGE  # no arrival observed yet: nothing to forecast from
+        rate = self.predictor.predict(series)
         n = active_count(fleet)
         lo = max(1, n - 1)
         tried = {}

@@ -43,6 +43,7 @@ class RecentWindow:
         self.completions: deque[Completion] = deque()
         self.total_arrivals = 0
         self.total_completions = 0
+        self.first_arrival_s: float | None = None  # kept when trimmed: bins before it were never observed
 
     def _trim(self, now: float) -> None:
         cut = now - self.horizon_s
@@ -53,6 +54,8 @@ class RecentWindow:
             c.popleft()
 
     def arrived(self, t: float, prompt_tokens: int) -> None:
+        if self.first_arrival_s is None:
+            self.first_arrival_s = t
         self.arrivals.append((t, prompt_tokens))
         self.total_arrivals += 1
         if len(self.arrivals) & 1023 == 0:
@@ -99,12 +102,32 @@ class RecentWindow:
         return (sum(c.prompt_tokens for c in rec) / len(rec), sum(c.output_tokens for c in rec) / len(rec))
 
     def arrival_series(self, now: float, bin_s: float, bins: int) -> list[float]:
-        """Arrival rate (req/s) in each of the last `bins` bins of `bin_s` seconds, oldest first."""
-        counts = [0] * bins
+        """Arrival rate (req/s) in each of the last `bins` bins of `bin_s` seconds, oldest first.
+
+        The series starts at the first arrival this window observed (or at the oldest bin when that arrival
+        is older): bins before it were never observed, and counting them as zero arrivals made a moving
+        average ~5x low at a scaler's first decision. The oldest observed bin's rate is over its observed part
+        (from the first arrival to the bin's end); one observed for under half a bin is folded into the next,
+        and with under half a bin observed in all the series is empty: no forecast yet. The live controller
+        keeps one window from the proxy's start, so it has no forecast before its first request either, and
+        its first bins are the observed part only, as in the simulator.
+        """
+        first = self.first_arrival_s
+        if first is None or first > now or bin_s <= 0 or bins < 1:
+            return []
         start = now - bin_s * bins
+        counts = [0] * bins
         for t, _ in reversed(self.arrivals):
             if t < start:
                 break
-            k = min(int((t - start) // bin_s), bins - 1)
-            counts[k] += 1
-        return [c / bin_s for c in counts]
+            counts[min(int((t - start) // bin_s), bins - 1)] += 1
+        seen_from = max(start, first)
+        k0 = min(int((seen_from - start) // bin_s), bins - 1)
+        span = start + (k0 + 1) * bin_s - seen_from  # the observed part of the oldest observed bin
+        if span < 0.5 * bin_s:
+            if k0 == bins - 1:
+                return []
+            counts[k0 + 1] += counts[k0]
+            span += bin_s
+            k0 += 1
+        return [counts[k0] / span] + [c / bin_s for c in counts[k0 + 1:]]

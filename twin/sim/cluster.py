@@ -31,6 +31,7 @@ from twin.engine.records import RequestLog, account
 from twin.scenario import Scenario
 from twin.sim.timeline import Timeline
 from twin.workload.stream import RequestStream
+from twin.workload.text_prefix import with_text_prefixes
 
 
 @dataclass
@@ -86,6 +87,9 @@ class Cluster:
                  scaler: Scaler | None = None, perf: StepTimeModel | None = None, pool: str = "auto") -> None:
         self.scenario = sc
         self.stream = stream
+        trace = sc.workload.trace
+        # texts without prefix hashes: ids from the text, so shared text prefixes hit (twin.workload.text_prefix)
+        with_text_prefixes(stream, trace.chars_per_token if trace is not None else 4.0)
         self.env = simpy.Environment()
         self.perf: StepTimeModel = build_perf(sc) if perf is None else perf
         self.engine_config = engine_config(sc)

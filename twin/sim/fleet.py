@@ -47,6 +47,8 @@ class Fleet:
         sc = self.cluster.scenario.scaler
         try:
             self.scaler = make_scaler(sc.name, **sc.params)
+            if getattr(self.scaler, "slo", 0) is None:  # the twin and threshold scalers read the scenario's
+                self.scaler.slo = self.cluster.scenario.slo
         except (TypeError, ValueError) as e:
             raise TwinInputError(f"scaler.params: {e}") from None
         self.interval_s = sc.interval_s
@@ -131,8 +133,8 @@ class Fleet:
             from twin.sim.forecaster import FleetForecaster
 
             forecast = FleetForecaster(self.cluster, seed=self.cluster.scenario.seed)
-            if getattr(self.scaler, "slo", 0) is None:
-                setattr(self.scaler, "slo", self.cluster.scenario.slo)
+        if getattr(self.scaler, "slo", 0) is None:  # a scaler object handed to the cluster
+            setattr(self.scaler, "slo", self.cluster.scenario.slo)
         while True:
             yield self.env.timeout(self.interval_s)
             d.scrape()
