@@ -58,8 +58,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/scalers_tradeoff")
     args = ap.parse_args()
 
-    from twin.cluster import Cluster
-    from twin.metrics import summarize
+    from twin.sim.cluster import Cluster
+    from twin.sim.metrics import summarize
     from twin.workload import build_stream
 
     runs = [(f"fixed {n}", "none", {}, n) for n in (int(x) for x in args.fixed.split(",") if x)]

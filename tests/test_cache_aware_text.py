@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.policy import ApproxPrefixIndex, CacheAware
 from twin.workload.text_prefix import text_block_ids, with_text_prefixes
 

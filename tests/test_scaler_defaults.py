@@ -2,7 +2,7 @@
 
 import pytest
 
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.errors import TwinInputError
 from twin.policy.scalers import ThresholdScaler
 from twin.policy.signals import RecentWindow

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from twin.cluster import Cluster
+from twin.sim.cluster import Cluster
 from twin.policy.scalers import QueueScaler, ThroughputScaler
 from twin.policy.signals import RecentWindow
 
