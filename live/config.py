@@ -11,7 +11,8 @@ import yaml
 from pydantic import BaseModel, PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
-from twin.scenario import PerfSpec, PredictorSpec, RouterSpec, SLOSpec, _format_error, apply_overrides
+from twin.scenario import (PerfSpec, PredictorSpec, RouterSpec, ScalerSpec, SLOSpec, _format_error,
+                           apply_overrides)
 
 
 class _Spec(BaseModel):
@@ -108,14 +109,6 @@ class TokenizerSpec(_Spec):
 
 class KVEventSpec(_Spec):
     startup_check_s: float = Field(60.0, ge=0, description="how long to wait for a worker's first KV event")
-
-
-class ScalerSpec(_Spec):
-    """The scaler hook: `decide(now, fleet, forecast) -> ScaleAction`, run every `interval_s`."""
-
-    name: str = "none"
-    params: dict[str, Any] = Field(default_factory=dict)
-    interval_s: float = Field(10.0, gt=0)
 
 
 class ShadowLoadSpec(_Spec):

@@ -28,7 +28,7 @@ from live.config import LiveConfig
 from live.kv_subscriber import KVEventSubscriber
 from live.metrics import ControllerMetrics
 from live.registry import Registry, Worker
-from live.scaling import as_action, make_scaler
+from live.scaling import make_scaler, plan_scale
 from twin.policy.signals import RecentWindow
 from live.signals import parse_metrics
 from live.tokens import PromptTokenizer
@@ -418,17 +418,18 @@ class Controller:
             decided = await asyncio.to_thread(self.scaler.decide, view.now, view, forecast)
         else:
             decided = self.scaler.decide(fleet.now, fleet, None)
-        action = as_action(decided, fleet)
-        if action.is_noop:
-            return action
+        launcher = self.cfg.launcher
+        plan = plan_scale(decided, fleet, 0, launcher.max_workers if launcher is not None else None)
+        if plan.is_noop:
+            return plan
         if self.actuator is None:
-            log.warning("scaler wants %s but no launcher is configured", action)
-            return action
-        log.info("scaling: add %d, drain %s (%s)", action.add, list(action.drain), action.reason)
-        jobs = [self.actuator.start(LaunchSpec(action.engine_args)) for _ in range(action.add)]
-        jobs += [self.actuator.drain(wid) for wid in action.drain]
+            log.warning("scaler wants %s but no launcher is configured", plan)
+            return plan
+        log.info("scaling: start %d, drain %s (%s)", plan.start, list(plan.drain), plan.reason)
+        jobs = [self.actuator.start(LaunchSpec(plan.engine_args)) for _ in range(plan.start)]
+        jobs += [self.actuator.drain(wid) for wid in plan.drain]
         await asyncio.gather(*jobs, return_exceptions=True)
-        return action
+        return plan
 
     # -- bookkeeping (called by the proxy) -----------------------------------------------------------
     def next_id(self) -> str:

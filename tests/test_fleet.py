@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from twin.cli import app
+from twin.errors import TwinInputError
 from twin.sim.cluster import Cluster
 from twin.policy.scalers import QueueScaler, ScaleAction, ThresholdScaler, ThroughputScaler, make_scaler
 from twin.policy.signals import RecentWindow
@@ -134,7 +135,7 @@ def test_throughput_scaler_divides_forecast_demand_by_capacity():
     fleet = fleet_of({"id": "a"}, now=60.0)
     fleet.signals = w
     assert s.decide(60.0, fleet).target == math.ceil(10 / 3)
-    with pytest.raises(KeyError):
+    with pytest.raises(TwinInputError, match="unknown scaler 'magic'"):  # one line, as every bad name
         make_scaler("magic")
 
 

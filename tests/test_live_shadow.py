@@ -279,7 +279,7 @@ def test_twin_scaler_decides_from_shadow_forecasts():
         return action, ctl.scaler.last
 
     busy, last = asyncio.run(decide(400))
-    assert busy.add >= 1 and "twin forecast" in busy.reason
+    assert busy.start >= 1 and "twin forecast" in busy.reason
     assert last["attainment"][1] < 0.9  # one worker: the forecast misses the SLO
     idle, last_idle = asyncio.run(decide(3))
     assert idle.is_noop and last_idle["attainment"][1] >= 0.9

@@ -99,7 +99,7 @@ def test_twin_scaler_adds_a_worker_from_shadow_forecasts_of_real_load(launched_t
     print("twin scaler decision:", action, last)  # shown with -s
     t.join(600)
     assert codes == [200] * n  # every request answered: nothing lost while the fleet grew
-    assert action.add == 1 and "twin forecast" in action.reason, (action, last)
+    assert action.start == 1 and "twin forecast" in action.reason, (action, last)
     assert last["attainment"][1] < 0.9 and last["attainment"][2] > last["attainment"][1], last
     assert last["rate"] > 0
     deadline = time.monotonic() + 60

@@ -284,7 +284,8 @@ class RouterSpec(_Spec):
 
 
 class ScalerSpec(_Spec):
-    """How the fleet grows and shrinks (names and parameters as in the live launcher's config)."""
+    """How the fleet grows and shrinks: the same section, names and parameters in a live config
+    (`twin.policy.scalers`: a registered name, or `module:Class` / `file.py:Class`)."""
 
     name: str = "none"
     params: dict[str, Any] = {}
@@ -295,8 +296,8 @@ class ScalerSpec(_Spec):
     def _known_scaler(cls, v: str) -> str:
         from twin.policy.scalers import SCALERS
 
-        if v not in SCALERS:
-            raise ValueError(f"unknown scaler {v!r} (known: {', '.join(SCALERS)})")
+        if v not in SCALERS and ":" not in v:
+            raise ValueError(f"unknown scaler {v!r} (known: {', '.join(SCALERS)}; or module:Class, file.py:Class)")
         return v
 
 

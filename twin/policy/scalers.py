@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, Protocol
 
 from twin.policy.forecast import make_load_predictor
 from twin.policy.views import FleetView
@@ -22,11 +22,68 @@ SLO_METRICS = ("ttft_s", "tpot_s", "e2e_s")  # the order a threshold scaler take
 
 @dataclass(frozen=True, slots=True)
 class ScaleAction:
-    target: int | None = None  # wanted active instances; None = leave the fleet as it is
+    """What a scaler wants, in either form: `target` active (starting + serving) instances, or explicit `add`
+    starts and `drain` ids. Both worlds turn it into starts and drains with `plan_scale`. `engine_args` go to
+    the new instances' launch (vLLM names, e.g. a chunk planner's max_num_batched_tokens)."""
+
+    target: int | None = None  # wanted active instances; None = no target (see add / drain)
     reason: str = ""
+    add: int = 0
+    drain: tuple[str, ...] = ()
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_noop(self) -> bool:
+        return self.target is None and self.add <= 0 and not self.drain
 
 
 NO_CHANGE = ScaleAction()
+
+
+@dataclass(frozen=True, slots=True)
+class ScalePlan:
+    """A `ScaleAction` made concrete for one fleet: how many to start, which to drain."""
+
+    start: int = 0
+    drain: tuple[str, ...] = ()
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def is_noop(self) -> bool:
+        return self.start <= 0 and not self.drain
+
+
+def plan_scale(action: Any, fleet: FleetView, min_instances: int = 0, max_instances: int | None = None) -> ScalePlan:
+    """Starts and drains for `action` (a ScaleAction, any object with `target` or `add`/`drain`, or None).
+
+    A target is clamped to [min_instances, max_instances]; below the active count, starting instances are
+    cancelled first (newest first), then the least loaded serving ones drain (fewest requests in flight, the
+    newest on ties). Explicit adds are capped by `max_instances`. The one planner both worlds use: the
+    simulator's fleet and the live launcher.
+    """
+    if action is None:
+        return ScalePlan()
+    reason = str(getattr(action, "reason", "") or "")
+    engine_args = dict(getattr(action, "engine_args", None) or {})
+    views = list(fleet.all_instances)
+    active = [(pos, v) for pos, v in enumerate(views) if v.state in ACTIVE]
+    target = getattr(action, "target", None)
+    if target is not None:
+        target = max(int(target), min_instances)
+        if max_instances is not None:
+            target = min(target, max_instances)
+        if target > len(active):
+            return ScalePlan(target - len(active), (), engine_args, reason)
+        if target < len(active):
+            order = sorted(active, key=lambda pv: (pv[1].state != "starting", pv[1].inflight_requests,
+                                                   -pv[1].started_at, -pv[0]))
+            return ScalePlan(0, tuple(v.id for _, v in order[:len(active) - target]), engine_args, reason)
+        return ScalePlan()
+    add = int(getattr(action, "add", 0) or 0)
+    if max_instances is not None:
+        add = min(add, max(0, max_instances - len(active)))
+    return ScalePlan(max(add, 0), tuple(getattr(action, "drain", ()) or ()), engine_args, reason)
 
 
 class Scaler(Protocol):
@@ -58,9 +115,25 @@ def register_scaler(name: str):
 
 
 def make_scaler(name: str, **params) -> Scaler:
-    if name not in SCALERS:
-        raise KeyError(name)
-    return SCALERS[name](**params)
+    """A scaler by registry name, or `module:Class` / `file.py:Class`; bad names or parameters are one line.
+    The one registry of both worlds: a scenario's `scaler:` and a live config's."""
+    from twin.errors import TwinInputError
+    from twin.policy.base import _load_object
+
+    try:
+        cls = SCALERS[name] if name in SCALERS else _load_object(name)
+    except KeyError:
+        raise TwinInputError(f"scaler.name: unknown scaler {name!r} (known: {', '.join(SCALERS)}; or "
+                             "module:Class, file.py:Class)") from None
+    except LookupError as e:
+        raise TwinInputError(f"scaler.name: {e}") from None
+    try:
+        obj = cls(**params)
+    except (TypeError, ValueError) as e:
+        raise TwinInputError(f"scaler.params: {e}") from None
+    if not callable(getattr(obj, "decide", None)):
+        raise TwinInputError(f"scaler.name: {name} has no decide(now, fleet, forecast)")
+    return obj
 
 
 @register_scaler("none")
@@ -68,6 +141,22 @@ class NoScaler(ScalerBase):
     """A fixed fleet: never changes the instance count."""
 
     name = "none"
+
+
+@register_scaler("static")
+class StaticScaler(ScalerBase):
+    """Keeps `target` instances starting or serving: replaces lost ones, drains extras (as a Deployment does)."""
+
+    name = "static"
+
+    def __init__(self, target: int = 1) -> None:
+        if target < 0:
+            raise ValueError("target must be >= 0")
+        self.target = target
+
+    def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
+        n = active_count(fleet)
+        return NO_CHANGE if n == self.target else ScaleAction(self.target, f"{n} active, target {self.target}")
 
 
 @register_scaler("threshold")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twin.errors import TwinInputError
-from twin.policy.scalers import ACTIVE, ScaleAction, make_scaler
+from twin.policy.scalers import ACTIVE, ScaleAction, make_scaler, plan_scale
 
 
 @dataclass
@@ -45,12 +45,12 @@ class Fleet:
 
     def __post_init__(self) -> None:
         sc = self.cluster.scenario.scaler
-        try:
-            self.scaler = make_scaler(sc.name, **sc.params)
-            if getattr(self.scaler, "slo", 0) is None:  # the twin and threshold scalers read the scenario's
+        self.scaler = make_scaler(sc.name, **sc.params)  # bad names or parameters: one TwinInputError line
+        if getattr(self.scaler, "slo", 0) is None:  # the twin and threshold scalers read the scenario's
+            try:
                 self.scaler.slo = self.cluster.scenario.slo
-        except (TypeError, ValueError) as e:
-            raise TwinInputError(f"scaler.params: {e}") from None
+            except (TypeError, ValueError) as e:
+                raise TwinInputError(f"scaler.params: {e}") from None
         self.interval_s = sc.interval_s
         self.decisions = 0
 
@@ -113,18 +113,17 @@ class Fleet:
         self.cluster.dispatcher.lifecycle_changed()
 
     def apply(self, action: ScaleAction) -> None:
-        if action.target is None:
-            return
-        target = min(max(action.target, self.min_instances), self.max_instances)
-        active = self.active()
-        for _ in range(target - len(active)):
-            self.start(action.reason)
-        if target < len(active):
-            books = self.cluster.dispatcher.bookkeeping
-            # cancel starting instances first (newest first), then drain the least loaded
-            order = sorted(active, key=lambda i: (i.state != "starting", books.load(i.id).requests, -i.index))
-            for inst in order[:len(active) - target]:
-                self.drain(inst, action.reason)
+        """The action made concrete by the planner the live launcher uses too (`plan_scale`): clamped to
+        [min_instances, max_instances], starting instances cancelled first, then the least loaded drained."""
+        d = self.cluster.dispatcher
+        d.lifecycle_changed()  # the views' states are the instances' own
+        plan = plan_scale(action, d.fleet, self.min_instances, self.max_instances)
+        for _ in range(plan.start):
+            self.start(plan.reason)
+        for iid in plan.drain:
+            inst = d.by_id.get(iid)
+            if inst is not None and inst.state in ACTIVE:
+                self.drain(inst, plan.reason)
 
     def scaler_process(self):
         d = self.cluster.dispatcher
