@@ -307,7 +307,7 @@ def test_a_request_with_per_block_keys_hits_the_range_pool_as_its_runs_would():
 
 
 PARITY = [(name, seed, mode) for name in ("shared-prefix", "multi-turn", "streaming-turns", "preemption",
-                                          "long-prompts", "long-prefill-threshold", "random")
+                                          "long-prompts", "long-prefill-threshold", "two-finishers", "random")
           for seed in range(3) for mode in ("step", "fast")]
 
 

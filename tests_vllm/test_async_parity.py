@@ -73,7 +73,10 @@ def run_vllm_async(wl, model_dir, max_steps=20000):
             mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                     sampled_token_ids=sampled)
             sched.update_from_output(pout, mro)
-            for rid, vr in list(live.items()):
+            for rid in req_ids:  # in vLLM's output order, so same-step finishers' followers arrive in it
+                vr = live.get(rid)
+                if vr is None:
+                    continue
                 i = int(rid)
                 if vr.output_token_ids and i not in tr.first_token:
                     tr.first_token[i] = step - 1

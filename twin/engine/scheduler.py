@@ -800,11 +800,22 @@ class Scheduler:
             else:
                 self._join_group(r, t_end)
 
+        if len(finished) > 1:  # vLLM's order, not the finish heap's (see `_finish`)
+            finished.sort(key=_by_run_seq)
         for r in finished:
             self._finish(r, t_end)
         return finished
 
     def _finish(self, r: Request, t_end: float) -> None:
+        """Free a finished request; same-step finishers come here in running order, as in vLLM.
+
+        vLLM's `Scheduler.update_from_output` (`vllm/v1/core/sched/scheduler.py`) walks the step's
+        `num_scheduled_tokens`, which `schedule()` filled in running order (admission order, `run_seq`), and
+        calls `_free_request` for each stopped request in that walk; `KVCacheManager.free` hands each request's
+        blocks over tail first (`SingleTypeKVCacheManager.free`) and `BlockPool.free_blocks` appends the hashed
+        ones to the free queue's tail. So the first finisher in running order is evicted first, whatever
+        order the decode group's finish heap (join order) pops them in.
+        """
         if self.async_scheduling:
             self.finishing.append(r)  # freed after the next schedule (release_finished)
         else:
@@ -964,6 +975,8 @@ class Scheduler:
         self.decode_context += nd * j
         self.group_last_out = t_end
         finished = self._pop_finished_members()
+        if len(finished) > 1:  # vLLM's order, not the finish heap's (see `_finish`)
+            finished.sort(key=_by_run_seq)
         for r in finished:
             self._finish(r, t_end)
         return finished

@@ -179,6 +179,29 @@ def wl_max_num_seqs(seed: int) -> Workload:
     return Workload("max-num-seqs", _renumber(reqs), max_num_seqs=4, max_num_batched_tokens=128)
 
 
+def wl_two_finishers(seed: int) -> Workload:
+    """Two requests finish in one step with their decode-group join order opposite to their running order.
+
+    A (48-token prompt) is admitted first but, chunked by the long-prefill threshold, samples its first
+    token two steps after B (16 tokens); B is given three more outputs, so both finish in the same step.
+    vLLM frees them in running order (A, then B: `Scheduler.update_from_output`), so A's blocks reach the
+    tail of the free queue first (each tail block first: `SingleTypeKVCacheManager.free`). C then takes the
+    anonymous blocks and evicts two cached ones from the front: A's last two in vLLM's order, B's and A's
+    last in join order. D opens with B's block (even seeds: hit 16 vs 0) or A's first two (odd: 16 vs 32).
+    """
+    rng = random.Random(seed)
+    bs = 16
+    reqs: list[ParityRequest] = []
+    a = _req(reqs, _tokens(rng, 3 * bs), 4, rng, arrival_step=0)
+    b = _req(reqs, _tokens(rng, bs), 6, rng, arrival_step=0)
+    fin = 5  # B's first token in step 0, A's in step 2 (three 16-token chunks): both finish in step 5
+    _req(reqs, _tokens(rng, 4 * bs), 3, rng, arrival_step=fin + 1 + seed % 3)  # evicts from the LRU front
+    shared = (b.prompt if seed % 2 == 0 else a.prompt[:2 * bs]) + _tokens(rng, bs)
+    _req(reqs, shared, 2, rng, arrival_step=fin + 2 + seed % 3)
+    return Workload("two-finishers", reqs, block_size=bs, num_gpu_blocks=8, max_num_batched_tokens=64,
+                    max_num_seqs=8, long_prefill_token_threshold=bs)
+
+
 def wl_random(seed: int) -> Workload:
     """A seeded mix under KV pressure: sharing, sessions, duplicates, chunking, thresholds, caps."""
     rng = random.Random(seed)
@@ -235,6 +258,7 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "long-prompts": wl_long_prompts,
     "long-prefill-threshold": wl_long_prefill_threshold,
     "max-num-seqs": wl_max_num_seqs,
+    "two-finishers": wl_two_finishers,
     "random": wl_random,
 }
 
@@ -497,7 +521,8 @@ def run_vllm(wl: Workload, max_steps: int = 100_000, model_dir: str | None = Non
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         sched.update_from_output(out, mro)
-        for rid, vr in list(live.items()):
+        for rid in req_ids:  # in vLLM's output order, so same-step finishers' followers arrive in it
+            vr = live[rid]
             i = int(rid)
             if vr.output_token_ids and i not in tr.first_token:
                 tr.first_token[i] = step
