@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-import twin.parity as parity
+import twin.lab.parity as parity
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.engine.segment_pool import SegmentPool
-from twin.records import RequestLog
+from twin.engine.records import RequestLog
 
 BS = 16
 
