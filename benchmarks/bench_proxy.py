@@ -187,7 +187,7 @@ def main() -> int:
               f"through the proxy {proxy_rate:,.0f} req/s ({os.cpu_count()} cores shared by client, proxy and "
               "upstream)")
     finally:
-        from live.launcher import stop_group
+        from live.vllm_server import stop_group
 
         for p in procs:
             stop_group(p, 5)

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -30,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from live.config import LauncherSpec
 from live.registry import Worker
+from live.vllm_server import kv_events_config, server_command, spawn, stop_group, tail
 
 if TYPE_CHECKING:
     from live.controller import Controller
@@ -56,27 +55,6 @@ class Actuator(Protocol):
 
 class LaunchError(RuntimeError):
     """A worker did not come up; the message carries the end of its log."""
-
-
-def engine_flags(args: Mapping[str, Any]) -> list[str]:
-    """vLLM CLI flags from engine arguments by their vLLM names: True -> `--flag`, False -> `--no-flag`,
-    mappings as JSON (`--kv-events-config '{...}'`), lists repeated as values."""
-    out: list[str] = []
-    for k, v in args.items():
-        flag = "--" + k.replace("_", "-")
-        if v is None:
-            continue
-        if v is True:
-            out.append(flag)
-        elif v is False:
-            out.append("--no-" + k.replace("_", "-"))
-        elif isinstance(v, Mapping):
-            out += [flag, json.dumps(v)]
-        elif isinstance(v, (list, tuple)):
-            out += [flag, *map(str, v)]
-        else:
-            out += [flag, str(v)]
-    return out
 
 
 @dataclass
@@ -113,15 +91,11 @@ class LocalActuator:
         kv_endpoint = None
         if sp.kv_events:
             kv_endpoint = f"tcp://127.0.0.1:{sp.kv_events_base_port + slot}"
-            args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                        "endpoint": kv_endpoint, "topic": "kv"}
+            args["kv_events_config"] = kv_events_config(kv_endpoint)
         model = str(self.controller.cfg.resolve_path(sp.model)) if Path(
             self.controller.cfg.resolve_path(sp.model)).exists() else sp.model
-        cmd = [self._python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--host", sp.host, "--port", str(sp.base_port + slot)]
-        if sp.served_model_name:
-            cmd += ["--served-model-name", sp.served_model_name]
-        return cmd + engine_flags(args), kv_endpoint
+        return server_command(self._python(), model, sp.host, sp.base_port + slot, args,
+                              sp.served_model_name), kv_endpoint
 
     def _python(self) -> str:
         p = self.controller.cfg.resolve_path(self.spec.python)
@@ -148,9 +122,7 @@ class LocalActuator:
         worker = Worker(wid, url, state="starting", kv_events_endpoint=kv_endpoint)
         worker.config = self.controller.launch_config(args)
         self.controller.add_worker(worker)  # binds the KV-event socket before the publisher connects
-        with open(log_path, "ab") as fh:
-            popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     cwd=str(self.controller.cfg.resolve_path(".")))
+        popen = spawn(cmd, log_path, env, cwd=str(self.controller.cfg.resolve_path(".")))
         proc = self.procs[wid] = _Proc(popen, log_path, slot, sp.base_port + slot)
         worker.handle = proc
         self.controller.metrics.scale_events.labels("start").inc()
@@ -193,31 +165,3 @@ class LocalActuator:
     async def close(self) -> None:
         for wid in list(self.procs):
             await self.stop(wid)
-
-
-def stop_group(popen: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """SIGTERM to the worker's process group, SIGKILL after `timeout_s`; reaps the leader."""
-    if popen.poll() is None:
-        try:
-            os.killpg(popen.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(popen.pid, signal.SIGKILL)  # children that outlived the leader, too
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        popen.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"

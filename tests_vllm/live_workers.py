@@ -32,12 +32,6 @@ MAX_MODEL_LEN = 512
 KV_BYTES = 64 * 1024 * 1024
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kv_port() -> int:
     """A free port below Linux's ephemeral range (32768-60999) for a KV-event endpoint the controller binds.
 
@@ -57,16 +51,6 @@ def kv_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port in 20000-32700")
-
-
-def hermetic_env(cache_root: str, core: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # when set it overrides --kv-cache-memory-bytes
-    env.update({"VLLM_CACHE_ROOT": cache_root, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
-    if core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = core
-    return env
 
 
 def engine_args(extra: dict | None = None) -> dict:
@@ -94,7 +78,7 @@ def stop_launched(rc) -> None:
     """Stop a controller and every worker its launcher still holds."""
     rc.stop()
     if rc.ctl.actuator:
-        from live.launcher import stop_group
+        from live.vllm_server import stop_group
 
         for p in list(rc.ctl.actuator.procs.values()):
             stop_group(p.popen, 5)
@@ -135,32 +119,29 @@ class RealWorker:
             pass
 
     def stop(self) -> None:
-        from live.launcher import stop_group
+        from live.vllm_server import stop_group
 
         stop_group(self.popen, 10)
 
 
 def start_worker(wid: str, model: Path, core: str | None, cache_root: str, log_dir: Path,
                  extra: dict | None = None) -> RealWorker:
-    from live.launcher import engine_flags
+    """A worker started as the launcher starts one (live.vllm_server), with a KV-event publisher."""
+    from live.vllm_server import cpu_env, free_port, kv_events_config, server_command, spawn
 
     port = free_port()
     kv = f"tcp://127.0.0.1:{kv_port()}"
     args = engine_args(extra)
-    args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv, "topic": "kv"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), *engine_flags(args)]
+    args["kv_events_config"] = kv_events_config(kv)
     log_path = log_dir / f"{wid}.log"
-    fh = open(log_path, "wb")
-    popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=hermetic_env(cache_root, core),
-                             start_new_session=True)
-    fh.close()
+    popen = spawn(server_command(sys.executable, str(model), "127.0.0.1", port, args, SERVED), log_path,
+                  cpu_env(cache_root, core))
     return RealWorker(wid, port, kv, popen, log_path)
 
 
 def wait_ready(w: RealWorker, timeout_s: float = 240.0) -> None:
     """One tiny completion must succeed (a broken engine answers 200 on /health)."""
-    from twin.lab.observe import wait_serving
+    from live.vllm_server import wait_serving
 
     if not wait_serving(w.url, {"model": SERVED, "prompt": "hi", "max_tokens": 1}, w.alive, w.log_path, timeout_s,
                         f"worker {w.id}"):

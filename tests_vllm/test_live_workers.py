@@ -258,7 +258,7 @@ def wait_http(url, proc, timeout=60):
 
 
 def test_load_loses_nothing_memory_stays_flat_and_sigterm_finishes_in_flight(two_workers, tmp_path):
-    from live_workers import free_port
+    from live.vllm_server import free_port
 
     port = free_port()
     proc = start_cli(write_config(tmp_path, two_workers), port)

@@ -189,7 +189,7 @@ class LiveRouter:
     config: Path
 
     def stop(self) -> None:
-        from live.launcher import stop_group
+        from live.vllm_server import stop_group
 
         stop_group(self.popen, 10)
 
@@ -202,7 +202,7 @@ def start_router(worker_urls: list[str], router: str, params: dict, out: Path, p
 
     import yaml
 
-    from twin.lab.observe import free_port
+    from live.vllm_server import free_port
 
     port = free_port()
     cfg = {"server": {"host": "127.0.0.1", "port": port},

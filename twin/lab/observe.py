@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from live.vllm_server import cpu_env, engine_flags, free_port, server_command, spawn, stop_group, wait_serving
 from twin.errors import TwinInputError
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -201,23 +198,6 @@ def session_load(path: str | Path, sessions: int = 16, rate: float = 2.0, turns_
 
 # -- a real server ---------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def hermetic_env(cache_root: str, core: str | None = None) -> dict[str, str]:
-    """What ../shared/notes/vllm-cpu.md found a CPU server needs to start offline and leave nothing behind."""
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # when set it overrides --kv-cache-memory-bytes
-    env.update({"VLLM_CACHE_ROOT": cache_root, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_TARGET_DEVICE": "cpu"})
-    if core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = core
-    return env
-
-
 @dataclass
 class EngineArgs:
     """The server's engine settings (vLLM's names); the CPU recipe of ../shared/notes/vllm-cpu.md."""
@@ -229,32 +209,15 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     dtype: str = "float32"  # bf16 (the CPU default) dies with SIGILL on some VMs
 
+    def as_args(self) -> dict:
+        """By vLLM's names, for `live.vllm_server.engine_flags` (prefix caching named only when off)."""
+        return {"enforce_eager": True, "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "dtype": self.dtype,
+                "enable_prefix_caching": None if self.enable_prefix_caching else False}
+
     def flags(self) -> list[str]:
-        f = ["--enforce-eager", "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
-             "--max-num-batched-tokens", str(self.max_num_batched_tokens), "--kv-cache-memory-bytes",
-             str(self.kv_cache_memory_bytes), "--dtype", self.dtype]
-        if not self.enable_prefix_caching:
-            f.append("--no-enable-prefix-caching")
-        return f
-
-
-def wait_serving(url: str, body: dict, alive, log_path: Path, timeout_s: float, what: str) -> bool:
-    """Poll `url` with one tiny completion (`body`) until it answers 200 (True) or `timeout_s` passes (False);
-    raises, with the log's tail, if the process (`alive()`) exits first. Shared with the test fixtures."""
-    deadline = time.monotonic() + timeout_s
-    data = json.dumps(body).encode()
-    while time.monotonic() < deadline:
-        if not alive():
-            raise RuntimeError(f"{what} exited:\n{log_path.read_text(errors='replace')[-3000:]}")
-        try:
-            req = urllib.request.Request(url + "/v1/completions", data, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(1.0)
-    return False
+        return engine_flags(self.as_args())
 
 
 class VllmServer:
@@ -270,12 +233,8 @@ class VllmServer:
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-log-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm-{self.port}.log"
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--served-model-name", served, "--host", "127.0.0.1", "--port", str(self.port), *args.flags()]
-        fh = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=hermetic_env(self.cache, core),
-                                      start_new_session=True)
-        fh.close()
+        cmd = server_command(python, str(self.model_dir), "127.0.0.1", self.port, args.as_args(), served)
+        self.popen = spawn(cmd, self.log_path, cpu_env(self.cache, core))
 
     @property
     def url(self) -> str:
@@ -293,16 +252,7 @@ class VllmServer:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the group (API server, EngineCore, worker), then SIGKILL if it lingers."""
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.popen.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(self.popen, grace_s)
         import shutil
 
         shutil.rmtree(self.cache, ignore_errors=True)
@@ -334,34 +284,17 @@ def scrape(url: str, timeout: float = 10.0) -> str:
 
 
 def cache_config(metrics: str) -> dict:
-    """block_size, num_gpu_blocks, enable_prefix_caching from `vllm:cache_config_info`'s labels."""
-    for line in metrics.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            body = line[line.index("{") + 1: line.rindex("}")]
-            labels = dict(kv.split("=", 1) for kv in _split_labels(body))
-            labels = {k: v.strip('"') for k, v in labels.items()}
-            out = {}
-            for k in ("block_size", "num_gpu_blocks"):
-                if labels.get(k, "None") not in ("None", ""):
-                    out[k] = int(labels[k])
-            if "enable_prefix_caching" in labels:
-                out["enable_prefix_caching"] = labels["enable_prefix_caching"] == "True"
-            return out
-    return {}
+    """block_size, num_gpu_blocks, enable_prefix_caching from `vllm:cache_config_info`'s labels (read by the
+    controller's parser, `live.signals.parse_metrics`)."""
+    from live.signals import parse_metrics
 
-
-def _split_labels(body: str) -> list[str]:
-    out, cur, quoted = [], "", False
-    for ch in body:
-        if ch == '"':
-            quoted = not quoted
-        if ch == "," and not quoted:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if cur:
-        out.append(cur)
+    page = parse_metrics(metrics)
+    out: dict = {}
+    for k in ("block_size", "num_gpu_blocks"):
+        if page.cache_info.get(k, "None") not in ("None", ""):
+            out[k] = int(page.cache_info[k])
+    if page.prefix_caching is not None:
+        out["enable_prefix_caching"] = page.prefix_caching
     return out
 
 
