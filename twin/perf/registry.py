@@ -40,11 +40,14 @@ STEP_MODELS: dict[str, Callable[["Scenario"], StepTimeModel]] = {"roofline": roo
 
 def build_perf(sc: "Scenario") -> StepTimeModel:
     """The step model the scenario names (`cluster.perf.kind`), wrapped in the what-if actions' effects when
-    `whatif.precision`, `partial_kv` or `early_exit` is on (twin.whatif.model)."""
+    `whatif.precision`, `partial_kv` or `early_exit` is on (twin.whatif.model), and in the engine generation's
+    step loop when `engine.vllm_version` is V0 or async overlap keeps host time in series (twin.perf.generation)."""
     perf = STEP_MODELS[sc.cluster.perf.kind](sc)
     w = sc.whatif
     if w.precision.enabled or w.partial_kv.enabled or w.early_exit.enabled:
         from twin.whatif.model import WhatIfModel
 
         perf = WhatIfModel(perf, w)
-    return perf
+    from twin.perf.generation import wrap_for_generation
+
+    return wrap_for_generation(perf, sc.cluster.engine)  # the release's engine loop (twin.engine.generation)
