@@ -6,12 +6,15 @@ import numpy as np
 import pytest
 
 import conftest
+import test_fast_forward
+import test_fork
 from twin.cluster import engine_config
 from twin.engine.generation import generation, parse_vllm_version
 from twin.errors import TwinInputError
 from twin.perf.base import StepBatch
 from twin.perf.registry import build_perf
 from twin.scenario import parse_scenario
+from twin.workload import build_stream
 
 from conftest import make_scenario, run_checked, stream_of
 
@@ -102,7 +105,8 @@ def test_ideal_v0_stays_under_the_model():
 def itl_of(version, exposed=0.0, **eng):
     """Mean ITL and E2E of a small steady load: 24 requests, 300-token prompts, 64 outputs, 40 req/s."""
     kw = {"cluster.engine.vllm_version": version, "cluster.engine.async_scheduling": None,
-          "cluster.engine.async_exposed_request_s": exposed}
+          "cluster.engine.async_exposed_request_s": exposed,
+          "cluster.engine.max_num_batched_tokens": None}  # each release's default: 8192 on an H100 for all
     kw.update({f"cluster.engine.{k}": v for k, v in eng.items()})
     sc = make_scenario(**kw)
     n = 24
@@ -128,3 +132,35 @@ def test_exposed_host_time_is_paid_under_async():
     # exposing more than the host time exposes all of it: the synchronous step's time again (the decisions
     # still come one step early, which moves a few steps: hence not to the bit)
     assert itl_of("0.32", exposed=1.0)[0] == pytest.approx(sync[0], rel=1e-3)
+
+
+@pytest.fixture
+def v0_base(monkeypatch):
+    """V0 with chunked prefill on (its 0.5 option): the shared scenarios' budgets are below max_model_len."""
+    monkeypatch.setitem(conftest.BASE["cluster"]["engine"], "vllm_version", "0.5.4")
+    monkeypatch.setitem(conftest.BASE["cluster"]["engine"], "enable_chunked_prefill", True)
+
+
+@pytest.mark.parametrize("name", list(test_fast_forward.SCENARIOS))
+def test_fast_and_step_modes_agree_on_v0(name, v0_base):
+    sc = make_scenario(**test_fast_forward.SCENARIOS[name])
+    assert type(build_perf(sc)).__name__ == "GenerationModel"
+    fast, step = test_fast_forward.both_modes(sc, build_stream(sc))
+    test_fast_forward.assert_same(fast, step)
+
+
+@pytest.mark.parametrize("mode", ["fast", "step"])
+def test_the_fork_is_exact_on_v0(mode, v0_base):
+    test_fork.test_fork_advanced_alone_equals_the_original_with_no_more_arrivals(mode, 60, 0)
+    test_fork.test_a_request_added_to_a_fork_is_served_as_the_original_serves_an_arrival(mode, 60, 0)
+
+
+def test_no_chunked_prefill_needs_a_budget_of_max_model_len():
+    """vLLM refuses max_num_batched_tokens < max_model_len without chunked prefill (a longer prompt would never
+    be scheduled); V0 leaves chunked prefill off by default, so a small budget there is refused too."""
+    for engine in ({"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
+                   {"vllm_version": "0.5.4", "max_num_batched_tokens": 2048}):
+        with pytest.raises(TwinInputError) as e:
+            engine_config(engine_of(**engine))
+        assert "\n" not in str(e.value) and "max_model_len" in str(e.value)
+    assert engine_config(engine_of(vllm_version="0.5.4", max_num_batched_tokens=2048, max_model_len=2048))

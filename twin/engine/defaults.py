@@ -48,6 +48,13 @@ def resolve_batch_limits(gpu: GPUSpec, max_num_batched_tokens: int | None, max_n
         tokens = max_num_batched_tokens
     if max_num_seqs is None:
         seqs = min(seqs, tokens)
+    if not enable_chunked_prefill and tokens < max_model_len:
+        # `SchedulerConfig.verify_max_model_len` (vllm/config/scheduler.py; V0's `_verify_args` alike)
+        raise TwinInputError(
+            f"cluster.engine: max_num_batched_tokens ({tokens}) is smaller than max_model_len ({max_model_len}) "
+            "with chunked prefill off, which vLLM refuses (longer prompts could never run): raise "
+            "max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+        )
     if tokens < seqs:
         raise TwinInputError(
             f"cluster.engine: max_num_batched_tokens ({tokens}{'' if max_num_batched_tokens else ', the default'}) "
