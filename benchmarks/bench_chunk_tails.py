@@ -12,6 +12,8 @@
    (32 clients, shared prefixes), the kind of load the issue's real H100 runs used. The mechanisms: arrival
    jitter (think time), batch interference (length spread, mnbt), the API server (off, FIFO) and async
    scheduling. No factor is added for the tail: every figure is what the model produces.
+5. The kernels' fixed time per layer (`perf.layer_overhead_s`, default 0) as fitted on Vidur's profile, and
+   what setting it does to ITL (async and sync; an 8B and a 34B model) and to the mnbt effect.
 
 Run from the repository root: `.venv/bin/python benchmarks/bench_chunk_tails.py [--vidur PATH] [--n N]`.
 """
@@ -226,11 +228,55 @@ def tails(n: int) -> None:
     case("8 turns per conversation", turns=8)
 
 
+def layer_overhead(n: int, path: Path) -> None:
+    print("## 5. the kernels' fixed time per layer (perf.layer_overhead_s): its fit, and what it moves")
+    if path.exists():
+        import pandas as pd
+
+        pts = []
+        for name, csv in (("Llama-2-7B", path), ("Llama-2-70B", path.with_name("llama-2-70b.mlp.csv"))):
+            if not csv.exists():
+                continue
+            d = pd.read_csv(csv)
+            d = d[(d.num_tensor_parallel_workers == 1) & (d.num_tokens <= 64)]
+            m = get_model(name)
+            w = RooflineModel(get_gpu("H100"), m)._lin_w / m.num_layers * get_gpu("H100").hbm_bandwidth * 0.9
+            g = d[[f"time_stats.{k}.median" for k in ("attn_pre_proj", "attn_post_proj", "mlp_up_proj",
+                                                       "mlp_down_proj")]].sum(axis=1).median() * 1e-3
+            e = d[[f"time_stats.{k}.median" for k in ("input_layernorm", "attn_rope", "post_attention_layernorm",
+                                                       "mlp_act", "add")]].sum(axis=1).median() * 1e-3
+            pts.append((w, g, e))
+        if len(pts) == 2:
+            (w1, g1, e1), (w2, g2, e2) = pts
+            slope = (g2 - g1) / (w2 - w1)
+            print(f"  GEMMs at 1-64 tokens: {1 / slope / 1e12:.2f} TB/s + {1e6 * (g1 - slope * w1):.1f} us a layer; "
+                  f"elementwise kernels {1e6 * e1:.1f} us (7B) / {1e6 * e2:.1f} us (70B) a layer")
+    rng = np.random.default_rng(0)
+    arr = np.cumsum(rng.exponential(1 / 4.0, n))
+    for lo in (0.0, 20e-6, 40e-6):
+        row = []
+        for model, tp in (("Llama-3-8B", 1), ("CodeLlama-34B", 2)):
+            r = {}
+            for asy in (True, False):
+                sc = scenario(**{"cluster.model": model, "cluster.tensor_parallel": tp,
+                                 "cluster.perf.layer_overhead_s": lo, "cluster.engine.async_scheduling": asy})
+                r[asy] = run(sc, arr, [1000] * n, [300] * n)["itl_ms"]
+            row.append(f"{model} TP{tp}: ITL async {r[True]:.2f} ms, sync {r[False]:.2f} ms")
+        print(f"  layer_overhead_s {1e6 * lo:4.0f} us: " + "; ".join(row))
+    for lo in (0.0, 40e-6):
+        res = {}
+        for mnbt in (1024, 8192):
+            sc = scenario(**{"cluster.engine.max_num_batched_tokens": mnbt, "cluster.perf.layer_overhead_s": lo})
+            res[mnbt] = run(sc, np.cumsum(np.random.default_rng(0).exponential(1 / 6.0, n)), [4096] * n, [128] * n)
+        print(f"  layer_overhead_s {1e6 * lo:4.0f} us, in 4096 out 128: mnbt 1024 vs 8192: ITL "
+              f"{res[1024]['itl_ms'] / res[8192]['itl_ms'] - 1:+.1%}, E2E {res[1024]['e2e_s'] / res[8192]['e2e_s'] - 1:+.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=400, help="requests per run")
     ap.add_argument("--vidur", type=Path, default=Path("../shared/profiles/vidur-h100/llama-2-7b.mlp.csv"))
-    ap.add_argument("--only", default="1234")
+    ap.add_argument("--only", default="12345")
     a = ap.parse_args()
     if "1" in a.only:
         chunk_sizes(a.n)
@@ -240,6 +286,8 @@ def main() -> None:
         vidur(a.vidur)
     if "4" in a.only:
         tails(a.n)
+    if "5" in a.only:
+        layer_overhead(min(a.n, 200), a.vidur)
     sys.stdout.flush()
 
 

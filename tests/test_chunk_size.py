@@ -3,6 +3,7 @@ runs more mixed steps, each paying again the per-step costs of the decodes it sh
 read, the LM head, the CPU), and each chunk's attention reads the prompt's earlier KV again."""
 
 import numpy as np
+import pytest
 
 from twin.perf.base import StepBatch
 from twin.perf.registry import build_perf
@@ -64,3 +65,19 @@ def test_each_small_chunk_pays_the_per_step_costs_again():
     for i in range(4):
         b = chunk(1024, 1024 * i, decodes, ctx)
         assert ideal.step_time(b) <= perf.step_time(b)
+
+
+def test_the_kernels_fixed_time_is_paid_per_layer_per_step_and_never_hidden():
+    sc0 = make_scenario()
+    sc1 = make_scenario(**{"cluster.perf.layer_overhead_s": 30e-6})
+    p0, p1 = build_perf(sc0), build_perf(sc1)
+    layers = p0.model.num_layers
+    for b in (chunk(1024, 0, 32, 1500), chunk(64, 0, 0, 0), StepBatch(num_decode_tokens=8, decode_context_tokens=800)):
+        assert p1.step_time(b) - p0.step_time(b) == pytest.approx(layers * 30e-6, rel=1e-9)
+        g = p1.group_times(b)
+        assert p1.step_time(b) == pytest.approx(sum(g.values()), rel=1e-12)
+        assert p1.ideal().step_time(b) == p0.ideal().step_time(b) <= p0.step_time(b)
+    assert p1.decode_run_times(8, 800, 3) == [p1.step_time(StepBatch(num_decode_tokens=8, decode_context_tokens=800 + 8 * s))
+                                               for s in range(3)]
+    assert p1.host_time_s(8) == p0.host_time_s(8)  # GPU time: async scheduling hides none of it
+    assert "layer_overhead_s" in p1.describe()["assumptions"]

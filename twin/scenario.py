@@ -44,6 +44,7 @@ class PerfSpec(_Spec):
     step_overhead_s: float = Field(0.002, ge=0)
     per_request_overhead_s: float = Field(4e-6, ge=0)
     allreduce_latency_s: float = Field(10e-6, ge=0)
+    layer_overhead_s: float = Field(0.0, ge=0)  # ASSUMPTION: kernels' fixed GPU time per layer per step (roofline)
     api_request_overhead_s: float = Field(0.003, ge=0)
     api_prompt_token_s: float = Field(1e-6, ge=0)
     api_output_token_s: float = Field(46e-6, ge=0)
