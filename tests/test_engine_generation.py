@@ -31,7 +31,12 @@ def test_release_strings(v, want):
     assert parse_vllm_version(v) == want
 
 
-@pytest.mark.parametrize("v", ["latest", "", "0", "0.x", "zero.5", "0.5.4 beta", None, 0.10, True])
+def test_an_unambiguous_number_is_read_as_its_release():
+    assert engine_of(vllm_version=0.32).cluster.engine.async_scheduling is True
+    assert engine_of(vllm_version=0.12).cluster.engine.async_scheduling is False
+
+
+@pytest.mark.parametrize("v", ["latest", "", "0", "0.x", "zero.5", "0.5.4 beta", None, 0.10, 0.5, True])
 def test_bad_version_is_one_line(v):
     with pytest.raises(TwinInputError) as e:
         engine_of(vllm_version=v)

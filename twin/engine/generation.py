@@ -43,8 +43,11 @@ SPLIT_FRONTEND_SINCE = (0, 6)  # the API server in its own process, output proce
 
 def parse_vllm_version(s: object) -> tuple[int, int]:
     """(major, minor) of a vLLM release string such as "0.32", "0.5.4" or "v0.6.3.post1"; one-line error else."""
-    if isinstance(s, float):  # YAML reads 0.10 as 0.1: only a string keeps the release's digits
-        raise TwinInputError(f"vllm_version {s!r} is a number: quote it (\"0.10\" and 0.10 differ in YAML)")
+    if isinstance(s, float):  # YAML reads 0.32 as a number; 0.10 as 0.1, which only a quoted string tells apart
+        if len(repr(s).partition(".")[2]) < 2:
+            raise TwinInputError(f"vllm_version {s!r} is a number that may have lost a 0 (YAML reads 0.10 as 0.1): "
+                                 "quote it, e.g. \"0.10\" or \"0.5.4\"")
+        s = repr(s)
     m = _VERSION.match(s.strip()) if isinstance(s, str) else None
     if m is None:
         raise TwinInputError(f"vllm_version {s!r} is not a vLLM release (write it as e.g. \"0.32\" or \"0.5.4\")")
@@ -104,6 +107,8 @@ def resolve_engine_args(raw: dict) -> dict:
     except TwinInputError as e:
         raise ValueError(f"@vllm_version: {e}") from None
     out = dict(raw)
+    if isinstance(v, float):
+        out["vllm_version"] = repr(v)  # an unambiguous number, e.g. 0.32: kept as the string it names
     for k, d in gen.defaults().items():
         if out.get(k) is None:
             out[k] = d

@@ -23,10 +23,10 @@ its own roofline, on one GPU's share of the work (tensor parallel degree `tp`):
   has, so it weighs most on small steps and small per-GPU layers. Async scheduling never hides it.
   Default 0, which keeps the pure roofline. Measured in Vidur's H100 operator profile
   (`../shared/profiles/vidur-h100`, eager kernels timed with CUDA events) at 1-64 tokens:
-  - the 4 GEMMs of a layer take weight bytes / 3.0 TB/s + ~21 us. That is the roofline's 90 %-of-bandwidth
+  - the 4 GEMMs of a layer take weight bytes / 3.0 TB/s + ~25 us. That is the roofline's 90 %-of-bandwidth
     slope, fitted across Llama-2-7B TP 1 and Llama-2-70B TP 1 (405 and 1711 MB a layer);
-  - the 5 elementwise kernels (2 RMSNorms, RoPE, SiLU-and-mul, residual adds) take ~19 us more;
-  - so ~40 us a layer in eager mode. ASSUMPTION: vLLM's CUDA graphs replay the decode kernels without CPU
+  - the 5 elementwise kernels (2 RMSNorms, RoPE, SiLU-and-mul, residual adds) take ~21 us more (7B);
+  - so ~45 us a layer in eager mode. ASSUMPTION: vLLM's CUDA graphs replay the decode kernels without CPU
     launches, so the GPU-side share is smaller. Calibrate it; `benchmarks/bench_chunk_tails.py` prints the fit.
 
 The overlap split (`host_time_s`): under vLLM's async scheduling the CPU term above runs while the GPU
