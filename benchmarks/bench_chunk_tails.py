@@ -132,6 +132,15 @@ def generations(n: int) -> None:
         r = run(scenario(**{"cluster.engine.vllm_version": v, "cluster.engine.max_num_seqs": None}), arr,
                 [300] * n, [64] * n)
         print(f"  vllm {v:6s}: ITL {r['itl_ms']:.2f} ms, E2E {r['e2e_s']:.3f} s, TTFT {r['ttft_ms']:.1f} ms")
+    print("   saturated (in 1000 out 200, all at t=0; 256 seqs): output tokens/s")
+    m = 2 * n
+    tput = {}
+    for v in ("0.5.4", "0.7", "0.12", "0.32"):
+        sc = scenario(**{"cluster.engine.vllm_version": v, "cluster.engine.max_num_seqs": 256})
+        res = Cluster(sc, RequestStream(np.zeros(m), np.full(m, 1000), np.full(m, 200), None)).run()
+        tput[v] = 200 * m / float(np.nanmax(res.log.finish_s))
+    print("  " + ", ".join(f"vllm {v}: {t:,.0f}" for v, t in tput.items())
+          + f"; 0.32 / 0.5.4 = {tput['0.32'] / tput['0.5.4']:.2f}x")
 
 
 def vidur(path: Path) -> None:
