@@ -58,7 +58,8 @@ def test_each_small_chunk_pays_the_per_step_costs_again():
     for g in ("decode_attn", "lm_head", "cpu"):
         assert total[g] == np.float64(4 * whole[g]) or abs(total[g] - 4 * whole[g]) < 1e-12
     # the chunks attend the same (query, key) pairs in all, but read the prompt's earlier KV again
-    assert sum(chunk(1024, 1024 * i, 0, 0).prefill_attn_tokens for i in range(4)) == chunk(4096, 0, 0, 0).prefill_attn_tokens
+    pairs = sum(chunk(1024, 1024 * i, 0, 0).prefill_attn_tokens for i in range(4))
+    assert pairs == chunk(4096, 0, 0, 0).prefill_attn_tokens
     assert sum(chunk(1024, 1024 * i, 0, 0).prefill_kv_read_tokens for i in range(4)) > 4096
     # and the four steps stay above the physical floor
     ideal = perf.ideal()
@@ -77,7 +78,7 @@ def test_the_kernels_fixed_time_is_paid_per_layer_per_step_and_never_hidden():
         g = p1.group_times(b)
         assert p1.step_time(b) == pytest.approx(sum(g.values()), rel=1e-12)
         assert p1.ideal().step_time(b) == p0.ideal().step_time(b) <= p0.step_time(b)
-    assert p1.decode_run_times(8, 800, 3) == [p1.step_time(StepBatch(num_decode_tokens=8, decode_context_tokens=800 + 8 * s))
-                                               for s in range(3)]
+    steps = [p1.step_time(StepBatch(num_decode_tokens=8, decode_context_tokens=800 + 8 * s)) for s in range(3)]
+    assert p1.decode_run_times(8, 800, 3) == steps
     assert p1.host_time_s(8) == p0.host_time_s(8)  # GPU time: async scheduling hides none of it
     assert "layer_overhead_s" in p1.describe()["assumptions"]

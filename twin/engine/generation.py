@@ -1,11 +1,11 @@
 """Which vLLM engine a scenario models (`engine.vllm_version`): the defaults and the step loop follow the release.
 
-| `vllm_version` | engine | step loop | defaults that follow the version |
+| `vllm_version` | engine | step loop | chunked prefill, prefix caching by default |
 | --- | --- | --- | --- |
-| < 0.6 | V0, API server in the engine's process | synchronous; steps are prefill-only or decode-only | chunked prefill off, prefix caching off |
-| 0.6 to < 0.8 | V0, API server in its own process | synchronous; steps are prefill-only or decode-only | chunked prefill off, prefix caching off |
-| 0.8 to < 0.14 | V1 | synchronous (`EngineCore.step`); `async_scheduling: true` from 0.10 | chunked prefill on, prefix caching on |
-| >= 0.14 | V1 | async scheduling (`EngineCore.step_with_batch_queue`) | chunked prefill on, prefix caching on |
+| < 0.6 | V0, API server in the engine's process | synchronous; a step is prefill-only or decode-only | off, off |
+| 0.6 to < 0.8 | V0, API server in its own process | synchronous; a step is prefill-only or decode-only | off, off |
+| 0.8 to < 0.14 | V1 | synchronous (`EngineCore.step`); `async_scheduling: true` from 0.10 | on, on |
+| >= 0.14 | V1 | async scheduling (`EngineCore.step_with_batch_queue`) | on, on |
 
 Sources:
 - V1 became the default engine in 0.8.0.

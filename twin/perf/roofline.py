@@ -154,7 +154,8 @@ class RooflineModel:
         return RooflineModel(
             self.gpu, self.model, self.dtype, self.kv_cache_dtype, self.tensor_parallel,
             compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_s=0.0, per_request_overhead_s=0.0,
-            allreduce_latency_s=0.0, layer_overhead_s=0.0, api_request_overhead_s=0.0, api_prompt_token_s=0.0, api_output_token_s=0.0,
+            allreduce_latency_s=0.0, layer_overhead_s=0.0, api_request_overhead_s=0.0, api_prompt_token_s=0.0,
+            api_output_token_s=0.0,
             api_queue=self.api_queue, api_rho_cap=self.api_rho_cap, api_handoff_s=0.0,
         )
 
