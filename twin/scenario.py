@@ -44,6 +44,7 @@ class PerfSpec(_Spec):
     step_overhead_s: float = Field(0.002, ge=0)
     per_request_overhead_s: float = Field(4e-6, ge=0)
     allreduce_latency_s: float = Field(10e-6, ge=0)
+    layer_overhead_s: float = Field(0.0, ge=0)  # ASSUMPTION: kernels' fixed GPU time per layer per step (roofline)
     api_request_overhead_s: float = Field(0.003, ge=0)
     api_prompt_token_s: float = Field(1e-6, ge=0)
     api_output_token_s: float = Field(46e-6, ge=0)
@@ -69,14 +70,27 @@ class PerfSpec(_Spec):
 class EngineSpec(_Spec):
     """vLLM engine arguments, by their vLLM names. `max_num_batched_tokens` / `max_num_seqs` unset (null)
     take vLLM's defaults for the GPU (twin.engine.defaults); `gpu_memory_utilization` defaults to 0.92 as
-    in vLLM 0.32 (`vllm/config/cache.py: CacheConfig`); `async_scheduling` is on, as vLLM on GPUs."""
+    in vLLM 0.32 (`vllm/config/cache.py: CacheConfig`).
+
+    `vllm_version` (a quoted string, default "0.32") is the release the scenario models (twin.specs.vllm_versions).
+    - Defaults that follow it, when left unset: `async_scheduling` is on from 0.14 and off before;
+      `enable_chunked_prefill` and `enable_prefix_caching` are on for V1 (>= 0.8) and off for V0.
+    - V0 (< 0.8): the loop is synchronous and a step is prefill-only or decode-only, so a prefill stalls the
+      decodes. Before 0.6 the API server shares the engine's process, which costs `v0_seq_host_s` of host time
+      per scheduled sequence per step (twin.perf.generation).
+    - `async_exposed_step_s` / `async_exposed_request_s` are host time per step and per scheduled request
+      that stays in series with the GPU under async scheduling. ASSUMPTION: vLLM's batch queue
+      (`EngineCore.step_with_batch_queue`) hides all engine-core host work behind the step in flight, so
+      both default to 0.
+    - `async_scheduling: true` is refused before 0.10 and on V0."""
 
     block_size: int = Field(16, gt=0)
     max_num_batched_tokens: Optional[int] = Field(None, gt=0)
     max_num_seqs: Optional[int] = Field(None, gt=0)
     long_prefill_token_threshold: int = Field(0, ge=0)
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
+    vllm_version: str = "0.32"
+    enable_chunked_prefill: Optional[bool] = None  # unset: on for V1, off for V0 (twin.specs.vllm_versions)
+    enable_prefix_caching: Optional[bool] = None  # unset: on for V1, off for V0
     scheduler_reserve_full_isl: bool = True
     watermark: float = Field(0.0, ge=0, lt=1)
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
@@ -85,8 +99,23 @@ class EngineSpec(_Spec):
     max_model_len: Optional[int] = Field(None, gt=0)
     # vLLM resolves async scheduling on for GPU engines (`config/vllm.py`; the CPU build forces it off): the
     # scheduler plans step k+1 while the GPU runs step k and processes outputs one step later
-    # (twin.engine.scheduler). false: the synchronous engine loop (`EngineCore.step`).
-    async_scheduling: bool = True
+    # (twin.engine.scheduler). false: the synchronous engine loop (`EngineCore.step`). Unset: as `vllm_version`.
+    async_scheduling: Optional[bool] = None
+    # host time left in series with the GPU under async scheduling, and V0's per-sequence host time before 0.6
+    # (twin.perf.generation). ASSUMPTIONS
+    async_exposed_step_s: float = Field(0.0, ge=0)
+    async_exposed_request_s: float = Field(0.0, ge=0)
+    v0_seq_host_s: float = Field(140e-6, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _release_defaults(cls, data: Any) -> Any:
+        """Unset engine arguments whose default depends on the release take that release's value."""
+        if not isinstance(data, dict):
+            return data
+        from twin.specs.vllm_versions import resolve_engine_args
+
+        return resolve_engine_args(data)
 
     @model_validator(mode="after")
     def _budget_covers_seqs(self) -> "EngineSpec":

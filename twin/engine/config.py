@@ -34,6 +34,7 @@ class EngineConfig:
     max_model_len: int | None = None
     # vLLM resolves `async_scheduling` on for GPU engines (`config/vllm.py`); see twin.engine.scheduler
     async_scheduling: bool = True
+    vllm_version: str = "0.32"  # the release modelled (twin.specs.vllm_versions); the scheduler is V1's
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

@@ -32,9 +32,12 @@ def batch_defaults(gpu: GPUSpec) -> tuple[int, int]:
 
 
 def resolve_batch_limits(gpu: GPUSpec, max_num_batched_tokens: int | None, max_num_seqs: int | None,
-                         max_model_len: int, enable_chunked_prefill: bool = True) -> tuple[int, int]:
-    """The values an engine runs with: the user's where set, vLLM's defaults (and clamps) where not."""
-    d_tokens, d_seqs = batch_defaults(gpu)
+                         max_model_len: int, enable_chunked_prefill: bool = True, v1: bool = True) -> tuple[int, int]:
+    """The values an engine runs with: the user's where set, vLLM's defaults (and clamps) where not.
+
+    `v1` False: V0's `SchedulerConfig` defaults (vLLM 0.5/0.6 `vllm/config.py`): 256 sequences; 2048 tokens,
+    raised to max_model_len without chunked prefill, 512 with it."""
+    d_tokens, d_seqs = batch_defaults(gpu) if v1 else ((512 if enable_chunked_prefill else 2048), 256)
     seqs = d_seqs if max_num_seqs is None else max_num_seqs
     if max_num_batched_tokens is None:
         tokens = d_tokens
@@ -45,6 +48,13 @@ def resolve_batch_limits(gpu: GPUSpec, max_num_batched_tokens: int | None, max_n
         tokens = max_num_batched_tokens
     if max_num_seqs is None:
         seqs = min(seqs, tokens)
+    if not enable_chunked_prefill and tokens < max_model_len:
+        # `SchedulerConfig.verify_max_model_len` (vllm/config/scheduler.py; V0's `_verify_args` alike)
+        raise TwinInputError(
+            f"cluster.engine: max_num_batched_tokens ({tokens}) is smaller than max_model_len ({max_model_len}) "
+            "with chunked prefill off, which vLLM refuses (longer prompts could never run): raise "
+            "max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+        )
     if tokens < seqs:
         raise TwinInputError(
             f"cluster.engine: max_num_batched_tokens ({tokens}{'' if max_num_batched_tokens else ', the default'}) "

@@ -22,6 +22,7 @@ def roofline(sc: "Scenario") -> RooflineModel:
         tensor_parallel=c.tensor_parallel, compute_efficiency=p.compute_efficiency,
         memory_efficiency=p.memory_efficiency, step_overhead_s=p.step_overhead_s,
         per_request_overhead_s=p.per_request_overhead_s, allreduce_latency_s=p.allreduce_latency_s,
+        layer_overhead_s=p.layer_overhead_s,
         api_request_overhead_s=p.api_request_overhead_s, api_prompt_token_s=p.api_prompt_token_s,
         api_output_token_s=p.api_output_token_s, api_queue=p.api_queue, api_rho_cap=p.api_rho_cap,
         api_handoff_s=p.api_handoff_s,
@@ -40,11 +41,14 @@ STEP_MODELS: dict[str, Callable[["Scenario"], StepTimeModel]] = {"roofline": roo
 
 def build_perf(sc: "Scenario") -> StepTimeModel:
     """The step model the scenario names (`cluster.perf.kind`), wrapped in the what-if actions' effects when
-    `whatif.precision`, `partial_kv` or `early_exit` is on (twin.whatif.model)."""
+    `whatif.precision`, `partial_kv` or `early_exit` is on (twin.whatif.model), and in the engine generation's
+    step loop when `engine.vllm_version` is V0 or async overlap keeps host time in series (twin.perf.generation)."""
     perf = STEP_MODELS[sc.cluster.perf.kind](sc)
     w = sc.whatif
     if w.precision.enabled or w.partial_kv.enabled or w.early_exit.enabled:
         from twin.whatif.model import WhatIfModel
 
         perf = WhatIfModel(perf, w)
-    return perf
+    from twin.perf.generation import wrap_for_generation
+
+    return wrap_for_generation(perf, sc.cluster.engine)  # the release's engine loop (twin.specs.vllm_versions)

@@ -17,6 +17,17 @@ its own roofline, on one GPU's share of the work (tensor parallel degree `tp`):
   latency each.
 - CPU: `step_overhead_s` per step plus `per_request_overhead_s` per scheduled request (input preparation,
   sampling and output handling grow with the batch).
+- Kernels' fixed time: `layer_overhead_s` per layer per step, on the GPU, priced with the linear group.
+  A kernel has a cost that does not scale with its bytes or FLOPs (grid launch, ramp-up, the last partial
+  wave, the dependency on the kernel before). A step pays it once per layer, however few tokens the step
+  has, so it weighs most on small steps and small per-GPU layers. Async scheduling never hides it.
+  Default 0, which keeps the pure roofline. Measured in Vidur's H100 operator profile
+  (`../shared/profiles/vidur-h100`, eager kernels timed with CUDA events) at 1-64 tokens:
+  - the 4 GEMMs of a layer take weight bytes / 3.0 TB/s + ~25 us. That is the roofline's 90 %-of-bandwidth
+    slope, fitted across Llama-2-7B TP 1 and Llama-2-70B TP 1 (405 and 1711 MB a layer);
+  - the 5 elementwise kernels (2 RMSNorms, RoPE, SiLU-and-mul, residual adds) take ~21 us more (7B);
+  - so ~45 us a layer in eager mode. ASSUMPTION: vLLM's CUDA graphs replay the decode kernels without CPU
+    launches, so the GPU-side share is smaller. Calibrate it; `benchmarks/bench_chunk_tails.py` prints the fit.
 
 The overlap split (`host_time_s`): under vLLM's async scheduling the CPU term above runs while the GPU
 computes the previous step (scheduling, input preparation and output processing of step k+1 overlap step k;
@@ -64,6 +75,7 @@ class RooflineModel:
     step_overhead_s: float = 0.002  # ASSUMPTION: scheduler + launch + sampling per step; calibrate it
     per_request_overhead_s: float = 4e-6  # ASSUMPTION: CPU work per scheduled request per step
     allreduce_latency_s: float = 10e-6  # ASSUMPTION: fixed cost of one NVLink all-reduce
+    layer_overhead_s: float = 0.0  # ASSUMPTION: kernels' fixed GPU time per layer per step (see the docstring)
     api_request_overhead_s: float = 0.003  # ASSUMPTION: API server per request before the engine
     api_prompt_token_s: float = 1e-6  # ASSUMPTION: tokenization per prompt token
     api_output_token_s: float = 46e-6  # ASSUMPTION: detokenize + stream per output token
@@ -118,6 +130,7 @@ class RooflineModel:
         self._kv_s = self._kv_bytes_per_token / bw  # per KV token read or written
         self._lm_s = 2.0 * m.lm_head_params / tp / peak16  # per sampled token
         self._lm_w = m.lm_head_params * 2.0 / tp / bw  # 16-bit LM head read once
+        self._layer_fixed = m.num_layers * self.layer_overhead_s  # every TP rank runs every layer
         if tp > 1:
             per_dir = self.gpu.nvlink_bandwidth / 2
             self._ar_s = 2 * m.num_layers * 2.0 * (tp - 1) / tp * m.hidden_size * 2 / per_dir
@@ -141,7 +154,8 @@ class RooflineModel:
         return RooflineModel(
             self.gpu, self.model, self.dtype, self.kv_cache_dtype, self.tensor_parallel,
             compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_s=0.0, per_request_overhead_s=0.0,
-            allreduce_latency_s=0.0, api_request_overhead_s=0.0, api_prompt_token_s=0.0, api_output_token_s=0.0,
+            allreduce_latency_s=0.0, layer_overhead_s=0.0, api_request_overhead_s=0.0, api_prompt_token_s=0.0,
+            api_output_token_s=0.0,
             api_queue=self.api_queue, api_rho_cap=self.api_rho_cap, api_handoff_s=0.0,
         )
 
@@ -178,8 +192,11 @@ class RooflineModel:
         return c if c > m else m
 
     def _rest(self, t: int, sampled: int, reqs: int) -> float:
-        """Everything but attention: linear + LM head + all-reduce + CPU, in one fixed order."""
+        """Everything but attention: linear (+ the kernels' fixed time) + LM head + all-reduce + CPU, in one
+        fixed order."""
         x = self._linear(t)
+        if self._layer_fixed > 0.0:
+            x += self._layer_fixed
         if sampled > 0:
             c = self._lm_s * sampled
             x += c if c > self._lm_w else self._lm_w
@@ -195,7 +212,7 @@ class RooflineModel:
         out["cpu"] = 0.0
         if t == 0:
             return out
-        out["linear"] = self._linear(t)
+        out["linear"] = self._linear(t) + self._layer_fixed
         if b.num_prefill_tokens > 0:
             out["prefill_attn"] = max(self._attn_s * b.prefill_attn_tokens,
                                       self._kv_s * (b.prefill_kv_read_tokens + b.num_prefill_tokens))
@@ -260,6 +277,7 @@ class RooflineModel:
             "step_overhead_s": self.step_overhead_s,
             "per_request_overhead_s": self.per_request_overhead_s,
             "allreduce_latency_s": self.allreduce_latency_s,
+            "layer_overhead_s": self.layer_overhead_s,
             "api_request_overhead_s": self.api_request_overhead_s,
             "api_prompt_token_s": self.api_prompt_token_s,
             "api_output_token_s": self.api_output_token_s,
@@ -267,7 +285,7 @@ class RooflineModel:
             "api_rho_cap": self.api_rho_cap,
             "api_handoff_s": self.api_handoff_s,
             "moe_routing": "uniform (ASSUMPTION)" if self.model.is_moe else None,
-            "assumptions": ["step_overhead_s", "per_request_overhead_s", "allreduce_latency_s",
+            "assumptions": ["step_overhead_s", "per_request_overhead_s", "allreduce_latency_s", "layer_overhead_s",
                             "api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_queue",
                             "api_rho_cap", "api_handoff_s"]
                            + (["moe_routing"] if self.model.is_moe else []),

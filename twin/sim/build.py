@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from twin.engine.config import EngineConfig
 from twin.engine.defaults import resolve_batch_limits
+from twin.specs.vllm_versions import GENERATION_KNOBS, generation
 from twin.perf.registry import build_perf
 from twin.policy.base import Router
 from twin.policy.base import build_router as build_router_from
@@ -16,11 +17,13 @@ def engine_config(sc: Scenario) -> EngineConfig:
     """The engine's knobs with vLLM's per-GPU defaults filled in where the scenario leaves them unset."""
     e = sc.cluster.engine
     d = e.model_dump()
+    for k in GENERATION_KNOBS:  # the step model's (twin.perf.generation), not the engine's
+        d.pop(k)
     if d["max_model_len"] is None:
         d["max_model_len"] = get_model(sc.cluster.model).max_model_len
     d["max_num_batched_tokens"], d["max_num_seqs"] = resolve_batch_limits(
         get_gpu(sc.cluster.hardware), e.max_num_batched_tokens, e.max_num_seqs, d["max_model_len"],
-        e.enable_chunked_prefill)
+        e.enable_chunked_prefill, v1=generation(e.vllm_version).is_v1)
     return EngineConfig(**d)
 
 

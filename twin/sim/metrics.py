@@ -160,6 +160,10 @@ def engine_summary(sc, cfg: EngineConfig, num_blocks: int, perf: StepTimeModel) 
     e = sc.cluster.engine
     defaulted = [k for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len") if getattr(e, k) is None]
     return {
+        "vllm_version": e.vllm_version,  # the release modelled, and what it resolved (twin.specs.vllm_versions)
+        "async_scheduling": cfg.async_scheduling,
+        "enable_chunked_prefill": cfg.enable_chunked_prefill,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "max_num_seqs": cfg.max_num_seqs,
         "max_model_len": cfg.max_model_len,

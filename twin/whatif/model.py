@@ -62,7 +62,7 @@ def _roofline_like(r: RooflineModel, dtype: str, kv_cache_dtype: str) -> Rooflin
         r.gpu, r.model, dtype, kv_cache_dtype, r.tensor_parallel, compute_efficiency=r.compute_efficiency,
         memory_efficiency=r.memory_efficiency, step_overhead_s=r.step_overhead_s,
         per_request_overhead_s=r.per_request_overhead_s, allreduce_latency_s=r.allreduce_latency_s,
-        api_request_overhead_s=r.api_request_overhead_s, api_prompt_token_s=r.api_prompt_token_s,
+        layer_overhead_s=r.layer_overhead_s, api_request_overhead_s=r.api_request_overhead_s, api_prompt_token_s=r.api_prompt_token_s,
         api_output_token_s=r.api_output_token_s, api_queue=r.api_queue, api_rho_cap=r.api_rho_cap,
         api_handoff_s=r.api_handoff_s)
 
@@ -95,6 +95,7 @@ class WhatIfModel:
         m = basis.model
         self.model = m
         self._c = {g: float(coef[g]) for g in GROUPS}
+        self._layer_fixed = getattr(base, "layer_overhead_s", 0.0) * m.num_layers  # the roofline's kernels' fixed time
         pr, pk, ee = whatif.precision, whatif.partial_kv, whatif.early_exit
         kv_dtype = "fp8" if pr.enabled and pr.kv_cache_fp8 else basis.kv_cache_dtype
         L = m.num_layers
@@ -248,6 +249,8 @@ class WhatIfModel:
     def _rest(self, t_pre: int, nd: int, sampled: int, reqs: int) -> float:
         """Linear + LM head + all-reduce + CPU, in one fixed order (as the roofline's `_rest`)."""
         x = self._c["linear"] * self._linear(t_pre, nd)
+        if self._layer_fixed > 0.0:
+            x += self._layer_fixed
         if sampled > 0:
             c = self._lm_s * sampled
             x += self._c["lm_head"] * (c if c > self._lm_w else self._lm_w)
@@ -262,7 +265,7 @@ class WhatIfModel:
         if tp + nd == 0:
             return out
         kept = 1.0 - self._exit_share * self._skip_share
-        out["linear"] = self._c["linear"] * self._linear(tp, nd)
+        out["linear"] = self._c["linear"] * self._linear(tp, nd) + self._layer_fixed
         out["prefill_attn"] = self._pre(b) - self._offload_s * tp
         out["decode_attn"] = self._dec(b.decode_context_tokens, nd) - self._fetch_s * b.decode_context_tokens * kept
         out["kv_transfer"] = self._offload_s * tp + (self._fetch_s * b.decode_context_tokens * kept if nd else 0.0)
