@@ -182,6 +182,16 @@ class SessionSpec(_Spec):
     closed_loop: bool = True  # a turn waits for the previous answer (false: think time after it was sent)
 
 
+class ClosedLoopSpec(_Spec):
+    """N clients in closed loop (twin.workload.closed_loop): each sends its next request when its previous one
+    ends, after `think_time_s` (fixed, or exponential with that mean): `vllm bench serve --max-concurrency`."""
+
+    concurrency: int = Field(gt=0, description="clients, i.e. requests in flight")
+    think_time_s: float = Field(0.0, ge=0)
+    think: Literal["fixed", "exponential"] = "fixed"
+    ramp_up_s: float = Field(0.0, ge=0, description="client c starts at c x ramp_up_s / concurrency")
+
+
 class TraceSpec(_Spec):
     """A public trace as the workload (twin.workload.formats), with replay controls; paths resolve
     against the scenario file's folder. Traces without timestamps take workload.arrival."""
@@ -221,6 +231,7 @@ class WorkloadSpec(_Spec):
     arrival: Optional[ArrivalSpec] = None
     lengths: Optional[LengthSpec] = None
     sessions: Optional[SessionSpec] = None
+    closed_loop: Optional[ClosedLoopSpec] = None
     trace: Optional[TraceSpec] = None
     on_too_long: Literal["error", "reject", "truncate"] = "error"
     max_tokens: Optional[int] = Field(None, gt=0, description=(
@@ -230,10 +241,17 @@ class WorkloadSpec(_Spec):
     @model_validator(mode="after")
     def _synthetic_or_trace(self) -> "WorkloadSpec":
         if self.trace is not None:
-            extra = [k for k in ("num_requests", "lengths", "sessions") if getattr(self, k) is not None]
+            extra = [k for k in ("num_requests", "lengths", "sessions", "closed_loop") if getattr(self, k) is not None]
             if extra:
                 raise ValueError(f"with a trace, drop {', '.join(extra)} (cap the count with trace.max_requests; "
                                  "arrival is used only by traces without timestamps)")
+        elif self.closed_loop is not None:
+            extra = [k for k in ("arrival", "sessions") if getattr(self, k) is not None]
+            if extra:
+                raise ValueError(f"closed_loop sends each request when the client's previous one ends: drop "
+                                 f"{', '.join(extra)}")
+            if self.num_requests is None or self.lengths is None:
+                raise ValueError("closed_loop needs num_requests and lengths")
         elif self.num_requests is None or self.arrival is None or self.lengths is None:
             raise ValueError("give either trace (a trace file to replay) or num_requests, arrival and lengths "
                              "(a synthetic workload)")
