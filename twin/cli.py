@@ -1172,6 +1172,24 @@ def fidelity(
     console.print(f"wrote {out}/fidelity.csv, fidelity.json, fidelity.png, profile.yaml", highlight=False)
 
 
+@app.command()
+def score(
+    against: Path = typer.Argument(..., help="CSV of measured points (e.g. tests/data/inferencex-h100-vllm.csv)"),
+    out: Path = typer.Option(Path("runs/score"), "--out", help="folder for score_points.csv, score_summary.csv, score.png"),
+    requests_per_client: int = typer.Option(10, "--requests-per-client", help="closed-loop requests per client "
+                                                                            "(InferenceMAX sends 10)"),
+    set_: List[str] = typer.Option([], "--set", help="dotted.path=value on every point's scenario (repeatable)"),
+) -> None:
+    """Score the twin offline on measured GPU serving points: MAPE and signed error per metric and point."""
+    from twin.gpu_fidelity import print_score, run_score
+
+    try:
+        result = run_score(against, out, requests_per_client, set_)
+    except TwinInputError as e:
+        _fail(str(e))
+    print_score(result, Console(width=max(Console().width, 110)))
+
+
 def main() -> None:  # pragma: no cover
     app()
 

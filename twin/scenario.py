@@ -108,7 +108,7 @@ class ClusterSpec(_Spec):
     startup_delay_s: float = Field(90.0, ge=0, description="ASSUMPTION: provisioning + model load of a new instance")
     hardware: str = "H100-SXM-80GB"
     model: str = "Llama-3-8B"
-    dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp8", "mxfp4"] = "bf16"  # mxfp4: MoE experts only (twin.perf.roofline)
     kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"
     tensor_parallel: int = Field(1, gt=0)
     engine: EngineSpec = EngineSpec()
@@ -161,16 +161,20 @@ class ArrivalSpec(_Spec):
 
 
 class LengthSpec(_Spec):
-    kind: Literal["fixed", "trace"] = "fixed"
+    """`fixed` lengths; `uniform`: each length an integer uniform in [int(L x range_ratio), L], as the random
+    dataset of vLLM's benchmark_serving.py before 0.8 and of InferenceMAX's bench_serving; `trace`: a length CSV."""
+
+    kind: Literal["fixed", "uniform", "trace"] = "fixed"
     prompt_tokens: Optional[int] = Field(None, gt=0)
     output_tokens: Optional[int] = Field(None, gt=0)
+    range_ratio: float = Field(1.0, gt=0, le=1, description="uniform: the shortest length as a share of L")
     path: Optional[str] = None
     max_total_tokens: Optional[int] = Field(None, gt=1)
 
     @model_validator(mode="after")
     def _complete(self) -> "LengthSpec":
-        if self.kind == "fixed" and (self.prompt_tokens is None or self.output_tokens is None):
-            raise ValueError("kind 'fixed' needs prompt_tokens and output_tokens")
+        if self.kind in ("fixed", "uniform") and (self.prompt_tokens is None or self.output_tokens is None):
+            raise ValueError(f"kind '{self.kind}' needs prompt_tokens and output_tokens")
         if self.kind == "trace" and not self.path:
             raise ValueError("kind 'trace' needs path (a CSV with num_prefill_tokens, num_decode_tokens)")
         return self

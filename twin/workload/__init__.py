@@ -102,6 +102,11 @@ def build_stream(sc) -> RequestStream:
     if w.lengths.kind == "fixed":
         prompt = np.full(n, w.lengths.prompt_tokens, dtype=np.int64)
         output = np.full(n, w.lengths.output_tokens, dtype=np.int64)
+    elif w.lengths.kind == "uniform":  # benchmark_serving.py's random dataset: randint(int(L * r), L + 1)
+        r = w.lengths.range_ratio
+        p_len, o_len = w.lengths.prompt_tokens, w.lengths.output_tokens
+        prompt = rng.integers(max(int(p_len * r), 1), p_len + 1, size=n)
+        output = rng.integers(max(int(o_len * r), 1), o_len + 1, size=n)
     else:
         path = sc.resolve_path(w.lengths.path)
         p_all, o_all = read_length_trace(path)
