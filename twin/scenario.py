@@ -39,6 +39,7 @@ class PerfSpec(_Spec):
 
     kind: Literal["roofline", "fitted"] = "roofline"
     fit_path: Optional[str] = None  # kind fitted: the coefficients file (YAML or JSON), relative to the scenario
+    profile: Optional[str] = None  # kind fitted: or a shipped profile by name (twin/perf/profiles, e.g. h100-vllm)
     compute_efficiency: float = Field(0.75, gt=0, le=1)
     memory_efficiency: float = Field(0.9, gt=0, le=1)
     step_overhead_s: float = Field(0.002, ge=0)
@@ -61,8 +62,16 @@ class PerfSpec(_Spec):
 
     @model_validator(mode="after")
     def _fit_path_for_fitted(self) -> "PerfSpec":
-        if self.kind == "fitted" and not self.fit_path:
-            raise ValueError("kind 'fitted' needs fit_path (a YAML/JSON file of coefficients)")
+        if self.kind == "fitted" and not self.fit_path and not self.profile:
+            raise ValueError("kind 'fitted' needs fit_path (a YAML/JSON file of coefficients) or profile (a shipped "
+                             "one by name)")
+        if self.fit_path and self.profile:
+            raise ValueError("give fit_path or profile, not both")
+        if self.profile is not None:
+            from twin.perf.fitted import known_profiles
+
+            if self.profile not in known_profiles():
+                raise ValueError(f"@profile: unknown profile {self.profile!r} (shipped: {', '.join(known_profiles())})")
         return self
 
 
