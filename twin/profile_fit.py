@@ -11,7 +11,8 @@ model, GPU, dtype and TP as the basis):
 - TPOT ~ D + (N - 1) / (O - 1) x P; TTFT ~ the API server's time + D (the step under way when it arrives) +
   f(mixed) + D (async scheduling hands the first token out one step later).
 
-Each f is sum_g c_g T_g + per_layer_s x layers + allreduce_call_s x all-reduces; the host terms (step_s,
+Each f is sum_g c_g T_g + per_layer_s x layers + allreduce_call_s x all-reduces (an MoE model's linear group
+under its own coefficient, `moe_linear`); the host terms (step_s,
 per_request_s) are hidden under the GPU by async scheduling and keep the roofline's defaults. The coefficients are
 the non-negative least-squares fit of the relative errors (rows divided by the measured value). Points whose load
 does not fit the KV cache (queueing and preemption the picture leaves out) are not fitted on. The picture is only
@@ -29,12 +30,16 @@ from twin.perf.base import StepBatch
 from twin.perf.fitted import BASIS
 from twin.perf.roofline import GROUPS
 
-FEATURES = (*GROUPS, "per_layer_s", "allreduce_call_s")
+FEATURES = (*GROUPS, "per_layer_s", "allreduce_call_s", "moe_linear")
 
 
 def _features(g, b: StepBatch, layers: int, tp: int) -> np.ndarray:
+    """The step's basis terms; an MoE model's linear group goes to `moe_linear` (twin.perf.fitted)."""
     t = g.group_times(b)
-    return np.array([*(t[k] for k in GROUPS), float(layers), float(2 * layers if tp > 1 else 0)])
+    moe = g.model.is_moe
+    lin = t["linear"]
+    return np.array([*(0.0 if (k == "linear" and moe) else t[k] for k in GROUPS), float(layers),
+                     float(2 * layers if tp > 1 else 0), lin if moe else 0.0])
 
 
 def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarray, np.ndarray, float, bool]:
@@ -72,7 +77,7 @@ def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarr
 # bounds: a group's coefficient is its slowdown against the physical floor (>= 1: the ideal roofline is a lower
 # bound); the fixed GPU costs are between 0 and 1 ms
 BOUNDS = {**{g: (1.0, 10.0) for g in GROUPS}, "prefill_attn": (1.0, 2.0), "per_layer_s": (0.0, 1e-3),
-          "allreduce_call_s": (0.0, 1e-3)}
+          "allreduce_call_s": (0.0, 1e-3), "moe_linear": (1.0, 10.0)}
 
 
 def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: float = 0.5) -> dict:
@@ -95,14 +100,17 @@ def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: 
     lo = np.array([BOUNDS[k][0] for k in FEATURES]) * scale
     hi = np.array([BOUNDS[k][1] for k in FEATURES]) * scale
     sol = lsq_linear(x / scale, np.array(ys), bounds=(lo, hi)).x
-    coef = dict(zip(FEATURES, (sol / scale).tolist()))
+    # a term no fitted point exercises (moe_linear without an MoE model) is left out: the profile then falls
+    # back to `linear` for it, instead of carrying an arbitrary value
+    coef = {k: v for k, v, used in zip(FEATURES, (sol / scale).tolist(), np.any(x != 0, axis=0))
+            if used or k != "moe_linear"}
     return {"coefficients": coef, "points_fitted": used}
 
 
 def profile_document(coef: dict, fitted_on: str, held_out: str, data: str, host: dict) -> dict:
     """The profile file: the fitted GPU terms, the roofline's host terms, and where they came from."""
     return {"basis": BASIS,
-            "coefficients": {**{k: float(f"{coef[k]:.6g}") for k in FEATURES}, **host},
+            "coefficients": {**{k: float(f"{v:.6g}") for k, v in coef.items()}, **host},
             "fit": {"data": data, "fitted_on": fitted_on, "held_out": held_out,
                     "method": "twin.profile_fit: bounded least squares of relative TPOT and TTFT errors, steady-state closed loop"}}
 

@@ -56,7 +56,9 @@ COEFFICIENTS = (*GROUPS, "step_s", "per_request_s")
 # optional GPU-side fixed costs (0 when absent), which async scheduling does not hide: `per_layer_s` per layer per
 # step (small-kernel and launch latency inside the CUDA graph: norms, rope, activation, MoE routing), and
 # `allreduce_call_s` per tensor-parallel all-reduce (two per layer when TP > 1)
-OPTIONAL = ("per_layer_s", "allreduce_call_s")
+OPTIONAL = ("per_layer_s", "allreduce_call_s", "moe_linear")
+# `moe_linear` (optional, default `linear`): the linear group's coefficient for MoE models, whose grouped expert
+# kernels (and MXFP4 weight-only dequantisation) run further from the floor than dense GEMMs
 
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -117,6 +119,8 @@ class FittedModel:
         self.source = source
         c = self.coefficients
         self._c_lin, self._c_pre, self._c_dec = c["linear"], c["prefill_attn"], c["decode_attn"]
+        if roofline.model.is_moe and "moe_linear" in c:
+            self._c_lin = c["moe_linear"]
         self._c_lm, self._c_ar = c["lm_head"], c["allreduce"]
         self._step_s, self._req_s = c["step_s"], c["per_request_s"]
         m, tp = roofline.model, roofline.tensor_parallel
