@@ -39,6 +39,7 @@ class PerfSpec(_Spec):
 
     kind: Literal["roofline", "fitted"] = "roofline"
     fit_path: Optional[str] = None  # kind fitted: the coefficients file (YAML or JSON), relative to the scenario
+    profile: Optional[str] = None  # kind fitted: or a shipped profile by name (twin/perf/profiles, e.g. h100-vllm)
     compute_efficiency: float = Field(0.75, gt=0, le=1)
     memory_efficiency: float = Field(0.9, gt=0, le=1)
     step_overhead_s: float = Field(0.002, ge=0)
@@ -62,8 +63,16 @@ class PerfSpec(_Spec):
 
     @model_validator(mode="after")
     def _fit_path_for_fitted(self) -> "PerfSpec":
-        if self.kind == "fitted" and not self.fit_path:
-            raise ValueError("kind 'fitted' needs fit_path (a YAML/JSON file of coefficients)")
+        if self.kind == "fitted" and not self.fit_path and not self.profile:
+            raise ValueError("kind 'fitted' needs fit_path (a YAML/JSON file of coefficients) or profile (a shipped "
+                             "one by name)")
+        if self.fit_path and self.profile:
+            raise ValueError("give fit_path or profile, not both")
+        if self.profile is not None:
+            from twin.perf.fitted import known_profiles
+
+            if self.profile not in known_profiles():
+                raise ValueError(f"@profile: unknown profile {self.profile!r} (shipped: {', '.join(known_profiles())})")
         return self
 
 
@@ -137,7 +146,7 @@ class ClusterSpec(_Spec):
     startup_delay_s: float = Field(90.0, ge=0, description="ASSUMPTION: provisioning + model load of a new instance")
     hardware: str = "H100-SXM-80GB"
     model: str = "Llama-3-8B"
-    dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp8", "mxfp4"] = "bf16"  # mxfp4: MoE experts only (twin.perf.roofline)
     kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"
     tensor_parallel: int = Field(1, gt=0)
     engine: EngineSpec = EngineSpec()
@@ -190,16 +199,20 @@ class ArrivalSpec(_Spec):
 
 
 class LengthSpec(_Spec):
-    kind: Literal["fixed", "trace"] = "fixed"
+    """`fixed` lengths; `uniform`: each length an integer uniform in [int(L x range_ratio), L], as the random
+    dataset of vLLM's benchmark_serving.py before 0.8 and of InferenceMAX's bench_serving; `trace`: a length CSV."""
+
+    kind: Literal["fixed", "uniform", "trace"] = "fixed"
     prompt_tokens: Optional[int] = Field(None, gt=0)
     output_tokens: Optional[int] = Field(None, gt=0)
+    range_ratio: float = Field(1.0, gt=0, le=1, description="uniform: the shortest length as a share of L")
     path: Optional[str] = None
     max_total_tokens: Optional[int] = Field(None, gt=1)
 
     @model_validator(mode="after")
     def _complete(self) -> "LengthSpec":
-        if self.kind == "fixed" and (self.prompt_tokens is None or self.output_tokens is None):
-            raise ValueError("kind 'fixed' needs prompt_tokens and output_tokens")
+        if self.kind in ("fixed", "uniform") and (self.prompt_tokens is None or self.output_tokens is None):
+            raise ValueError(f"kind '{self.kind}' needs prompt_tokens and output_tokens")
         if self.kind == "trace" and not self.path:
             raise ValueError("kind 'trace' needs path (a CSV with num_prefill_tokens, num_decode_tokens)")
         return self
@@ -209,6 +222,16 @@ class SessionSpec(_Spec):
     turns_mean: float = Field(3.0, ge=1)
     think_time_s: float = Field(10.0, ge=0)
     closed_loop: bool = True  # a turn waits for the previous answer (false: think time after it was sent)
+
+
+class ClosedLoopSpec(_Spec):
+    """N clients in closed loop (twin.workload.closed_loop): each sends its next request when its previous one
+    ends, after `think_time_s` (fixed, or exponential with that mean): `vllm bench serve --max-concurrency`."""
+
+    concurrency: int = Field(gt=0, description="clients, i.e. requests in flight")
+    think_time_s: float = Field(0.0, ge=0)
+    think: Literal["fixed", "exponential"] = "fixed"
+    ramp_up_s: float = Field(0.0, ge=0, description="client c starts at c x ramp_up_s / concurrency")
 
 
 class TraceSpec(_Spec):
@@ -250,6 +273,7 @@ class WorkloadSpec(_Spec):
     arrival: Optional[ArrivalSpec] = None
     lengths: Optional[LengthSpec] = None
     sessions: Optional[SessionSpec] = None
+    closed_loop: Optional[ClosedLoopSpec] = None
     trace: Optional[TraceSpec] = None
     on_too_long: Literal["error", "reject", "truncate"] = "error"
     max_tokens: Optional[int] = Field(None, gt=0, description=(
@@ -259,10 +283,17 @@ class WorkloadSpec(_Spec):
     @model_validator(mode="after")
     def _synthetic_or_trace(self) -> "WorkloadSpec":
         if self.trace is not None:
-            extra = [k for k in ("num_requests", "lengths", "sessions") if getattr(self, k) is not None]
+            extra = [k for k in ("num_requests", "lengths", "sessions", "closed_loop") if getattr(self, k) is not None]
             if extra:
                 raise ValueError(f"with a trace, drop {', '.join(extra)} (cap the count with trace.max_requests; "
                                  "arrival is used only by traces without timestamps)")
+        elif self.closed_loop is not None:
+            extra = [k for k in ("arrival", "sessions") if getattr(self, k) is not None]
+            if extra:
+                raise ValueError(f"closed_loop sends each request when the client's previous one ends: drop "
+                                 f"{', '.join(extra)}")
+            if self.num_requests is None or self.lengths is None:
+                raise ValueError("closed_loop needs num_requests and lengths")
         elif self.num_requests is None or self.arrival is None or self.lengths is None:
             raise ValueError("give either trace (a trace file to replay) or num_requests, arrival and lengths "
                              "(a synthetic workload)")

@@ -1,4 +1,4 @@
-"""Side by side: `twin compare`, `twin plot`, `twin sweep`."""
+"""Side by side: `twin compare`, `twin plot`, `twin sweep`, and `twin score` (the twin against measured GPU points)."""
 
 from __future__ import annotations
 
@@ -188,3 +188,21 @@ def sweep(
         console.print("wrote " + ", ".join(str(p) for p in outcome.files))
     if outcome.failed:
         raise typer.Exit(1)
+
+
+@app.command()
+def score(
+    against: Path = typer.Argument(..., help="CSV of measured points (e.g. tests/data/inferencex-h100-vllm.csv)"),
+    out: Path = typer.Option(Path("runs/score"), "--out", help="folder for score_points.csv, score_summary.csv, score.png"),
+    requests_per_client: int = typer.Option(10, "--requests-per-client", help="closed-loop requests per client "
+                                                                            "(InferenceMAX sends 10)"),
+    set_: List[str] = typer.Option([], "--set", help="dotted.path=value on every point's scenario (repeatable)"),
+) -> None:
+    """Score the twin offline on measured GPU serving points: MAPE and signed error per metric and point."""
+    from twin.analysis.gpu_fidelity import print_score, run_score
+
+    try:
+        result = run_score(against, out, requests_per_client, set_)
+    except TwinInputError as e:
+        _fail(str(e))
+    print_score(result, Console(width=max(Console().width, 110)))

@@ -25,7 +25,13 @@ File format (YAML or JSON; `perf.kind: fitted`, `perf.fit_path: FILE`, relative 
       allreduce: 1.0
       step_s: 0.0012
       per_request_s: 4.0e-6
+      per_layer_s: 2.0e-5           # optional (0): GPU time per layer per step, not hidden by async scheduling
+      allreduce_call_s: 1.0e-5      # optional (0): GPU time per TP all-reduce, two per layer when TP > 1
     fit: {data: ..., date: ..., mape: ...}   # optional, free-form provenance, shown in describe()
+
+Shipped profiles (`perf.profile: NAME`, twin/perf/profiles/NAME.yaml) name no model, dtype or TP: their basis
+terms are roofline times of the scenario's own model and GPU, so one profile prices every model on that GPU
+generation, and another GPU through its own datasheet numbers.
 
 The API-server times (`api_request_s`, `api_token_s`, and the queue's `api_queue_settings`, twin.sim.api_server) are not
 part of the step model; they come from `perf:` in the scenario as for the roofline.
@@ -47,6 +53,26 @@ from twin.perf.roofline import GROUPS, RooflineModel
 
 BASIS = "roofline-groups/1"
 COEFFICIENTS = (*GROUPS, "step_s", "per_request_s")
+# optional GPU-side fixed costs (0 when absent), which async scheduling does not hide: `per_layer_s` per layer per
+# step (small-kernel and launch latency inside the CUDA graph: norms, rope, activation, MoE routing), and
+# `allreduce_call_s` per tensor-parallel all-reduce (two per layer when TP > 1)
+OPTIONAL = ("per_layer_s", "allreduce_call_s", "moe_linear")
+# `moe_linear` (optional, default `linear`): the linear group's coefficient for MoE models, whose grouped expert
+# kernels (and MXFP4 weight-only dequantisation) run further from the floor than dense GEMMs
+
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+
+
+def known_profiles() -> list[str]:
+    """The shipped profiles' names (twin/perf/profiles/*.yaml)."""
+    return sorted(p.stem for p in PROFILES.glob("*.yaml"))
+
+
+def profile_path(name: str) -> Path:
+    if name not in known_profiles():
+        raise TwinInputError(f"unknown profile {name!r} (shipped: {', '.join(known_profiles())})")
+    return PROFILES / f"{name}.yaml"
 
 
 def read_fit(path: str | Path) -> dict:
@@ -67,12 +93,12 @@ def read_fit(path: str | Path) -> dict:
     if not isinstance(coef, dict):
         raise TwinInputError(f"{path}: coefficients: missing (a mapping of {', '.join(COEFFICIENTS)})")
     missing = [k for k in COEFFICIENTS if k not in coef]
-    unknown = [k for k in coef if k not in COEFFICIENTS]
+    unknown = [k for k in coef if k not in COEFFICIENTS + OPTIONAL]
     if missing or unknown:
         what = (f"missing {', '.join(missing)}" if missing else "") + ("; " if missing and unknown else "") \
             + (f"unknown {', '.join(map(str, unknown))}" if unknown else "")
         raise TwinInputError(f"{path}: coefficients: {what}")
-    for k in COEFFICIENTS:
+    for k in (*COEFFICIENTS, *(o for o in OPTIONAL if o in coef)):
         v = coef[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise TwinInputError(f"{path}: coefficients.{k} must be a number >= 0, got {v!r}")
@@ -88,12 +114,19 @@ class FittedModel:
         self.basis = roofline.ideal()
         self.gpu = roofline.gpu
         self.coefficients = {k: float(coefficients[k]) for k in COEFFICIENTS}
+        self.coefficients.update({k: float(coefficients[k]) for k in OPTIONAL if k in coefficients})
         self.fit = fit
         self.source = source
         c = self.coefficients
         self._c_lin, self._c_pre, self._c_dec = c["linear"], c["prefill_attn"], c["decode_attn"]
+        if roofline.model.is_moe and "moe_linear" in c:
+            self._c_lin = c["moe_linear"]
         self._c_lm, self._c_ar = c["lm_head"], c["allreduce"]
         self._step_s, self._req_s = c["step_s"], c["per_request_s"]
+        m, tp = roofline.model, roofline.tensor_parallel
+        # fixed GPU time of any step with work: per layer, and per all-reduce (twin.perf.roofline's two per layer)
+        layer_s, call_s = c.get("per_layer_s", 0.0), c.get("allreduce_call_s", 0.0)
+        self._fixed_gpu = m.num_layers * layer_s + (2 * m.num_layers * call_s if tp > 1 else 0.0)
 
     @classmethod
     def from_file(cls, roofline: RooflineModel, path: str | Path) -> "FittedModel":
@@ -140,7 +173,7 @@ class FittedModel:
         if sampled > 0:
             c = g._lm_s * sampled
             x += self._c_lm * (c if c > g._lm_w else g._lm_w)
-        x += self._c_ar * (g._ar_s * t)
+        x += self._c_ar * (g._ar_s * t) + self._fixed_gpu
         return x + (self._step_s + self._req_s * reqs)
 
     def _dec(self, ctx: int, nd: int) -> float:

@@ -31,9 +31,13 @@ def roofline(sc: "Scenario") -> RooflineModel:
 
 def fitted(sc: "Scenario") -> FittedModel:
     """Coefficients from `perf.fit_path` (twin.perf.fitted) over the scenario's roofline groups."""
-    path = sc.cluster.perf.fit_path
-    assert path is not None  # PerfSpec requires it for kind fitted
-    return FittedModel.from_file(roofline(sc), sc.resolve_path(path))
+    p = sc.cluster.perf
+    if p.profile is not None:
+        from twin.perf.fitted import profile_path
+
+        return FittedModel.from_file(roofline(sc), profile_path(p.profile))
+    assert p.fit_path is not None  # PerfSpec requires one of them for kind fitted
+    return FittedModel.from_file(roofline(sc), sc.resolve_path(p.fit_path))
 
 
 STEP_MODELS: dict[str, Callable[["Scenario"], StepTimeModel]] = {"roofline": roofline, "fitted": fitted}

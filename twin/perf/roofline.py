@@ -36,6 +36,9 @@ previous step's GPU time: only its excess over that, or all of it after an idle 
 path. Everything else (the five groups) is GPU time and never overlaps. ASSUMPTION: the whole CPU term is host
 work that can overlap; with CUDA graphs a decode step's launches are one graph replay.
 
+`dtype: mxfp4` (gpt-oss): the MoE experts' weights are 4.25 bits (twin.specs.models.MXFP4_BYTES), everything else
+BF16, and every matmul runs at the 16-bit peak (weight-only quantisation on Hopper).
+
 Attention and the LM head stay 16-bit when the weights are FP8 (vLLM's FP8 quantisation covers the linear
 layers only; the KV cache is FP8 only with `kv_cache_dtype: fp8`, which halves the KV bytes).
 
@@ -55,7 +58,7 @@ from dataclasses import dataclass
 
 from twin.errors import TwinInputError
 from twin.specs.hardware import GPUSpec
-from twin.specs.models import DTYPE_BYTES, ModelSpec
+from twin.specs.models import DTYPE_BYTES, MXFP4_BYTES, ModelSpec
 from twin.perf.base import StepBatch
 
 GROUPS = ("linear", "prefill_attn", "decode_attn", "lm_head", "allreduce")
@@ -87,8 +90,8 @@ class RooflineModel:
     api_handoff_s: float = 0.0  # latency between the API server and EngineCore that holds no server (ZMQ, polling)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise TwinInputError(f"dtype {self.dtype!r} unknown (known: {', '.join(DTYPE_BYTES)})")
+        if self.dtype not in DTYPE_BYTES and self.dtype != "mxfp4":
+            raise TwinInputError(f"dtype {self.dtype!r} unknown (known: {', '.join(DTYPE_BYTES)}, mxfp4)")
         kv = "bf16" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         if kv not in DTYPE_BYTES:
             raise TwinInputError(f"kv_cache_dtype {self.kv_cache_dtype!r} unknown")
@@ -103,15 +106,19 @@ class RooflineModel:
         if not 0 <= self.api_rho_cap < 1:
             raise TwinInputError(f"perf.api_rho_cap must be in [0, 1), got {self.api_rho_cap}")
         m, tp = self.model, self.tensor_parallel
-        wb = DTYPE_BYTES[self.dtype]
+        mx = self.dtype == "mxfp4"  # MoE experts at 4.25 bits, weight-only: the rest BF16, compute at 16 bits
+        wb = 2 if mx else DTYPE_BYTES[self.dtype]
+        eb = MXFP4_BYTES if mx and m.is_moe else wb  # bytes per expert weight
         attn_dtype = "fp16" if self.dtype == "fp16" else "bf16"  # attention and LM head: 16-bit
-        peak = self.gpu.flops(self.dtype) * self.compute_efficiency
+        self._compute_dtype = "bf16" if mx else self.dtype
+        peak = self.gpu.flops(self._compute_dtype) * self.compute_efficiency
         peak16 = self.gpu.flops(attn_dtype) * self.compute_efficiency
         bw = self.gpu.hbm_bandwidth * self.memory_efficiency
         # per-GPU sizes (divided by the TP degree); KV heads are replicated when tp exceeds them (vLLM)
         kv_heads = m.num_kv_heads / tp if m.num_kv_heads >= tp else 1.0
         self._kv_bytes_per_token = 2.0 * m.num_layers * kv_heads * m.head_dim * DTYPE_BYTES[kv]
-        self._weight_bytes = (m.linear_params * wb + m.vocab_params * 2.0) / tp
+        experts = m.num_layers * m.num_experts * m.expert_params if m.is_moe else 0
+        self._weight_bytes = ((m.linear_params - experts) * wb + experts * eb + m.vocab_params * 2.0) / tp
         self._flops_per_token = 2.0 * m.active_linear_params / tp  # linear layers
         # seconds per unit, per group (compute side, memory side)
         self._lin_s = self._flops_per_token / peak  # per token
@@ -120,7 +127,7 @@ class RooflineModel:
         if m.is_moe:
             dense = m.num_layers * (m.layer_attn_params + m.router_params) * wb / tp
             self._lin_w = dense / bw  # always read
-            self._expert_w = m.num_layers * m.num_experts * m.expert_params * wb / tp / bw  # all experts
+            self._expert_w = experts * eb / tp / bw  # all experts
             self._keep = 1.0 - m.num_experts_per_tok / m.num_experts  # P(an expert skips one token)
         else:
             self._lin_w = m.linear_params * wb / tp / bw
@@ -161,7 +168,7 @@ class RooflineModel:
 
     def peak_tokens_per_s(self) -> float:
         """Tokens/s one instance (all its TP GPUs) could compute at peak FLOP/s, linear layers only."""
-        return self.gpu.flops(self.dtype) / self._flops_per_token
+        return self.gpu.flops(self._compute_dtype) / self._flops_per_token
 
     # -- time outside the engine step (the API server) ------------------------------------------------
     def api_request_s(self, prompt_tokens: int) -> float:

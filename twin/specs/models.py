@@ -15,6 +15,11 @@ from twin.errors import TwinInputError
 from twin.specs import spec_entry_errors
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
+# OCP MXFP4 (gpt-oss's MoE weights): 4-bit values plus one 8-bit scale per 32, i.e. 4.25 bits per weight. vLLM
+# quantises only the MoE experts this way (attention, router, embeddings stay BF16) and on Hopper, which has no
+# FP4 tensor cores, runs them as weight-only kernels at the 16-bit peak (vllm/model_executor/layers/quantization/
+# mxfp4.py, `Mxfp4MoEMethod`: Marlin or triton_kernels backends below SM100)
+MXFP4_BYTES = 4.25 / 8
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,9 @@ def build_stream(sc) -> RequestStream:
         return apply_context_limit(stream, max_len, w.on_too_long, f"workload.trace {w.trace.path}")
     rng = np.random.default_rng(sc.seed)
     n = w.num_requests
-    if w.arrival.process == "poisson":
+    if w.closed_loop is not None:
+        arrivals = np.zeros(n)  # the clients send them (twin.workload.closed_loop)
+    elif w.arrival.process == "poisson":
         arrivals = poisson_arrivals(n, w.arrival.rate, rng)
     else:
         arrivals = gamma_arrivals(n, w.arrival.rate, w.arrival.cv, rng)
@@ -96,6 +98,11 @@ def build_stream(sc) -> RequestStream:
     if w.lengths.kind == "fixed":
         prompt = np.full(n, w.lengths.prompt_tokens, dtype=np.int64)
         output = np.full(n, w.lengths.output_tokens, dtype=np.int64)
+    elif w.lengths.kind == "uniform":  # benchmark_serving.py's random dataset: randint(int(L * r), L + 1)
+        r = w.lengths.range_ratio
+        p_len, o_len = w.lengths.prompt_tokens, w.lengths.output_tokens
+        prompt = rng.integers(max(int(p_len * r), 1), p_len + 1, size=n)
+        output = rng.integers(max(int(o_len * r), 1), o_len + 1, size=n)
     else:
         path = sc.resolve_path(w.lengths.path)
         p_all, o_all = read_length_trace(path)
@@ -104,7 +111,13 @@ def build_stream(sc) -> RequestStream:
                            rows_used=len(p_all) - capped, rows_filtered=capped)
         if capped:
             stats.notes.append(f"{capped} length rows over max_total_tokens left out of the sampling pool")
-    if w.sessions is not None:
+    if w.closed_loop is not None:
+        from twin.workload.closed_loop import closed_loop_stream
+
+        cl = w.closed_loop
+        stream = closed_loop_stream(prompt, output, cl.concurrency, rng, cl.think_time_s, cl.think, cl.ramp_up_s,
+                                    stats)
+    elif w.sessions is not None:
         stream = sessionize(arrivals, prompt, output, rng, w.sessions.turns_mean, w.sessions.think_time_s,
                             closed_loop=w.sessions.closed_loop)
         stream.stats = stats

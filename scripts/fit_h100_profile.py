@@ -1,0 +1,65 @@
+"""Fit the shipped `h100-vllm` step-time profile (twin/perf/profiles/h100-vllm.yaml) on the InferenceX H100 table.
+
+Fits on the TP 2 and TP 8 points of both models (twin.analysis.profile_fit), then scores the held-out TP 4 points by
+simulating each under its closed-loop load (10 requests per client, as InferenceMAX sends), against the roofline
+with its defaults on the same points, and writes the figures into the profile's `fit` section. Deterministic.
+
+Usage: PYTHONPATH=. python scripts/fit_h100_profile.py [--out runs/h100-profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from twin.analysis.gpu_fidelity import METRICS, aggregate, plot, read_points, score, write_csv  # noqa: E402
+from twin.perf.fitted import PROFILES  # noqa: E402
+from twin.analysis.profile_fit import fit, profile_document, split  # noqa: E402
+
+DATA = ROOT / "tests" / "data" / "inferencex-h100-vllm.csv"
+NAME = "h100-vllm"
+HOST = {"step_s": 0.002, "per_request_s": 4.0e-6}  # the roofline's host terms (hidden under async scheduling)
+
+
+def train(p) -> bool:
+    return p.tp != 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "h100-profile")
+    ap.add_argument("--requests-per-client", type=int, default=10)
+    args = ap.parse_args()
+    points = read_points(DATA)
+    fit_on, held_out = split(points, train)
+    result = fit(fit_on)
+    doc = profile_document(result["coefficients"], "TP 2 and TP 8, both models (Llama-3.1-70B FP8, gpt-oss-120b "
+                           f"MXFP4): {result['points_fitted']} points whose load fits the KV cache",
+                           f"TP 4, both models: {len(held_out)} points", "tests/data/inferencex-h100-vllm.csv "
+                           "(SemiAnalysis InferenceX, real vLLM on H100 SXM)", HOST)
+    path = PROFILES / f"{NAME}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rpc = args.requests_per_client
+    figures = {}
+    for label, overrides in (("profile", ["cluster.perf.kind=fitted", f"cluster.perf.profile={NAME}"]),
+                             ("roofline", [])):
+        rows = score(held_out, rpc, overrides)
+        write_csv(rows, args.out / f"held_out_{label}.csv")
+        plot(rows, args.out / f"held_out_{label}.png", f"{label} on the held-out TP 4 points ({rpc} requests/client)")
+        agg = aggregate(rows)[0]
+        figures[label] = {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)}
+                          for m in METRICS}
+        print(label, figures[label])
+    doc["fit"]["held_out_error_pct"] = {"requests_per_client": rpc, **figures}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

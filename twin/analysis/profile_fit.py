@@ -1,0 +1,119 @@
+"""Fit a shipped step-time profile (twin.perf.fitted, `perf: {kind: fitted, profile: NAME}`) on measured
+closed-loop GPU points (twin.analysis.gpu_fidelity), in basis terms that transfer across models, TP degrees and dtypes.
+
+A point's measured mean TPOT and TTFT are written as linear in the coefficients through a steady-state picture
+of the closed loop (N clients, mean prompt I, mean output O, the ideal roofline's group times of the point's own
+model, GPU, dtype and TP as the basis):
+
+- a decode step of the N requests at mean context I + O / 2: `D = f(decode N)`;
+- each of the other N - 1 clients sends one request during a request's O - 1 decode steps, and its prefill of I
+  tokens rides in one step with the N - 1 decodes, lengthening that step by `P = f(mixed) - f(decode N - 1)`;
+- TPOT ~ D + (N - 1) / (O - 1) x P; TTFT ~ the API server's time + D (the step under way when it arrives) +
+  f(mixed) + D (async scheduling hands the first token out one step later).
+
+Each f is sum_g c_g T_g + per_layer_s x layers + allreduce_call_s x all-reduces (an MoE model's linear group
+under its own coefficient, `moe_linear`); the host terms (step_s,
+per_request_s) are hidden under the GPU by async scheduling and keep the roofline's defaults. The coefficients are
+the non-negative least-squares fit of the relative errors (rows divided by the measured value). Points whose load
+does not fit the KV cache (queueing and preemption the picture leaves out) are not fitted on. The picture is only
+the fit's design matrix: the profile is then scored by simulating every point (`twin score`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from twin.analysis.gpu_fidelity import RANGE_RATIO, Point, point_scenario
+from twin.perf.base import StepBatch
+from twin.perf.fitted import BASIS
+from twin.perf.roofline import GROUPS
+
+FEATURES = (*GROUPS, "per_layer_s", "allreduce_call_s", "moe_linear")
+
+
+def _features(g, b: StepBatch, layers: int, tp: int) -> np.ndarray:
+    """The step's basis terms; an MoE model's linear group goes to `moe_linear` (twin.perf.fitted)."""
+    t = g.group_times(b)
+    moe = g.model.is_moe
+    lin = t["linear"]
+    return np.array([*(0.0 if (k == "linear" and moe) else t[k] for k in GROUPS), float(layers),
+                     float(2 * layers if tp > 1 else 0), lin if moe else 0.0])
+
+
+def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarray, np.ndarray, float, bool]:
+    """(TPOT features, TTFT features, the TTFT's API-server seconds, whether the load fits the KV cache)."""
+    from twin.sim.cluster import Cluster
+    from twin.perf.registry import roofline
+    from twin.workload import build_stream
+
+    sc = point_scenario(p, 1, None, range_ratio)
+    r = roofline(sc)
+    g, m, tp = r.ideal(), r.model, r.tensor_parallel
+    n = p.concurrency
+    i = (max(int(p.isl * range_ratio), 1) + p.isl) / 2
+    o = p.mean_output(range_ratio)
+    ctx = int(i + o / 2)
+
+    def dec(k: int) -> StepBatch:
+        return StepBatch(num_decode_tokens=k, decode_context_tokens=k * ctx)
+
+    ii = int(i)
+    mixed = StepBatch(num_prefill_tokens=ii, prefill_attn_tokens=ii * (ii + 1) / 2, prefill_kv_read_tokens=ii,
+                      num_prefill_sampled=1, num_decode_tokens=n - 1, decode_context_tokens=(n - 1) * ctx,
+                      num_prefill_reqs=1)
+    f_dec = _features(g, dec(n), m.num_layers, tp)
+    f_mix = _features(g, mixed, m.num_layers, tp)
+    f_dec1 = _features(g, dec(n - 1), m.num_layers, tp) if n > 1 else np.zeros(len(FEATURES))
+    tpot = f_dec + (n - 1) / max(o - 1, 1) * (f_mix - f_dec1)
+    ttft = 2 * f_dec + f_mix
+    api = r.api_request_s(ii) + r.api_token_s()
+    cl = Cluster(sc, build_stream(sc))
+    fits = cl.num_blocks * sc.cluster.engine.block_size >= n * (p.isl + p.osl)
+    return tpot, ttft, api, fits
+
+
+# bounds: a group's coefficient is its slowdown against the physical floor (>= 1: the ideal roofline is a lower
+# bound); the fixed GPU costs are between 0 and 1 ms
+BOUNDS = {**{g: (1.0, 10.0) for g in GROUPS}, "prefill_attn": (1.0, 2.0), "per_layer_s": (0.0, 1e-3),
+          "allreduce_call_s": (0.0, 1e-3), "moe_linear": (1.0, 10.0)}
+
+
+def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: float = 0.5) -> dict:
+    """Bounded least squares of the points' relative TPOT and TTFT errors (TTFT rows weighted `ttft_weight`: the
+    picture leaves out queueing behind other prefills); the coefficients by name."""
+    from scipy.optimize import lsq_linear
+
+    rows, ys, used = [], [], 0
+    for p in points:
+        tpot, ttft, api, fits = point_features(p, range_ratio)
+        if not fits:
+            continue
+        used += 1
+        rows.append(tpot / (p.tpot_ms / 1e3))
+        ys.append(1.0)
+        rows.append(ttft_weight * ttft / (p.ttft_ms / 1e3))
+        ys.append(ttft_weight * (1.0 - api / (p.ttft_ms / 1e3)))
+    x = np.array(rows)
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of seconds and of counts, conditioned alike
+    lo = np.array([BOUNDS[k][0] for k in FEATURES]) * scale
+    hi = np.array([BOUNDS[k][1] for k in FEATURES]) * scale
+    sol = lsq_linear(x / scale, np.array(ys), bounds=(lo, hi)).x
+    # a term no fitted point exercises (moe_linear without an MoE model) is left out: the profile then falls
+    # back to `linear` for it, instead of carrying an arbitrary value
+    coef = {k: v for k, v, used in zip(FEATURES, (sol / scale).tolist(), np.any(x != 0, axis=0))
+            if used or k != "moe_linear"}
+    return {"coefficients": coef, "points_fitted": used}
+
+
+def profile_document(coef: dict, fitted_on: str, held_out: str, data: str, host: dict) -> dict:
+    """The profile file: the fitted GPU terms, the roofline's host terms, and where they came from."""
+    return {"basis": BASIS,
+            "coefficients": {**{k: float(f"{v:.6g}") for k, v in coef.items()}, **host},
+            "fit": {"data": data, "fitted_on": fitted_on, "held_out": held_out,
+                    "method": "twin.analysis.profile_fit: bounded least squares of relative TPOT and TTFT errors, steady-state closed loop"}}
+
+
+def split(points: Sequence[Point], train: Callable[[Point], bool]) -> tuple[list[Point], list[Point]]:
+    return [p for p in points if train(p)], [p for p in points if not train(p)]
