@@ -95,3 +95,27 @@ def test_online_planner_runs_the_robust_planner():
     for t, p, o in zip(lucky_window().arrival_s, lucky_window().prompt_tokens, lucky_window().output_tokens):
         on.observe(t, p, o)
     assert on.step(160.0, SLO_) == EngineKnobs(1024)
+
+
+def test_the_fleet_runs_the_robust_planner_online_and_switches_on_a_real_shift():
+    from twin.cluster import Cluster
+    from twin.policy.robust_chunk import RobustChunkPlanner as R
+
+    from conftest import make_scenario, stream_of
+
+    rng = np.random.default_rng(3)
+    short = np.arange(0, 60, 0.1)
+    long_ = 60 + np.arange(0, 60, 0.1)  # ~45k prompt tokens/s: more than 256-token steps can prefill
+    arr = np.concatenate([short, long_])
+    prompts = np.concatenate([rng.integers(50, 200, len(short)), rng.integers(3000, 6000, len(long_))])
+    outs = np.concatenate([rng.integers(20, 60, len(short)), rng.integers(5, 20, len(long_))])
+    sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 3, "cluster.startup_delay_s": 5.0,
+                          "cluster.engine.max_num_batched_tokens": 256, "cluster.engine.max_num_seqs": 64,
+                          "slo.ttft_s": 2.0, "scaler.name": "none"},
+                       chunk_plan={"online": True, "interval_s": 20.0, "window_s": 30.0, "min_requests": 30,
+                                   "candidates": [256, 2048, 8192], "apply": "new", "resamples": 3, "blocks": 4})
+    cl = Cluster(sc, stream_of(arr, prompts, outs))
+    cl.run()
+    on = cl.fleet.chunk_planner
+    assert isinstance(on.planner, R) and on.planner.resamples == 3
+    assert on.changes and on.changes[0][0] > 60.0 and on.changes[0][1].max_num_batched_tokens > 256
