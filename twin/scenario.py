@@ -375,6 +375,8 @@ class ChunkPlanSpec(_Spec):
     shift_threshold: float = Field(0.25, gt=0)
     margin: float = Field(0.05, ge=0)
     apply: Literal["new", "all"] = "new"
+    resamples: int = Field(0, ge=0)  # > 0: twin.policy.robust_chunk (keep the current knobs unless beaten on most)
+    blocks: int = Field(8, ge=1)  # the robust planner's time blocks per window
 
 
 class SLOSpec(_Spec):

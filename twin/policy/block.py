@@ -10,6 +10,13 @@ is in flight on each worker (`live.shadow.ShadowInstanceForecaster`, shadow mode
 Objectives: `ttft` (the new request's first token), `e2e` (its completion), `makespan` (until the instance
 would be idle). A candidate whose forecast hits the horizon first scores as infinitely late; ties go to
 the instance with fewer requests in flight, then at random.
+
+Branch and bound (`prune`, on by default, for `ttft` and `e2e`): candidates are forecast fewest-in-flight first, and each later
+forecast gets as horizon the best score so far (a hair above it). Every objective is a time since now that
+the forecast reaches only by running its fork that far, so a candidate that hits that horizon would score
+strictly worse than the best: it cannot win or tie, and its fork stops there instead of running to its own
+finish. The choice (and the random tie-break's draws) is the same as with every forecast run out; only
+`last_scores` differs: a cut-off candidate reads inf.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ class Block(RouterBase):
     needs_forecaster = True
 
     def __init__(self, objective: str = "e2e", horizon_s: float = 60.0, max_candidates: int = 0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, prune: bool = True) -> None:
         if objective not in _UNTIL:
             raise ValueError(f"objective must be one of {', '.join(_UNTIL)}, got {objective!r}")
         if horizon_s <= 0:
@@ -41,6 +48,7 @@ class Block(RouterBase):
         self.horizon_s = horizon_s
         self.max_candidates = max_candidates  # 0: every serving instance; else the k with fewest in flight
         self._rng = random.Random(seed)
+        self.prune = prune  # bound each forecast's horizon by the best score so far (module docstring)
         self.last_scores: dict[str, float] = {}
 
     def score(self, fc) -> float:
@@ -58,9 +66,16 @@ class Block(RouterBase):
             insts = insts[:self.max_candidates]
         until = _UNTIL[self.objective]
         scores = {}
-        for v in insts:
-            fc = fleet.forecaster.forecast(v.id, req, self.horizon_s, until)
-            scores[v.id] = self.score(fc)
+        prune = self.prune and self.objective != "makespan"  # drain_s reads the horizon itself (fork.advance)
+        order = sorted(insts, key=lambda v: v.inflight_requests) if prune else insts
+        best = math.inf
+        for v in order:
+            # past the best so far (with a relative and absolute hair for rounding) a candidate scores worse
+            horizon = min(self.horizon_s, best * (1 + 1e-9) + 1e-9)
+            s = self.score(fleet.forecaster.forecast(v.id, req, horizon, until))
+            scores[v.id] = s
+            if prune and s < best:
+                best = s
         self.last_scores = scores
         best = min(scores.values())
         tied = [v for v in insts if scores[v.id] == best]

@@ -279,6 +279,8 @@ class OnlineChunkPlanner:
         sig = self.signature(w)
         if not self.shifted(sig):
             return None
+        if hasattr(self.planner, "default"):  # a planner that keeps a default (robust_chunk) keeps the current knobs
+            self.planner.default = self.current
         rows = self.planner.rank(w, slo)
         self.plans += 1
         self.reference = sig

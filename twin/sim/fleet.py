@@ -157,7 +157,16 @@ class Fleet:
             "sim": sc.sim.model_copy(update={"timeline_interval_s": 0.0, "max_sim_time_s": None})})
         ec = cl.engine_config
         current = EngineKnobs(ec.max_num_batched_tokens)
-        planner = OnlineChunkPlanner(ChunkPlanner(TwinEvaluator(quiet, lambda s, st: type(cl)(s, st).run()), tuple(spec.candidates) or DEFAULT_CHUNKS),
+        evaluator = TwinEvaluator(quiet, lambda s, st: type(cl)(s, st).run())  # the run handed in
+        chunks = tuple(spec.candidates) or DEFAULT_CHUNKS
+        if spec.resamples:
+            from twin.policy.robust_chunk import RobustChunkPlanner
+
+            inner = RobustChunkPlanner(evaluator, current, chunks, blocks=spec.blocks,
+                                       resamples=spec.resamples, seed=sc.seed)
+        else:
+            inner = ChunkPlanner(evaluator, chunks)
+        planner = OnlineChunkPlanner(inner,
                                      current, window_s=spec.window_s, min_requests=spec.min_requests,
                                      shift_threshold=spec.shift_threshold, margin=spec.margin)
         self.chunk_planner = planner

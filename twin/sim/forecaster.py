@@ -57,11 +57,20 @@ class SimForecaster:
         self.default_output_tokens = default_output_tokens
         self.horizon_s = horizon_s
         self.calls = 0
+        self._fallback_at: tuple = (None, None, 0.0)  # (now, completions seen, the mean then)
 
     def _fallback(self) -> float:
+        """The recent mean output length; kept while the clock and the completions are unchanged (a decision
+        forks every candidate at one time, and the mean is over a 600 s window of completions)."""
         sig = self.cluster.dispatcher.signals
-        _, osl = sig.mean_lengths(self.cluster.env.now, 600.0)
-        return osl if osl is not None else self.default_output_tokens
+        now = self.cluster.env.now
+        at, seen, value = self._fallback_at
+        if at == now and seen == sig.total_completions:
+            return value
+        _, osl = sig.mean_lengths(now, 600.0)
+        value = osl if osl is not None else self.default_output_tokens
+        self._fallback_at = (now, sig.total_completions, value)
+        return value
 
     def fork(self, instance_id: str) -> tuple[EngineFork, list]:
         """An exact fork with predicted lengths in place of true ones, and the requests still on their way
@@ -72,7 +81,10 @@ class SimForecaster:
                          key=lambda x: x[0])
         fallback = self._fallback()
         inflight = self.cluster.dispatcher.inflight
-        lengths = {idx: _predicted(rec[0], fallback) for idx, rec in inflight.items()}
+        s = f.scheduler
+        # predictions for this instance's requests only (the fleet's in-flight map holds every instance's)
+        lengths = {r.idx: _predicted(inflight[r.idx][0], fallback)
+                   for r in (*s.running, *s.waiting, *(r for _, r in transit)) if r.idx in inflight}
         for _, r in transit:
             if r.idx in lengths:
                 r.max_tokens = max(1, int(math.ceil(lengths[r.idx])))

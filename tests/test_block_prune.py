@@ -1,0 +1,114 @@
+"""Block's cheaper decisions choose as before: the bounded look-ahead, the per-decision fallback, the per-instance
+predictions."""
+
+import math
+
+import numpy as np
+import pytest
+
+from twin.sim.cluster import Cluster
+from twin.sim.forecaster import SimForecaster, _predicted
+from twin.policy.block import Block
+
+from conftest import make_scenario, run_checked, stream_of
+
+
+def loaded(n=160, seed=3):
+    """Four instances under a burst of mixed prompts and answers: forks run many steps, scores differ."""
+    rng = np.random.default_rng(seed)
+    arr = np.sort(rng.uniform(0, 2.0, n))
+    sc = make_scenario(**{"cluster.num_instances": 4, "cluster.engine.max_num_batched_tokens": 1024,
+                          "workload.max_tokens": 300, "router.scrape_interval_s": 0.0})
+    return sc, stream_of(arr, rng.integers(50, 3000, n), rng.integers(5, 300, n))
+
+
+class Steps(Block):
+    """Block that counts the fork steps its forecasts ran."""
+
+    steps = 0
+
+    def choose(self, req, fleet):
+        fc = fleet.forecaster
+        if not getattr(fc, "_counted", False):
+            orig = fc.forecast
+
+            def counted(*a, **k):
+                out = orig(*a, **k)
+                self.steps += out.steps
+                return out
+
+            fc.forecast, fc._counted = counted, True
+        return super().choose(req, fleet)
+
+
+@pytest.mark.parametrize("objective", ["ttft", "e2e"])
+def test_the_bounded_look_ahead_chooses_as_the_full_one_and_runs_fewer_steps(objective):
+    sc, stream = loaded()
+    full, bounded = Steps(objective=objective, prune=False, seed=5), Steps(objective=objective, seed=5)
+    a = run_checked(sc, stream, router=full).log.instance
+    b = run_checked(sc, stream, router=bounded).log.instance
+    assert np.array_equal(a, b)
+    assert bounded.steps < full.steps
+
+
+def test_a_cut_off_candidate_reads_inf_and_the_winner_its_exact_score():
+    sc, stream = loaded(60)
+    seen = []
+
+    class Both(Block):
+        def choose(self, req, fleet):
+            ref = Block(objective="e2e", prune=False)
+            ref._rng.setstate(self._rng.getstate())
+            want = ref.choose(req, fleet)
+            got = super().choose(req, fleet)
+            seen.append((want, got, dict(ref.last_scores), dict(self.last_scores)))
+            return got
+
+    run_checked(sc, stream, router=Both(objective="e2e"))
+    assert all(w == g for w, g, _, _ in seen)
+    cut = 0
+    for _, g, ref, mine in seen:
+        assert mine[g] == ref[g] == min(ref.values())
+        for k, v in mine.items():
+            assert v == ref[k] or (math.isinf(v) and ref[k] > ref[g])
+            cut += math.isinf(v) and not math.isinf(ref[k])
+    assert cut > 0  # some forecasts were cut off
+
+
+def test_the_fallback_is_kept_within_a_decision_and_the_predictions_are_the_old_fleet_wide_ones():
+    sc, stream = loaded(80)
+    checks = []
+
+    class Check(Block):
+        def choose(self, req, fleet):
+            fc = fleet.forecaster
+            cl = fc.cluster
+            sig = cl.dispatcher.signals
+            _, osl = sig.mean_lengths(cl.env.now, 600.0)
+            assert fc._fallback() == (osl if osl is not None else fc.default_output_tokens)
+            fb = fc._fallback()
+            every = {idx: _predicted(rec[0], fb) for idx, rec in cl.dispatcher.inflight.items()}
+            for v in fleet.instances:
+                f, transit = fc.fork(v.id)
+                s = f.scheduler
+                for r in (*s.running, *s.waiting):
+                    if r.idx in every:
+                        done = s._member_output(r) if r.in_decode else r.num_output_tokens
+                        assert r.max_tokens == max(math.ceil(every[r.idx]), done + 1)
+                        checks.append(r.idx)
+                for _, r in transit:
+                    if r.idx in every:
+                        assert r.max_tokens == max(1, math.ceil(every[r.idx]))
+            return super().choose(req, fleet)
+
+    run_checked(sc, stream, router=Check(objective="ttft"))
+    assert len(checks) > 100
+
+
+def test_the_fallback_cache_follows_new_completions():
+    sc, stream = loaded(40)
+    cl = Cluster(sc, stream, router=Block())
+    fc = SimForecaster(cl, default_output_tokens=77.0)
+    assert fc._fallback() == 77.0
+    cl.dispatcher.signals.finished(cl.env.now, 0.1, 0.5, 100, 11)
+    assert fc._fallback() == 11.0  # same clock, one more completion: recomputed
