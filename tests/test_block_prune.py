@@ -82,14 +82,14 @@ def test_the_fallback_is_kept_within_a_decision_and_the_predictions_are_the_old_
     class Check(Block):
         def choose(self, req, fleet):
             fc = fleet.forecaster
-            cl = fc.cluster
+            cl = fc._cluster  # white-box: the test checks the forecaster against the run it forks
             sig = cl.dispatcher.signals
             _, osl = sig.mean_lengths(cl.env.now, 600.0)
             assert fc._fallback() == (osl if osl is not None else fc.default_output_tokens)
             fb = fc._fallback()
             every = {idx: _predicted(rec[0], fb) for idx, rec in cl.dispatcher.inflight.items()}
             for v in fleet.instances:
-                f, transit = fc.fork(v.id)
+                f, transit = fc._fork(v.id)
                 s = f.scheduler
                 for r in (*s.running, *s.waiting):
                     if r.idx in every:

@@ -184,3 +184,16 @@ def test_the_live_config_refuses_a_predictor_that_reads_the_truth():
 
     with pytest.raises(TwinInputError, match="reads the true output length"):
         parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "predictor": {"name": "oracle"}})
+
+
+def test_forecasters_handed_to_policies_expose_forecasts_not_the_cluster():
+    """Block's and the twin scaler's look-ahead: no public attribute leads to the run (and its true lengths)."""
+    from twin.sim.cluster import Cluster
+    from twin.sim.forecaster import FleetForecaster, SimForecaster
+
+    cl = Cluster(make_scenario(), stream_of([0.0], [100], [5]))
+    for fc in (SimForecaster(cl), FleetForecaster(cl)):
+        public = {name: getattr(fc, name) for name in dir(fc) if not name.startswith("_")}
+        assert not any(v is cl for v in public.values())
+        assert not any(isinstance(v, type(cl.dispatcher)) or v is cl.stream for v in public.values())
+        assert "forecast" in public or "attainment" in public

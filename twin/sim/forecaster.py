@@ -53,7 +53,7 @@ class SimForecaster:
     EXTRA = -1  # the index the extra request gets inside a fork
 
     def __init__(self, cluster, default_output_tokens: float = 256.0, horizon_s: float = 60.0) -> None:
-        self.cluster = cluster
+        self._cluster = cluster
         self.default_output_tokens = default_output_tokens
         self.horizon_s = horizon_s
         self.calls = 0
@@ -62,8 +62,8 @@ class SimForecaster:
     def _fallback(self) -> float:
         """The recent mean output length; kept while the clock and the completions are unchanged (a decision
         forks every candidate at one time, and the mean is over a 600 s window of completions)."""
-        sig = self.cluster.dispatcher.signals
-        now = self.cluster.env.now
+        sig = self._cluster.dispatcher.signals
+        now = self._cluster.env.now
         at, seen, value = self._fallback_at
         if at == now and seen == sig.total_completions:
             return value
@@ -72,15 +72,15 @@ class SimForecaster:
         self._fallback_at = (now, sig.total_completions, value)
         return value
 
-    def fork(self, instance_id: str) -> tuple[EngineFork, list]:
+    def _fork(self, instance_id: str) -> tuple[EngineFork, list]:
         """An exact fork with predicted lengths in place of true ones, and the requests still on their way
         to it (in the API server) as (engine time, request) to arrive in the fork."""
-        inst = self.cluster.by_id[instance_id]
-        f = fork_instance(inst, self.cluster.env.now)
-        transit = sorted(((t, _fork_request(r, {})) for r, t in self.cluster.in_transit.get(instance_id, {}).values()),
+        inst = self._cluster.by_id[instance_id]
+        f = fork_instance(inst, self._cluster.env.now)
+        transit = sorted(((t, _fork_request(r, {})) for r, t in self._cluster.in_transit.get(instance_id, {}).values()),
                          key=lambda x: x[0])
         fallback = self._fallback()
-        inflight = self.cluster.dispatcher.inflight
+        inflight = self._cluster.dispatcher.inflight
         s = f.scheduler
         # predictions for this instance's requests only (the fleet's in-flight map holds every instance's)
         lengths = {r.idx: _predicted(inflight[r.idx][0], fallback)
@@ -91,25 +91,25 @@ class SimForecaster:
         apply_predicted_lengths(f, lengths)
         return f, transit
 
-    def engine_request(self, view: RequestView) -> Request:
+    def _engine_request(self, view: RequestView) -> Request:
         out = max(1, int(math.ceil(_predicted(view, self._fallback()))))
-        return Request(self.EXTRA, self.cluster.env.now, view.num_prompt_tokens, out, list(view.prefix), -1)
+        return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, out, list(view.prefix), -1)
 
     def forecast(self, instance_id: str, extra_request: RequestView | None = None,
                  horizon_s: float | None = None, until: str = "finish") -> Forecast:
         self.calls += 1
-        f, transit = self.fork(instance_id)
+        f, transit = self._fork(instance_id)
         now = f.now
         horizon = now + (self.horizon_s if horizon_s is None else horizon_s)
         x = self.EXTRA
         log = f.log
-        cl = self.cluster
+        cl = self._cluster
         arrivals = list(transit)
         if extra_request is not None:
             # the engine sees the request after the API server's work, as in the cluster
             # (behind the requests queued in its API server: twin.sim.api_server)
             arrivals.append((cl.api_entry_s(instance_id, extra_request.num_prompt_tokens),
-                             self.engine_request(extra_request)))
+                             self._engine_request(extra_request)))
         arrivals.sort(key=lambda a: a[0])  # stable: the extra request after any in transit at the same time
         for t_in, r in arrivals:
             f.arrive(r, t_in)
@@ -144,13 +144,13 @@ class FleetForecaster:
     """
 
     def __init__(self, cluster, representatives: int = 2, seed: int = 0) -> None:
-        self.cluster = cluster
+        self._cluster = cluster
         self.representatives = representatives
         self.rng = np.random.default_rng(seed)
         self.calls = 0
 
     def _arrivals(self, now: float, horizon_s: float, rate: float, oracle: bool):
-        cl = self.cluster
+        cl = self._cluster
         if oracle:
             s = cl.stream
             lo, hi = np.searchsorted(s.arrival_s, [now, now + horizon_s])
@@ -167,7 +167,7 @@ class FleetForecaster:
     def attainment(self, n_instances: int, horizon_s: float, rate: float, slo, oracle: bool = False) -> float:
         """Share of forecast requests meeting every SLO bound if the fleet had `n_instances` active."""
         self.calls += 1
-        cl = self.cluster
+        cl = self._cluster
         now = cl.env.now
         t, p, o = self._arrivals(now, horizon_s, rate, oracle)
         if len(t) == 0 or n_instances <= 0:
@@ -181,7 +181,7 @@ class FleetForecaster:
         # for the forecast's arrivals), and its token rate now
         queues: list[tuple[ApiServer | None, float]] = []
         for inst in serving[:min(self.representatives, n_instances)]:
-            f, transit = sim.fork(inst.id)
+            f, transit = sim._fork(inst.id)
             ready = now if inst.state == "serving" else now + cl.fleet.startup_delay_s
             reps.append((f, transit, ready))
             srv = cl.api_servers.get(inst.id)
