@@ -116,3 +116,17 @@ def test_block_with_an_oracle_predictor_beats_round_robin_on_ttft_under_load():
     from twin.sim.metrics import summarize
 
     assert summarize(blk)["ttft_s"]["mean"] < summarize(rr)["ttft_s"]["mean"]
+
+
+def test_a_drained_fork_reports_when_its_last_request_ended_not_the_horizon():
+    """Block's `makespan` reads drain_s: the fork's clock idles on to the horizon, the drain time must not."""
+    from conftest import make_scenario, stream_of
+    from twin.sim.forecaster import SimForecaster
+    from twin.policy.views import RequestView
+
+    cl = Cluster(make_scenario(), stream_of([0.0], [200], [20]))
+    fc = SimForecaster(cl)
+    extra = RequestView("x", 0.0, 100, 10)
+    got = fc.forecast(cl.instances[0].id, extra, horizon_s=60.0, until="drain")
+    assert got.drain_s is not None and 0.0 < got.drain_s < 5.0
+    assert got.e2e_s is not None and got.drain_s >= got.e2e_s - 1e-9

@@ -141,6 +141,7 @@ class EngineFork:
         self.pending_tail = pending_tail
         self.log: ForkLog = sched.log  # type: ignore[assignment]
         self.steps = 0
+        self.drained_at: float | None = None  # when the last request ended, once the fork has run dry
 
     # -- arrivals --------------------------------------------------------------------------------------
     def add_request(self, r: Request) -> None:
@@ -241,6 +242,7 @@ class EngineFork:
             sched.update_from_output(out, t)
             self.steps += 1
         else:
+            self.drained_at = self.now  # the clock below idles on to the horizon; Block's makespan reads this
             if until != math.inf and self.now < until:
                 self.now = until  # idle until the horizon
         return self.now

@@ -66,7 +66,7 @@ class Block(RouterBase):
             insts = insts[:self.max_candidates]
         until = _UNTIL[self.objective]
         scores = {}
-        prune = self.prune and self.objective != "makespan"  # drain_s reads the horizon itself (fork.advance)
+        prune = self.prune and self.objective != "makespan"  # a cut-off fork is not drained: no drain time to bound
         order = sorted(insts, key=lambda v: v.inflight_requests) if prune else insts
         best = math.inf
         for v in order:

@@ -126,9 +126,11 @@ class SimForecaster:
         ttft = None if ttft is None else ttft + shift
         fin = None if fin is None else fin + shift
         idle = not f.scheduler.has_unfinished_requests()
-        wanted = {"first_token": ttft, "finish": fin, "drain": end if idle else None}.get(until)
+        # the drain time is when the last request ended, not the horizon the fork's clock idles on to
+        drained = (f.drained_at if f.drained_at is not None else end) if idle else None
+        wanted = {"first_token": ttft, "finish": fin, "drain": drained}.get(until)
         return Forecast(instance_id, None if ttft is None else ttft - now, None if fin is None else fin - now,
-                        end - now if idle else None, f.scheduler.stats.kv_peak_used_blocks,
+                        None if drained is None else drained - now, f.scheduler.stats.kv_peak_used_blocks,
                         wanted is None and (extra_request is not None or until == "drain"), f.steps)
 
 
