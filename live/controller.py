@@ -78,7 +78,8 @@ class Controller:
         # and the error rule, exactly as the simulator's dispatcher holds them
         self.host = PolicyHost(self.router, prefix_index=cfg.router.prefix_index, resolve_index=True,
                                prefix_index_capacity_blocks=cfg.router.prefix_index_capacity_blocks,
-                               predictor=build_predictor(cfg), on_error=cfg.router.on_error)
+                               predictor=build_predictor(cfg), on_error=cfg.router.on_error,
+                               observed_since=time.monotonic())
         self.router_name = self.host.router_name
         self.bookkeeping = self.host.bookkeeping
         kind = self.host.index_kind
@@ -409,7 +410,7 @@ class Controller:
             forecast = self.shadow.fleet_forecaster(fleet.now)
             signals = None
             if fleet.signals is not None:  # a copy: the loop keeps appending to the original meanwhile
-                signals = RecentWindow(fleet.signals.horizon_s)
+                signals = RecentWindow(fleet.signals.horizon_s, fleet.signals.observed_since)
                 signals.arrivals.extend(fleet.signals.arrivals)
                 signals.first_arrival_s = fleet.signals.first_arrival_s
                 signals.completions.extend(fleet.signals.completions)

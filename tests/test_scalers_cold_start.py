@@ -94,3 +94,29 @@ def test_the_queue_scaler_scales_up_at_most_as_fast_as_the_hpa_default():
     assert s.decide(10.0, five).target is None  # within the 15 s period: the limit was spent on 1 -> 5
     assert s.decide(30.0, five).target == 10  # a new period: double
     assert QueueScaler(target_waiting=5, scale_up_percent=None).decide(0.0, fleet).target == 40
+
+
+def test_bins_after_the_world_began_watching_count_even_without_arrivals():
+    """A burst after a quiet spell: the quiet bins were observed (the controller, the simulation were running),
+    so they are real zeros; only bins before the window began observing are left out."""
+    from twin.policy.signals import RecentWindow
+
+    watched = RecentWindow(observed_since=0.0)
+    unseen = RecentWindow()
+    for w in (watched, unseen):
+        for i in range(40):
+            w.arrived(56.0 + i * 0.01, 100)
+    assert watched.arrival_series(60.0, 10.0, 10) == [0.0, 0.0, 0.0, 0.0, 0.0, 4.0]
+    assert unseen.arrival_series(60.0, 10.0, 10) == []  # under half a bin since its first arrival: no forecast
+
+
+def test_the_live_controller_and_the_simulation_watch_from_their_start():
+    import simpy
+
+    from live.config import parse_config
+    from live.controller import Controller
+    from twin.sim.dispatcher import Dispatcher
+
+    ctl = Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}]}))
+    assert ctl.signals.observed_since is not None
+    assert Dispatcher(simpy.Environment(), ctl.router, []).signals.observed_since == 0.0

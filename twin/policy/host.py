@@ -70,9 +70,11 @@ class PolicyHost:
     """Router, hooks, books, prefix index, recent window and predictor for one fleet (see the module doc)."""
 
     def __init__(self, router: Any, *, prefix_index: str | None = None, prefix_index_capacity_blocks: int = 100_000,
-                 predictor: Any = None, on_error: str = "raise", resolve_index: bool = False) -> None:
+                 predictor: Any = None, on_error: str = "raise", resolve_index: bool = False,
+                 observed_since: float | None = None) -> None:
         """`prefix_index`: the kind configured; with `resolve_index` it is resolved against what the router
-        reads (`prefix_index_kind`: none for a router that reads none, the router's own preference if unset)."""
+        reads (`prefix_index_kind`: none for a router that reads none, the router's own preference if unset).
+        `observed_since`: when this world began watching traffic (the recent window's first observed bin)."""
         if on_error not in ("raise", "reject"):
             raise ValueError(f"on_error must be 'raise' or 'reject', got {on_error!r}")
         self.router = router
@@ -81,7 +83,7 @@ class PolicyHost:
         self.bookkeeping = Bookkeeping()
         self.index_kind = prefix_index_kind(router, prefix_index) if resolve_index else prefix_index
         self.index = build_prefix_index(self.index_kind, prefix_index_capacity_blocks)
-        self.signals = RecentWindow()
+        self.signals = RecentWindow(observed_since=observed_since)
         self.predictor = predictor
         self.hook_errors: dict[str, int] = {}
         self._hook_dispatch = has_hook(router, "on_dispatch")

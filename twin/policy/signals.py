@@ -37,8 +37,11 @@ class Completion:
 class RecentWindow:
     """Arrivals `(t, prompt_tokens)` and completions kept for `horizon_s` seconds (older ones are dropped)."""
 
-    def __init__(self, horizon_s: float = 3600.0) -> None:
+    def __init__(self, horizon_s: float = 3600.0, observed_since: float | None = None) -> None:
         self.horizon_s = horizon_s
+        # when the world began watching (the simulation's start, the controller's): bins from then on were
+        # observed, arrivals or not; None: from the first arrival
+        self.observed_since = observed_since
         self.arrivals: deque[tuple[float, int]] = deque()
         self.completions: deque[Completion] = deque()
         self.total_arrivals = 0
@@ -104,17 +107,18 @@ class RecentWindow:
     def arrival_series(self, now: float, bin_s: float, bins: int) -> list[float]:
         """Arrival rate (req/s) in each of the last `bins` bins of `bin_s` seconds, oldest first.
 
-        The series starts at the first arrival this window observed (or at the oldest bin when that arrival
-        is older): bins before it were never observed, and counting them as zero arrivals made a moving
-        average ~5x low at a scaler's first decision. The oldest observed bin's rate is over its observed part
-        (from the first arrival to the bin's end); one observed for under half a bin is folded into the next,
-        and with under half a bin observed in all the series is empty: no forecast yet. The live controller
-        keeps one window from the proxy's start, so it has no forecast before its first request either, and
-        its first bins are the observed part only, as in the simulator.
+        The series starts when the window began observing (`observed_since`: the simulation's start, the live
+        controller's; without it, the first arrival), or at the oldest bin when that is older: bins before it
+        were never observed, and counting them as zero arrivals made a moving average ~5x low at a scaler's
+        first decision. Bins after it are observed, arrivals or not. The oldest observed bin's rate is over its
+        observed part; one observed for under half a bin is folded into the next, and with under half a bin
+        observed in all the series is empty: no forecast yet. Before the first arrival there is no forecast.
         """
         first = self.first_arrival_s
         if first is None or first > now or bin_s <= 0 or bins < 1:
             return []
+        if self.observed_since is not None:
+            first = min(first, self.observed_since)
         start = now - bin_s * bins
         counts = [0] * bins
         for t, _ in reversed(self.arrivals):

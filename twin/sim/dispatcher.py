@@ -73,7 +73,8 @@ class Dispatcher:
         self.by_id = {inst.id: inst for inst in self.instances}
         self.scrape_interval_s = scrape_interval_s
         self.host = PolicyHost(router, prefix_index=prefix_index,
-                               prefix_index_capacity_blocks=prefix_index_capacity_blocks, on_error=on_error)
+                               prefix_index_capacity_blocks=prefix_index_capacity_blocks, on_error=on_error,
+                               observed_since=env._now)
         self.bookkeeping = self.host.bookkeeping
         self.index = self.host.index
         self.bus: KVEventBus | None = None
