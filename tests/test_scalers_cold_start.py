@@ -111,8 +111,10 @@ def test_bins_after_the_world_began_watching_count_even_without_arrivals():
 
 
 def test_the_live_controller_and_the_simulation_watch_from_their_start():
+    import pytest
     import simpy
 
+    pytest.importorskip("aiohttp")  # the [live] extra (the compiled build's venv has none)
     from live.config import parse_config
     from live.controller import Controller
     from twin.sim.dispatcher import Dispatcher
