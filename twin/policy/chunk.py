@@ -144,6 +144,16 @@ def best_of(cands: Sequence[Candidate], tie_tolerance: float) -> Optional[Candid
     return min(ties, key=lambda c: c.knobs.sort_key())
 
 
+def chosen_knobs(rows: Sequence[Candidate], failure: str, fallback: str) -> EngineKnobs:
+    """The knobs of the row a planner's `rank` marked chosen; none chosen is a ValueError naming the first
+    evaluation error (or `fallback`), prefixed by `failure`."""
+    for c in rows:
+        if c.chosen:
+            return c.knobs
+    first = next((c.error for c in rows if c.error), fallback)
+    raise ValueError(f"{failure} ({first})")
+
+
 @dataclass
 class ChunkPlanner:
     """Offline planner: evaluate every candidate on the window, keep the best goodput under the SLOs.
@@ -204,12 +214,8 @@ class ChunkPlanner:
 
     def plan(self, window: WorkloadWindow, slo: SLO) -> EngineKnobs:
         """The knobs with the highest goodput under `slo` (ties to the smaller chunk)."""
-        rows = self.rank(window, slo)
-        chosen = [c for c in rows if c.chosen]
-        if not chosen:
-            first = next((c.error for c in rows if c.error), "no candidate produced a goodput")
-            raise ValueError(f"chunk planner: no candidate could be evaluated ({first})")
-        return chosen[0].knobs
+        return chosen_knobs(self.rank(window, slo), "chunk planner: no candidate could be evaluated",
+                            "no candidate produced a goodput")
 
 
 @dataclass

@@ -31,7 +31,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from twin.policy.chunk import DEFAULT_CHUNKS, SLO, Candidate, ChunkPlanner, EngineKnobs, Evaluator, WorkloadWindow
+from twin.policy.chunk import (DEFAULT_CHUNKS, SLO, Candidate, ChunkPlanner, EngineKnobs, Evaluator, WorkloadWindow,
+                               chosen_knobs)
 
 
 def recent(window: WorkloadWindow, recent_s: Optional[float]) -> WorkloadWindow:
@@ -163,12 +164,8 @@ class RobustChunkPlanner:
 
     def plan(self, window: WorkloadWindow, slo: SLO) -> EngineKnobs:
         """The chosen knobs: vLLM's default unless a candidate wins enough resamples."""
-        rows = self.rank(window, slo)
-        chosen = [c for c in rows if c.chosen]
-        if not chosen:
-            first = next((c.error for c in rows if c.error), "no goodput for the default")
-            raise ValueError(f"robust chunk planner: the default could not be evaluated ({first})")
-        return chosen[0].knobs
+        return chosen_knobs(self.rank(window, slo), "robust chunk planner: the default could not be evaluated",
+                            "no goodput for the default")
 
 
 __all__ = ["RobustChunkPlanner", "block_bounds", "block_resample", "recent"]
