@@ -14,6 +14,8 @@ HOT_MODULES = [
     "twin/engine/request.py",
     "twin/engine/segment_pool.py",
     "twin/engine/scheduler.py",
+    "twin/engine/kv_cache_manager.py",
+    "twin/engine/core.py",
     "twin/engine/config.py",
     "twin/sim/instance.py",
     "twin/perf/base.py",

@@ -12,7 +12,8 @@ import test_fork
 from twin.sim.cluster import Cluster
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
-from twin.engine.scheduler import Scheduler, SchedulerConfig
+from twin.engine.async_scheduler import make_scheduler
+from twin.engine.scheduler import SchedulerConfig
 from twin.perf.base import StepBatch
 from twin.engine.records import RequestLog
 from twin.scenario import parse_scenario
@@ -81,7 +82,7 @@ def drive(async_on: bool, reqs, arrivals, blocks=12, steps=40):
     """Run a scheduler by hand as the engine loop does; per step: (who got tokens, free blocks after it)."""
     log = RequestLog(len(reqs))
     pool = BlockPool(blocks + 1, 16, True)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, async_scheduling=async_on),
+    sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, async_scheduling=async_on),
                       pool, UnitSteps(), log)
     trace = []
     t = 0.0
@@ -175,7 +176,7 @@ def test_an_output_block_is_cached_one_step_later():
     def when_cached(async_on: bool) -> int:
         log = RequestLog(1)
         pool = BlockPool(40, 16, True)
-        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8,
+        sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8,
                                           async_scheduling=async_on), pool, UnitSteps(), log)
         keys = [11, 12, 13, 14]  # the prompt's 2 blocks and the first 2 output blocks
         sched.add_request(Request(0, 0.0, 32, 40, keys), 0.0)

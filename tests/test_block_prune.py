@@ -94,11 +94,11 @@ def test_the_fallback_is_kept_within_a_decision_and_the_predictions_are_the_old_
                 for r in (*s.running, *s.waiting):
                     if r.idx in every:
                         done = s._member_output(r) if r.in_decode else r.num_output_tokens
-                        assert r.max_tokens == max(math.ceil(every[r.idx]), done + 1)
+                        assert r.stop_at_tokens == max(math.ceil(every[r.idx]), done + 1)
                         checks.append(r.idx)
                 for _, r in transit:
                     if r.idx in every:
-                        assert r.max_tokens == max(1, math.ceil(every[r.idx]))
+                        assert r.stop_at_tokens == max(1, math.ceil(every[r.idx]))
             return super().choose(req, fleet)
 
     run_checked(sc, stream, router=Check(objective="ttft"))

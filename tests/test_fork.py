@@ -55,10 +55,10 @@ def test_fork_advanced_alone_equals_the_original_with_no_more_arrivals(mode, blo
     shift = cl.api_token_s()  # the fork logs engine times; the run's log has the client's
     for f, idxs in zip(forks, live):
         for i in idxs:
-            assert f.log.finish_s[i] + shift == res.log.finish_s[i], i
-            assert f.log.output_tokens[i] == res.log.output_tokens[i]
-            if i in f.log.first_token_s:
-                assert f.log.first_token_s[i] + shift == res.log.first_token_s[i]
+            assert f.sink.finish_s[i] + shift == res.log.finish_s[i], i
+            assert f.sink.output_tokens[i] == res.log.output_tokens[i]
+            if i in f.sink.first_token_s:
+                assert f.sink.first_token_s[i] + shift == res.log.first_token_s[i]
         assert not f.scheduler.has_unfinished_requests()
         f.scheduler.pool.check()
         assert f.scheduler.pool.get_num_free_blocks() == f.scheduler.pool.num_usable_blocks
@@ -92,10 +92,10 @@ def test_a_request_added_to_a_fork_is_served_as_the_original_serves_an_arrival(m
     f.arrive(Request(x, t, px, ox, keys_engine(cl, keys, px), -1), t + cl._api_request_s(px))
     f.advance()
     shift = cl.api_token_s()
-    assert f.log.finish_s[x] + shift == res_a.log.finish_s[x]
-    assert f.log.first_token_s[x] + shift == res_a.log.first_token_s[x]
-    for i in f.log.finish_s:
-        assert f.log.finish_s[i] + shift == res_a.log.finish_s[i], i
+    assert f.sink.finish_s[x] + shift == res_a.log.finish_s[x]
+    assert f.sink.first_token_s[x] + shift == res_a.log.first_token_s[x]
+    for i in f.sink.finish_s:
+        assert f.sink.finish_s[i] + shift == res_a.log.finish_s[i], i
 
 
 def keys_engine(cl, hash_ids, prompt):
@@ -115,4 +115,4 @@ def test_advance_until_stops_at_the_horizon_and_resumes_exactly():
     t = parts.advance(until=1.5)
     assert t <= 1.5
     parts.advance()
-    assert parts.log.finish_s == whole.log.finish_s
+    assert parts.sink.finish_s == whole.sink.finish_s

@@ -14,9 +14,11 @@ import pytest
 import twin.lab.parity as parity
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
+from twin.engine.async_scheduler import make_scheduler
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.engine.segment_pool import SegmentPool
 from twin.engine.records import RequestLog
+from twin.engine.sink import EngineSink, FanOut
 
 BS = 16
 
@@ -69,7 +71,7 @@ def test_async_scheduling_frees_same_step_finishers_in_running_order():
     pool = BlockPool(8, BS, True)
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=BS,
                           async_scheduling=True)
-    sched = Scheduler(cfg, pool, parity._UnitSteps(), RequestLog(2))
+    sched = make_scheduler(cfg, pool, parity._UnitSteps(), RequestLog(2))
     for p in wl.requests[:2]:
         sched.add_request(parity.twin_request(wl, p), -1.0)
     finishing: list[int] = []
@@ -94,12 +96,16 @@ def test_async_scheduling_frees_same_step_finishers_in_running_order():
 
 
 def test_finishers_of_one_step_are_returned_in_running_order():
-    """The list `update_from_output` returns (the cluster's `on_finish` order too) is the running order."""
+    """The list `update_from_output` returns (and the order a sink hears the finishes in) is the running order."""
     pool = BlockPool(64, BS, True)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=BS),
-                      pool, parity._UnitSteps(), RequestLog(3))
     told: list[int] = []
-    sched.on_finish = told.append
+
+    class Told(EngineSink):
+        def request_finished(self, r, t):
+            told.append(r.idx)
+
+    sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=BS),
+                      pool, parity._UnitSteps(), FanOut([RequestLog(3), Told()]))
     # admitted 0, 1, 2; prompts 48, 32, 16 sample their first tokens at steps 2, 1, 0; all finish at step 6
     for idx, (prompt, outs) in enumerate([(48, 5), (32, 6), (16, 7)]):
         sched.add_request(Request(idx, 0.0, prompt, outs, []))

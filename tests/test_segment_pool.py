@@ -275,7 +275,7 @@ def test_a_fork_of_the_range_pool_runs_as_the_original(mode, blocks, seed):
     shift = cl.api_token_s()
     for f, idxs in zip(forks, live):
         for i in idxs:
-            assert f.log.finish_s[i] + shift == res.log.finish_s[i], i
+            assert f.sink.finish_s[i] + shift == res.log.finish_s[i], i
         assert not f.scheduler.has_unfinished_requests()
         f.scheduler.pool.check()
         assert f.scheduler.pool.get_num_free_blocks() == f.scheduler.pool.num_usable_blocks
@@ -300,9 +300,9 @@ def test_a_request_with_per_block_keys_hits_the_range_pool_as_its_runs_would():
         f2.arrive(Request(100 + i, t, p[i], 5, list(runs), -1), t)
         f1.advance()
         f2.advance()
-        assert f1.log.cached_tokens[100 + i] == f2.log.cached_tokens[100 + i]
-        assert f1.log.finish_s[100 + i] == f2.log.finish_s[100 + i]
-        hits += f1.log.cached_tokens[100 + i] > 0
+        assert f1.sink.cached_tokens[100 + i] == f2.sink.cached_tokens[100 + i]
+        assert f1.sink.finish_s[100 + i] == f2.sink.finish_s[100 + i]
+        hits += f1.sink.cached_tokens[100 + i] > 0
     assert hits > 0
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from twin.lab import parity as P
 from twin.engine.block_pool import BlockPool
-from twin.engine.scheduler import Scheduler, SchedulerConfig
+from twin.engine.async_scheduler import make_scheduler
+from twin.engine.scheduler import SchedulerConfig
 from twin.engine.records import RequestLog
 
 SEEDS = range(4)
@@ -110,7 +111,7 @@ def run_twin_async(wl, max_steps=20000):
     cfg = SchedulerConfig(max_num_batched_tokens=wl.max_num_batched_tokens, max_num_seqs=wl.max_num_seqs,
                           long_prefill_token_threshold=wl.long_prefill_token_threshold, async_scheduling=True)
     log = RequestLog(len(wl.requests))
-    sched = Scheduler(cfg, pool, UnitSteps(), log)
+    sched = make_scheduler(cfg, pool, UnitSteps(), log)
     arrivals = P.Arrivals(wl)  # its maps only: async drivers time followers their own way
     byst, foll = arrivals.by_step, arrivals.followers
     tr = P.Trace()

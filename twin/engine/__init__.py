@@ -4,5 +4,6 @@ from twin.engine.block_pool import BlockPool
 from twin.engine.config import EngineConfig
 from twin.engine.request import Request, RequestStatus
 from twin.engine.scheduler import Scheduler, SchedulerConfig
+from twin.engine.async_scheduler import AsyncScheduler, make_scheduler
 
-__all__ = ["BlockPool", "EngineConfig", "Request", "RequestStatus", "Scheduler", "SchedulerConfig"]
+__all__ = ["BlockPool", "EngineConfig", "Request", "RequestStatus", "Scheduler", "SchedulerConfig", "AsyncScheduler", "make_scheduler"]

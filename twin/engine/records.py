@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 
 from twin.engine.request import RequestStatus
+from twin.engine.sink import EngineSink
 
 
 def account(log: "RequestLog") -> dict[str, int]:
@@ -14,8 +15,9 @@ def account(log: "RequestLog") -> dict[str, int]:
     return {s.name.lower(): int(counts[s]) for s in RequestStatus}
 
 
-class RequestLog:
-    """Column arrays indexed by request number; NaN means 'did not happen (yet)'."""
+class RequestLog(EngineSink):
+    """Column arrays indexed by request number; NaN means 'did not happen (yet)'. The engine's sink for a run:
+    its request events fill the columns (twin.engine.sink)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -34,6 +36,30 @@ class RequestLog:
         self.session_id = np.full(n, -1, dtype=np.int64)
         self.reject_reason: dict[int, str] = {}
         self.reject_counts: dict[str, int] = {}
+
+    # -- the engine's events (twin.engine.sink.EngineSink) ---------------------------------------------
+    def request_queued(self, r, now: float) -> None:
+        self.status[r.idx] = RequestStatus.WAITING
+
+    def request_scheduled(self, r, t_decided: float, cached_tokens: int) -> None:
+        self.scheduled_s[r.idx] = t_decided
+        self.cached_tokens[r.idx] = cached_tokens
+
+    def request_running(self, r) -> None:
+        self.status[r.idx] = RequestStatus.RUNNING
+
+    def request_preempted(self, r) -> None:
+        self.preemptions[r.idx] = r.num_preemptions
+        if r.status is RequestStatus.PREEMPTED:  # not one finished in the step in flight (async), taken as a victim
+            self.status[r.idx] = RequestStatus.PREEMPTED
+
+    def first_token(self, r, t: float) -> None:
+        self.first_token_s[r.idx] = t
+
+    def request_finished(self, r, t: float) -> None:
+        self.finish_s[r.idx] = t
+        self.output_tokens[r.idx] = r.num_output_tokens
+        self.status[r.idx] = RequestStatus.FINISHED
 
     def reject(self, idx: int, reason: str, detail: str = "") -> None:
         """Record a rejection: `reason` is a short category (counted), `detail` the specifics."""

@@ -23,20 +23,22 @@ class Request:
     """One request inside an engine. Counts only: no token ids, prefix identity as block hashes."""
 
     __slots__ = (
-        "idx", "arrival_time", "num_prompt_tokens", "max_tokens", "block_keys", "session_id",
+        "idx", "arrival_time", "num_prompt_tokens", "stop_at_tokens", "block_keys", "session_id",
         "status", "num_computed_tokens", "num_output_tokens", "num_cached_tokens", "num_preemptions",
         "keyed", "num_blocks", "next_reg", "own_run",
         "in_decode", "out_base", "d_base", "phase", "heap_seq", "run_seq", "reg_pending",
         "first_token_time", "last_output_time",
     )
 
-    def __init__(self, idx: int, arrival_time: float, num_prompt_tokens: int, max_tokens: int,
+    def __init__(self, idx: int, arrival_time: float, num_prompt_tokens: int, stop_at_tokens: int,
                  block_keys: Sequence[int] | BlockKeys = (), session_id: int = -1) -> None:
         self.idx = idx
         self.session_id = session_id
         self.arrival_time = arrival_time
         self.num_prompt_tokens = num_prompt_tokens
-        self.max_tokens = max_tokens
+        # the output length at which this request stops: its true length (capped by the client's max_tokens),
+        # which only the engine knows; a router sees the cap alone (RequestView.max_tokens)
+        self.stop_at_tokens = stop_at_tokens
         self.block_keys = block_keys  # hashes of this request's shareable full blocks, in order (or runs)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -69,7 +71,7 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.idx}, {self.status.name}, prompt={self.num_prompt_tokens}, "
-                f"out={self.num_output_tokens}/{self.max_tokens}, computed={self.num_computed_tokens})")
+                f"out={self.num_output_tokens}/{self.stop_at_tokens}, computed={self.num_computed_tokens})")
 
 
 def _chain(hash_ids) -> list[int]:

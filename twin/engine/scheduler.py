@@ -6,38 +6,17 @@ requests are admitted while the token budget, `max_num_seqs` and KV blocks allow
 the most recently admitted request is preempted (recompute) and goes back to the front of the queue.
 
 Decoding requests advance in lockstep, so they form one *decode group* driven by a shared step
-counter `D`: a member's output count is `out_base + D - d_base`. A step then costs O(1) for all
+counter `group_step`: a member's output count is `out_base + group_step - d_base`. A step then costs O(1) for all
 decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the fast-forward).
 Blocks a decode needs follow from its position modulo the block size (`phase_count`), finishes from
-a heap keyed by the value of `D` at which each member reaches its `max_tokens`. Output blocks are cached
+a heap keyed by the value of `group_step` at which each member reaches its `stop_at_tokens`. Output blocks are cached
 as they fill, as vLLM's `allocate_slots` caches every block full within the tokens it schedules: members
 whose block keys cover their output sit in per-phase buckets (`reg_buckets`), so a step touches only the
 members that cross a block boundary in it.
 
-Async scheduling (`async_scheduling`, vLLM's `AsyncScheduler` driven by `EngineCore.step_with_batch_queue`
-with a batch queue of depth 2, `vllm/v1/core/sched/async_scheduler.py`, `vllm/v1/engine/core.py`): the
-engine loop calls `schedule(k+1)` while step k runs on the GPU, then `update_from_output(k)`. The twin keeps
-its own call order (update(k), then schedule(k+1)) and reproduces what that reordering changes:
+Async scheduling is `AsyncScheduler` (twin/engine/async_scheduler.py), a subclass, as in vLLM; `make_scheduler`
+picks the class from the config. The methods it overrides are the points where the two differ.
 
-- *The decision is made one step earlier*: schedule(k+1) sees only requests that reached the engine by the
-  start of step k (`inbox` holds later ones until `admit_inbox`), and its SCHEDULED time is that start.
-- *Outputs are processed one step later*: a request that finished in step k still holds its blocks and its
-  seat in `running` during schedule(k+1), getting no token (vLLM's max_tokens check on
-  `num_output_placeholders` in `Scheduler.schedule`), and is freed after it (`finishing`, `release_finished`):
-  its blocks serve schedule(k+2). It can still be taken as a preemption victim in schedule(k+1), as in vLLM.
-- *Output blocks are cached one step later*: `allocate_slots` caches only tokens already known, and the token
-  sampled in step k is known only after schedule(k+1), so a decode caches the block its last token filled
-  one step after the synchronous engine would (`_reg_lag`). A member preempted with a token in flight has
-  that block uncached (`update_from_output` skips caching for preempted requests).
-- *Decode tokens are optimistic*: a request whose final prefill chunk ran in step k is scheduled a decode in
-  k+1 from a placeholder; its blocks and budget are those of the synchronous decode, so nothing changes there.
-- *Timing*: schedule(k+1) and its input preparation run on the CPU while the GPU runs step k, so the CPU part
-  of a step (`host_time_s` of the step model) is hidden up to the previous step's GPU time: a step lasts
-  step_time - min(cpu, previous step's GPU time). After an idle engine (or an empty schedule) nothing was
-  running to hide behind, so the first step pays its CPU in full.
-
-Not modelled: a decode member skipped for budget under async caches its blocks on the synchronous lag
-afterwards (vLLM: no placeholder for the skipped step); such skips need a long-prefill threshold.
 """
 
 from __future__ import annotations
@@ -51,11 +30,10 @@ from typing import Callable
 import numpy as np
 
 from twin.engine.block_pool import BlockPool
-from twin.engine.segment_pool import SegmentPool
-from twin.policy.kv_events import BlockStored
-from twin.engine.request import BlockKeys, Request, RequestStatus
+from twin.engine.kv_cache_manager import KVCacheManager, kv_cache_manager
+from twin.engine.request import Request, RequestStatus
 from twin.perf.base import StepBatch, StepTimeModel
-from twin.engine.records import RequestLog
+from twin.engine.sink import EngineSink
 
 
 @dataclass
@@ -176,28 +154,43 @@ class EngineStats:
     itl: ItlRecorder = field(default_factory=ItlRecorder)
 
 
+class RefusedHead:
+    """The queue head when admission last refused it, and the engine state then: while none of it changed
+    (free blocks only fell), it stays refused, so a decode run may go on without asking again."""
+
+    def __init__(self, request: Request, num_running: int, num_decode: int, free_blocks: int,
+                 num_registrations: int) -> None:
+        self.request = request
+        self.num_running = num_running
+        self.num_decode = num_decode
+        self.free_blocks = free_blocks
+        self.num_registrations = num_registrations
+
+
 def _by_run_seq(r: Request) -> int:
     return r.run_seq
 
 
 class Scheduler:
-    """Waiting queue, running list, decode group, block pool and records of one engine."""
+    """Waiting queue, running list, decode group and KV cache of one engine; vLLM's synchronous scheduler."""
+
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, perf: StepTimeModel,
-                 log: RequestLog) -> None:
+                 sink: EngineSink) -> None:
         self.config = config
         self.pool = pool
-        # the range pool (twin/engine/segment_pool.py): requests' keys are `BlockKeys` runs, held copies
-        # (chain, gen, j0, n) tuples; the per-block `BlockPool` is the reference (same schedules, tested)
-        self.seg: SegmentPool | None = pool if isinstance(pool, SegmentPool) else None  # (a BlockPool subclass)
+        # lookups, caching and frees, for either pool (twin/engine/kv_cache_manager.py): the per-block
+        # `BlockPool` (the reference) or the range pool `SegmentPool` (same schedules, tested)
+        self.kv: KVCacheManager = kv_cache_manager(pool)
         self.perf = perf
-        self.log = log
+        self.sink = sink  # told every request and step event (twin.engine.sink); never written to here
+        self.wants_steps: bool = bool(getattr(sink, "wants_steps", False))
         self.block_size = pool.block_size
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # running requests not in the decode group, running order
         # the decode group
-        self.D = 0
+        self.group_step = 0
         self.phase_count = [0] * self.block_size
         self.finish_heap: list[tuple[int, int, Request]] = []
         self._heap_seq = 0
@@ -205,19 +198,19 @@ class Scheduler:
         self.decode_context = 0  # sum over members of the tokens each attends to in the next step
         self.group_last_out = 0.0
         self.stale: dict[Request, float] = {}  # members whose last output was not the group's
-        # members with blocks still to register, by phase: those with phase (-D-1) % bs fill a block at D
+        # members with blocks still to register, by phase: those with phase (-group_step-1) % bs fill a block at group_step
         self.reg_buckets: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
         self.num_reg_members = 0
         self._reg_by_first_key: dict[int, dict[Request, None]] = {}  # the same members by their first key
         self._run_seq = 0
-        self._num_registrations = 0  # registration calls so far: a refused head may hit more after one
         self.stats = EngineStats()
         self._watermark_blocks = int(config.watermark * pool.num_gpu_blocks)
-        self._blocked: tuple | None = None  # (head, len(running), num_decode, free) when it was refused
-        self.on_finish: Callable[[int], None] | None = None  # told each finished request's index
+        self.refused_head: RefusedHead | None = None  # the queue head as it was last refused (the fast-forward)
         # async scheduling (see the module docstring)
-        self.async_scheduling: bool = config.async_scheduling
-        self._reg_lag: int = 1 if config.async_scheduling else 0  # decode steps output caching lags by
+        self.async_scheduling: bool = self._is_async()
+        if config.async_scheduling and not self.async_scheduling:
+            raise ValueError("async_scheduling: build the scheduler with make_scheduler (an AsyncScheduler)")
+        self._reg_lag: int = 1 if self.async_scheduling else 0  # decode steps output caching lags by
         self.inbox: list[tuple[Request, float]] = []  # (request, time it reached the engine), not yet visible
         self.finishing: list[Request] = []  # finished in the last step, blocks held through the next schedule
         self.next_decision_t: float = 0.0  # start of the step in flight: when the next decision is made
@@ -226,68 +219,41 @@ class Scheduler:
         self.run_x: list[float] = []
         self.run_c: float = 0.0
         self._host_s: Callable[[int], float] | None = getattr(perf, "host_time_s", None)
-        self.on_first_token: Callable[[int, float], None] | None = None  # told (index, time) of each first token
 
     # ---------------------------------------------------------------------------------------------
     def add_request(self, r: Request, now: float = 0.0) -> None:
         """The request reaches the engine at `now`; under async scheduling it waits in `inbox` until a
         decision made after `now` (vLLM drains its input queue only before `schedule()`)."""
         r.status = RequestStatus.WAITING
-        if self.seg is not None and r.block_keys and not isinstance(r.block_keys, BlockKeys):
-            r.block_keys = BlockKeys.from_keys(r.block_keys)  # e.g. a forecaster's request from a view
-        if self.async_scheduling:
-            self.inbox.append((r, now))
-        else:
-            self.waiting.append(r)
-        self.log.status[r.idx] = RequestStatus.WAITING
+        self.kv.prepare(r)
+        self._enqueue(r, now)
+        self.sink.request_queued(r, now)
+
+    def _enqueue(self, r: Request, now: float) -> None:
+        self.waiting.append(r)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting) or bool(self.inbox)
 
-    # -- async scheduling: the loop's bookkeeping (Instance.run and EngineFork.advance call these) --------
+    def _is_async(self) -> bool:
+        return False
+
+    # -- the step loop's boundary (twin.engine.core calls these; AsyncScheduler does the batch queue's work) --
+    def begin_step(self, now: float) -> None:
+        """At a step boundary, before the decision (the batch queue's: an idle engine starts afresh, and
+        requests that reached the engine by the decision's time become visible)."""
+
+    def after_schedule(self, out: SchedulerOutput) -> bool:
+        """Right after `schedule()`; True if an empty decision should be made again now (something changed)."""
+        return False
+
     def is_idle(self) -> bool:
         """Nothing running or queued: the next arrival starts the engine afresh."""
         return not self.running and not self.waiting
 
-    def wake(self, now: float) -> None:
-        """An idle engine starts again: the next decision is made now, with no GPU work to hide behind."""
-        self.next_decision_t = now
-        self.prev_gpu_s = 0.0
-
-    def admit_inbox(self) -> bool:
-        """Requests that reached the engine by the next decision's time join the waiting queue (in order)."""
-        inbox = self.inbox
-        if not inbox:
-            return False
-        t = self.next_decision_t
-        i = 0
-        while i < len(inbox) and inbox[i][1] <= t:
-            self.waiting.append(inbox[i][0])
-            i += 1
-        if i:
-            del inbox[:i]
-        return i > 0
-
-    def release_finished(self) -> bool:
-        """After schedule(k+1), update_from_output(k) frees the requests that finished in step k."""
-        if not self.finishing:
-            return False
-        for r in self.finishing:
-            self._free_request(r, preempted=False)
-            self.running.remove(r)
-        self.finishing = []
-        return True
-
     def step_duration(self, out: SchedulerOutput) -> float:
         """The step's wall time: the step model's, less (async) the CPU hidden behind the step before it."""
-        b = out.batch()
-        x = self.perf.step_time(b)
-        if not self.async_scheduling:
-            return x
-        c = self._host_s(b.num_requests) if self._host_s is not None else 0.0
-        hidden = c if c < self.prev_gpu_s else self.prev_gpu_s
-        self.prev_gpu_s = x - c
-        return x - hidden
+        return self.perf.step_time(out.batch())
 
     @property
     def num_used_blocks(self) -> int:
@@ -301,22 +267,22 @@ class Scheduler:
 
     # -- the decode group --------------------------------------------------------------------------
     def _member_output(self, r: Request) -> int:
-        return r.out_base + self.D - r.d_base
+        return r.out_base + self.group_step - r.d_base
 
     def _join_group(self, r: Request, now: float) -> None:
         """A request whose prompt is computed and that sampled a token starts decoding."""
         bs = self.block_size
         r.in_decode = True
         r.out_base = r.num_output_tokens
-        r.d_base = self.D
+        r.d_base = self.group_step
         computed = r.num_prompt_tokens + r.num_output_tokens - 1
-        r.phase = (computed - self.D) % bs
+        r.phase = (computed - self.group_step) % bs
         self.phase_count[r.phase] += 1
         self.num_decode += 1
         self.decode_context += computed + 1
         self._heap_seq += 1
         r.heap_seq = self._heap_seq
-        heapq.heappush(self.finish_heap, (self.D + r.max_tokens - r.out_base, self._heap_seq, r))
+        heapq.heappush(self.finish_heap, (self.group_step + r.stop_at_tokens - r.out_base, self._heap_seq, r))
         if r.next_reg < len(r.block_keys) and self.pool.enable_caching:
             r.reg_pending = True
             self.reg_buckets[r.phase][r] = None
@@ -361,7 +327,7 @@ class Scheduler:
         self.phase_count[r.phase] += 1
         self._heap_seq += 1
         r.heap_seq = self._heap_seq
-        heapq.heappush(self.finish_heap, (r.d_base + r.max_tokens - r.out_base, self._heap_seq, r))
+        heapq.heappush(self.finish_heap, (r.d_base + r.stop_at_tokens - r.out_base, self._heap_seq, r))
         if r not in self.stale:
             self.stale[r] = self.group_last_out
 
@@ -386,25 +352,8 @@ class Scheduler:
 
     def _register_member(self, r: Request, d: int) -> None:
         """A member's decode at group counter `d` fills a block: cache it (vLLM caches up to num_tokens)."""
-        j = r.next_reg
-        keys = r.block_keys
-        if self.seg is not None or (r.num_prompt_tokens + r.out_base + d - r.d_base) // self.block_size != j + 1:
-            self._register_full_blocks(r, r.num_prompt_tokens + r.out_base + d - r.d_base)
-        else:  # exactly block j: `_register_full_blocks` for one block, inlined
-            pool = self.pool
-            key = keys[j]
-            m = pool.cached_block_hash_to_ref
-            if key in m or key in pool.dups:
-                r.keyed.append(pool.add_copy(key))
-            else:
-                m[key] = 1
-                r.keyed.append(key)
-            r.next_reg = j + 1
-            self._num_registrations += 1
-            sink = pool.event_sink
-            if sink is not None:
-                sink(BlockStored([key], keys[j - 1] if j else None, None, self.block_size))
-        if r.next_reg >= len(keys):
+        self.kv.cache_blocks(r, r.num_prompt_tokens + r.out_base + d - r.d_base)
+        if r.next_reg >= len(r.block_keys):
             self._drop_reg(r)
 
     def _next_finish_d(self) -> int | None:
@@ -413,92 +362,7 @@ class Scheduler:
             heapq.heappop(h)
         return h[0][0] if h else None
 
-    # -- KV ----------------------------------------------------------------------------------------
-    def _register_full_blocks(self, r: Request, computed: int) -> None:
-        """Blocks full after computing `computed` tokens get their hash (vLLM `cache_blocks`).
-
-        A hash already cached gets a second copy, as vLLM does not deduplicate (`cache_full_blocks`); one
-        `BlockStored` event per call carries all the new hashes (`BlockPool.cache_full_blocks`).
-        """
-        start = r.next_reg
-        end = min(computed // self.block_size, len(r.block_keys))
-        if end <= start:
-            return
-        pool = self.pool
-        seg = self.seg
-        if seg is not None:
-            if seg.enable_caching:
-                seg.register_blocks(r.block_keys, r.keyed, start, end)  # type: ignore[arg-type]
-                self._num_registrations += 1
-        elif pool.enable_caching:  # BlockPool.add_copy, inlined: this loop runs once per prompt block
-            m = pool.cached_block_hash_to_ref
-            keyed = r.keyed
-            keys = r.block_keys
-            if pool.dups:
-                for j in range(start, end):
-                    keyed.append(pool.add_copy(keys[j]))
-            else:
-                for j in range(start, end):
-                    key = keys[j]
-                    if key in m:
-                        keyed.append(pool.add_copy(key))
-                    else:
-                        m[key] = 1
-                        keyed.append(key)
-            self._num_registrations += 1
-            sink = pool.event_sink
-            if sink is not None:
-                sink(BlockStored(list(keys[start:end]), keys[start - 1] if start else None, None,
-                                 self.block_size))
-        r.next_reg = end
-
-    def _free_request(self, r: Request, preempted: bool, in_flight: int = 0) -> None:
-        """Release all blocks in vLLM's order: tail first; hashed blocks to the LRU tail.
-
-        `in_flight` computed tokens are not known yet (async: a preempted decode's last one), so the block
-        they fill is freed uncached."""
-        pool = self.pool
-        bs = self.block_size
-        computed = r.num_computed_tokens - in_flight
-        if r.next_reg < len(r.block_keys):  # every full computed block is registered; no-op normally
-            self._register_full_blocks(r, computed)
-        full = computed // bs
-        pool.release_anon(r.num_blocks - full)  # the partial block
-        seg = self.seg
-        held = len(r.keyed) if seg is None else seg.num_held(r.keyed)
-        run = pool.release_run(full - held)  # full blocks past the keys: nobody else hits them
-        if preempted:
-            r.own_run = run
-        if seg is None:
-            self.pool.release_keyed(reversed(r.keyed))
-        else:
-            seg.release_held(r.keyed)
-        r.keyed = []
-        r.num_blocks = 0
-        r.next_reg = 0
-
     # -- admission helpers -------------------------------------------------------------------------
-    def _lookup(self, r: Request) -> tuple[int, int, int]:
-        """(hit keyed blocks, hit own-run blocks, free blocks among the hits) for a waiting request."""
-        keys = r.block_keys
-        run = r.own_run
-        if not keys and run is None:  # content nobody shares and no blocks of its own left behind
-            return 0, 0, 0
-        bs = self.block_size
-        max_blocks = (r.num_tokens - 1) // bs
-        hk = self.pool.num_cached_hits(keys, max_blocks)
-        own = 0
-        if run is not None and run.count > 0 and hk == len(keys) and hk < max_blocks:
-            own = min(run.count, max_blocks - hk)
-        if not hk:
-            return hk, own, own
-        seg = self.seg
-        if seg is None:
-            free_hits = own + self.pool.num_free_among(keys[:hk])
-        else:
-            free_hits = own + seg.num_free_hits(keys, hk)  # type: ignore[arg-type]
-        return hk, own, free_hits
-
     def _admission_plan(self, r: Request, budget: int, thr: int) -> tuple[int, int, int] | None:
         """(hit keyed blocks, hit own-run blocks, chunk tokens) if Phase B would admit `r` now, else None.
 
@@ -506,7 +370,7 @@ class Scheduler:
         """
         cfg = self.config
         bs = self.block_size
-        hk, own, free_hits = self._lookup(r)
+        hk, own, free_hits = self.kv.lookup(r)
         hit_blocks = hk + own
         n = r.num_tokens - hit_blocks * bs
         if 0 < thr < n:
@@ -534,31 +398,37 @@ class Scheduler:
         in_flight = 0
         if r.status is RequestStatus.FINISHED:  # async: finished in the step in flight, not yet freed
             self.finishing.remove(r)
-            self._free_request(r, preempted=False)
+            self.kv.free(r, preempted=False)
             r.num_preemptions += 1
             self.stats.num_preemptions += 1
-            self.log.preemptions[r.idx] = r.num_preemptions
+            self.sink.request_preempted(r)
             out.preempted.append(r)
             return
         if r.in_decode:
-            if self.async_scheduling and r.d_base < self.D:  # it decoded in the step in flight
-                in_flight = 1
+            in_flight = self._tokens_in_flight(r)
             self._leave_group(r)
         else:
             self.prefilling.remove(r)
             if r.num_output_tokens > 0 and r.last_output_time < 0:
                 r.last_output_time = self.group_last_out
-        self._free_request(r, preempted=True, in_flight=in_flight)
+        self.kv.free(r, preempted=True, in_flight=in_flight)
         r.status = RequestStatus.PREEMPTED
         r.num_computed_tokens = 0
         r.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.log.preemptions[r.idx] = r.num_preemptions
-        self.log.status[r.idx] = RequestStatus.PREEMPTED
+        self.sink.request_preempted(r)
         self.waiting.appendleft(r)
         out.preempted.append(r)
 
+    def _tokens_in_flight(self, r: Request) -> int:
+        """A decode member's computed tokens whose output is not known yet (async: the step in flight's)."""
+        return 0
+
     # -- one step ----------------------------------------------------------------------------------
+    def _decision_time(self, now: float) -> float:
+        """When vLLM made the decision for the step starting now (its SCHEDULED time)."""
+        return now
+
     def schedule(self, now: float) -> SchedulerOutput:
         """vLLM's `schedule()`: Phase A over running, Phase B over waiting if nobody was preempted.
 
@@ -566,11 +436,7 @@ class Scheduler:
         of the step before (its SCHEDULED time), and the next decision is made now."""
         cfg = self.config
         out = SchedulerOutput(t_start=now)
-        if self.async_scheduling:
-            out.t_decided = self.next_decision_t
-            self.next_decision_t = now
-        else:
-            out.t_decided = now
+        out.t_decided = self._decision_time(now)
         budget = cfg.max_num_batched_tokens
         thr = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
 
@@ -595,7 +461,7 @@ class Scheduler:
         """
         bs = self.block_size
         nd = self.num_decode
-        need = self.phase_count[(-self.D) % bs] if nd else 0
+        need = self.phase_count[(-self.group_step) % bs] if nd else 0
         pre = self.prefilling
         wants = []
         tot = nd
@@ -621,17 +487,17 @@ class Scheduler:
         self.pool.allocate(need)
         out.num_decode = nd
         out.decode_context = self.decode_context
-        D = self.D - self._reg_lag  # the group counter whose output blocks are cached now
-        cross = self._crossing(D) if self.num_reg_members else []
+        group_step = self.group_step - self._reg_lag  # the group counter whose output blocks are cached now
+        cross = self._crossing(group_step) if self.num_reg_members else []
         ci = 0
         for r, n in zip(pre, wants):
             if n:
                 while ci < len(cross) and cross[ci].run_seq < r.run_seq:  # registrations in running order
-                    self._register_member(cross[ci], D)
+                    self._register_member(cross[ci], group_step)
                     ci += 1
                 self._schedule_chunk(r, n, out)
         for m in cross[ci:]:
-            self._register_member(m, D)
+            self._register_member(m, group_step)
         return True
 
     def _schedule_chunk(self, r: Request, n: int, out: SchedulerOutput) -> None:
@@ -639,7 +505,7 @@ class Scheduler:
         r.num_blocks = -(-(c + n) // self.block_size)
         r.num_computed_tokens = c + n
         if r.next_reg < len(r.block_keys):
-            self._register_full_blocks(r, c + n)
+            self.kv.cache_blocks(r, c + n)
         out.prefills.append((r, n, c))
 
     def _schedule_running_exact(self, budget: int, thr: int, out: SchedulerOutput) -> int:
@@ -651,8 +517,8 @@ class Scheduler:
         bs = self.block_size
         pool = self.pool
         running = self.running
-        target = (-self.D) % bs  # a member needs a new block this step iff its phase equals this
-        reg_d = self.D - self._reg_lag  # async: the block a member's known tokens fill lags one step
+        target = (-self.group_step) % bs  # a member needs a new block this step iff its phase equals this
+        reg_d = self.group_step - self._reg_lag  # async: the block a member's known tokens fill lags one step
         fills = (-reg_d - 1) % bs  # ... and caches a filled one iff its phase equals this
         free = pool.get_num_free_blocks()
         pending = 0
@@ -710,7 +576,7 @@ class Scheduler:
         cfg = self.config
         bs = self.block_size
         pool = self.pool
-        log = self.log
+        sink = self.sink
         while budget > 0 and self.waiting:
             if len(self.running) >= cfg.max_num_seqs:
                 break
@@ -723,11 +589,7 @@ class Scheduler:
             hit_tokens = hit_blocks * bs
             self.waiting.popleft()
             if hk:
-                seg = self.seg
-                if seg is None:
-                    r.keyed = pool.touch(r.block_keys[:hk])
-                else:
-                    r.keyed = seg.touch_prefix(r.block_keys, hk)  # type: ignore[arg-type]
+                self.kv.touch_prefix(r, hk)
             if r.own_run is not None:
                 if own:
                     pool.touch_run(r.own_run, own)
@@ -739,12 +601,11 @@ class Scheduler:
             r.num_computed_tokens = hit_tokens
             if r.num_cached_tokens < 0:  # first admission: vLLM records SCHEDULED and prefix stats
                 r.num_cached_tokens = hit_tokens
-                log.scheduled_s[r.idx] = out.t_decided
-                log.cached_tokens[r.idx] = hit_tokens
+                sink.request_scheduled(r, out.t_decided, hit_tokens)
                 self.stats.prefix_cache_queries += r.num_prompt_tokens
                 self.stats.prefix_cache_hits += hit_tokens
             r.status = RequestStatus.RUNNING
-            log.status[r.idx] = RequestStatus.RUNNING
+            sink.request_running(r)
             self._run_seq += 1
             r.run_seq = self._run_seq
             self.running.append(r)
@@ -762,6 +623,8 @@ class Scheduler:
         stats.kv_used_block_seconds += used * dt
         if used > stats.kv_peak_used_blocks:
             stats.kv_peak_used_blocks = used
+        if self.wants_steps:
+            self.sink.step(out, t_end, used)
         finished: list[Request] = []
 
         if out.num_decode:
@@ -776,7 +639,7 @@ class Scheduler:
             stats.itl.add(t_end - self.group_last_out, out.num_decode - n_stale_out)
             stats.generated_tokens += out.num_decode
             self.group_last_out = t_end
-            self.D += 1
+            self.group_step += 1
             self.decode_context += out.num_decode
             finished = self._pop_finished_members()
 
@@ -787,13 +650,11 @@ class Scheduler:
             stats.generated_tokens += 1
             if r.first_token_time < 0:
                 r.first_token_time = t_end
-                self.log.first_token_s[r.idx] = t_end
-                if self.on_first_token is not None:
-                    self.on_first_token(r.idx, t_end)
+                self.sink.first_token(r, t_end)
             else:
                 stats.itl.add(t_end - r.last_output_time, 1)
             self.prefilling.remove(r)
-            if r.num_output_tokens >= r.max_tokens:
+            if r.num_output_tokens >= r.stop_at_tokens:
                 r.num_computed_tokens = r.num_tokens - 1
                 r.last_output_time = t_end
                 finished.append(r)
@@ -816,18 +677,14 @@ class Scheduler:
         ones to the free queue's tail. So the first finisher in running order is evicted first, whatever
         order the decode group's finish heap (join order) pops them in.
         """
-        if self.async_scheduling:
-            self.finishing.append(r)  # freed after the next schedule (release_finished)
-        else:
-            self._free_request(r, preempted=False)
-            self.running.remove(r)
+        self._retire(r)
         r.status = RequestStatus.FINISHED
-        log = self.log
-        log.finish_s[r.idx] = t_end
-        log.output_tokens[r.idx] = r.num_output_tokens
-        log.status[r.idx] = RequestStatus.FINISHED
-        if self.on_finish is not None:
-            self.on_finish(r.idx)
+        self.sink.request_finished(r, t_end)
+
+    def _retire(self, r: Request) -> None:
+        """A finished request's blocks and seat are released now (async: after the next decision)."""
+        self.kv.free(r, preempted=False)
+        self.running.remove(r)
 
     # -- the fast-forward --------------------------------------------------------------------------
     def plan_decode_run(self, max_steps: int) -> int:
@@ -843,11 +700,11 @@ class Scheduler:
             thr = self.config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
             if self._can_admit_head(budget_left, thr):
                 return 0
-            self._blocked = (self.waiting[0], len(self.running), self.num_decode, free,
-                             self._num_registrations)
+            self.refused_head = RefusedHead(self.waiting[0], len(self.running), self.num_decode, free,
+                                            self.kv.num_registrations)
         d_fin = self._next_finish_d()
         assert d_fin is not None  # every member has a live heap entry
-        k = min(d_fin - self.D, max_steps)
+        k = min(d_fin - self.group_step, max_steps)
         if self.waiting and self.num_reg_members:
             k = min(k, self._steps_until_head_may_hit_more())
         bs = self.block_size
@@ -861,9 +718,10 @@ class Scheduler:
         Free blocks only shrink while the batch decodes, and evictions only shrink the head's hit; a
         registration since could have grown it.
         """
-        b = self._blocked
-        return (b is not None and b[0] is self.waiting[0] and b[1] == len(self.running)
-                and b[2] == self.num_decode and free <= b[3] and b[4] == self._num_registrations)
+        b = self.refused_head
+        return (b is not None and b.request is self.waiting[0] and b.num_running == len(self.running)
+                and b.num_decode == self.num_decode and free <= b.free_blocks
+                and b.num_registrations == self.kv.num_registrations)
 
     def _steps_until_head_may_hit_more(self) -> int:
         """Steps before a decode member caches the block the queue head misses first (its hit would grow).
@@ -895,10 +753,10 @@ class Scheduler:
         periods = free // nd  # each run of block_size steps takes exactly one block per member
         left = free - periods * nd
         pc = self.phase_count
-        D = self.D
+        group_step = self.group_step
         s = 0
         while True:
-            need = pc[(-(D + s)) % bs]
+            need = pc[(-(group_step + s)) % bs]
             if need > left:
                 return periods * bs + s
             left -= need
@@ -909,10 +767,10 @@ class Scheduler:
         bs = self.block_size
         full, rest = divmod(j, bs)
         pc = self.phase_count
-        D = self.D
+        group_step = self.group_step
         n = full * self.num_decode
         for s in range(rest):  # a loop, not a generator: compiled, a generator is an object per call
-            n += pc[(-(D + s)) % bs]
+            n += pc[(-(group_step + s)) % bs]
         return n
 
     def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
@@ -921,41 +779,28 @@ class Scheduler:
         xs = self.perf.decode_run_times(self.num_decode, self.decode_context, k)
         ends = []
         t = t0
-        if not self.async_scheduling:
-            for x in xs:
-                t += x
-                ends.append(t)
-            return xs, ends
-        c = self._host_s(self.num_decode) if self._host_s is not None else 0.0
-        g_prev = self.prev_gpu_s
-        out = []
         for x in xs:
-            d = x - (c if c < g_prev else g_prev)
-            out.append(d)
-            t += d
+            t += x
             ends.append(t)
-            g_prev = x - c
-        self.run_x = xs
-        self.run_c = c
-        return out, ends
+        return xs, ends
 
     def commit_decode_run(self, j: int, durations: list[float], ends: list[float]) -> list[Request]:
         """Apply the first j steps of a planned run that ended at ends[j-1]."""
         stats = self.stats
         bs = self.block_size
         pc = self.phase_count
-        D = self.D
+        group_step = self.group_step
         used0 = used = self.num_used_blocks
         block_seconds = 0.0
         for s in range(j):  # allocation happens at each step's start, then the step runs
-            used += pc[(-(D + s)) % bs]
+            used += pc[(-(group_step + s)) % bs]
             block_seconds += used * durations[s]
         self.pool.allocate(used - used0)
         if self.num_reg_members:  # output blocks filled during the run, step by step in running order
             lag = self._reg_lag
             for s in range(j):
-                for r in self._crossing(D + s - lag):
-                    self._register_member(r, D + s - lag)
+                for r in self._crossing(group_step + s - lag):
+                    self._register_member(r, group_step + s - lag)
         stats.kv_used_block_seconds += block_seconds
         if used > stats.kv_peak_used_blocks:
             stats.kv_peak_used_blocks = used
@@ -967,11 +812,10 @@ class Scheduler:
         stats.num_steps += j
         stats.busy_time_s += t_end - (ends[0] - durations[0])
         stats.generated_tokens += nd * j
-        if self.async_scheduling:  # the next decision was made as step j started
-            self.next_decision_t = ends[j - 2] if j >= 2 else ends[0] - durations[0]
-            self.prev_gpu_s = self.run_x[j - 1] - self.run_c
-            self.run_x = []
-        self.D += j
+        if self.wants_steps:
+            self.sink.decode_run(nd, self.decode_context, durations[:j], ends[:j], used)
+        self._after_run(j, durations, ends)
+        self.group_step += j
         self.decode_context += nd * j
         self.group_last_out = t_end
         finished = self._pop_finished_members()
@@ -981,17 +825,20 @@ class Scheduler:
             self._finish(r, t_end)
         return finished
 
+    def _after_run(self, j: int, durations: list[float], ends: list[float]) -> None:
+        """The first j steps of a decode run were applied (async: where the next decision stands)."""
+
     def _pop_finished_members(self) -> list[Request]:
-        """Members whose output count reached max_tokens at the current D leave the group."""
+        """Members whose output count reached stop_at_tokens at the current group_step leave the group."""
         finished = []
         h = self.finish_heap
-        D = self.D
+        group_step = self.group_step
         while h:
             d_fin, seq, r = h[0]
             if r.heap_seq != seq:
                 heapq.heappop(h)
                 continue
-            if d_fin > D:
+            if d_fin > group_step:
                 break
             heapq.heappop(h)
             self._leave_group(r)

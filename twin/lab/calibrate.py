@@ -55,6 +55,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from twin.engine.sink import StepRecorder
 from twin.errors import TwinInputError
 from twin.perf.fitted import BASIS, COEFFICIENTS, FittedModel, read_fit
 from twin.perf.roofline import RooflineModel
@@ -517,45 +518,6 @@ def initial_params(obs_list: Sequence[Observation]) -> dict[str, float]:
 # -- the schedule-fixed Gauss-Newton fit (the default) ---------------------------------------------------------
 
 
-class _StepRecorder:
-    """A step model that records each step's start time and basis vector (twin.perf.fitted's terms, tied)."""
-
-    def __init__(self, model: FittedModel, env) -> None:
-        self.model = model
-        self.env = env
-        self.starts: list[float] = []
-        self.durations: list[float] = []
-        self.phi: list[tuple] = []
-        self.const: list[float] = []
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
-
-    def step_time(self, b) -> float:
-        m = self.model
-        g = m.basis
-        nd = b.num_decode_tokens
-        t = b.num_prefill_tokens + nd
-        dt = m.step_time(b)
-        self.starts.append(self.env.now)
-        self.durations.append(dt)
-        if t == 0:
-            self.phi.append((0.0, 0.0, 0.0, 0.0))
-            self.const.append(0.0)
-            return dt
-        sampled = nd + b.num_prefill_sampled
-        lin = g._linear(t) + ((max(g._lm_s * sampled, g._lm_w)) if sampled > 0 else 0.0)
-        attn = 0.0
-        if b.num_prefill_tokens > 0:
-            attn += max(g._attn_s * b.prefill_attn_tokens, g._kv_s * (b.prefill_kv_read_tokens + b.num_prefill_tokens))
-        if nd > 0:
-            ctx = b.decode_context_tokens
-            attn += max(g._attn_s * ctx, g._kv_s * (ctx + nd))
-        self.phi.append((lin, attn, 1.0, float(nd + b.num_prefill_reqs)))
-        self.const.append(m.coefficients["allreduce"] * g._ar_s * t)
-        return dt
-
-
 def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """Simulate with `profile` (one step at a time), then write every request's TTFT, TPOT and E2E as
     constant + gradient . theta for the schedule that run produced (theta: FIT_PARAMS order). Returns the rows,
@@ -575,10 +537,9 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     cl = Cluster(sc, stream, perf=fitted)
     cl.api_record = True
     recs = []
-    for inst in cl.instances:
-        r = _StepRecorder(fitted, cl.env)
-        inst.perf = r
-        inst.scheduler.perf = r
+    for inst in cl.instances:  # every step each engine ran, from its events (step mode: one event a step)
+        r = StepRecorder()
+        inst.subscribe(r)
         recs.append(r)
     res = cl.run()
     log = res.log
@@ -604,7 +565,8 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
     for idx, r in enumerate(recs):
         ns = len(r.starts)
         starts = np.array(r.starts)
-        ends = starts + np.array(r.durations)
+        ends = np.array(r.ends)
+        basis = [fitted.basis_terms(bt) for bt in r.batches]
         A = np.zeros(ns)
         G = np.zeros((ns, k))
         mine = np.flatnonzero(log.instance == idx)
@@ -612,9 +574,9 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
         ent = entry[order]
         for s in range(ns):
             phi = np.zeros(k)
-            phi[:4] = r.phi[s]
+            phi[:4], const = basis[s]
             if s > 0 and abs(starts[s] - ends[s - 1]) <= 1e-9 * max(1.0, ends[s - 1]):
-                A[s], G[s] = A[s - 1] + r.const[s], G[s - 1] + phi
+                A[s], G[s] = A[s - 1] + const, G[s - 1] + phi
                 continue
             # the engine was idle: this step began when a request entered it (its arrival + the API server)
             j = int(np.searchsorted(ent, starts[s] - 1e-9))
@@ -622,9 +584,9 @@ def _linear_system(obs: Observation, profile: Profile) -> tuple[np.ndarray, np.n
                 i = order[j]
                 G[s] = phi
                 G[s, 4:8] = g_entry[i]
-                A[s] = entry[i] - float(g_entry[i] @ th_api) + r.const[s]
+                A[s] = entry[i] - float(g_entry[i] @ th_api) + const
             else:  # not found (cannot happen for a step after a wake-up): a fixed start
-                A[s], G[s] = starts[s] + r.const[s], phi
+                A[s], G[s] = starts[s] + const, phi
         chains.append((starts, ends, A, G))
     shift = api["api_output_token_s"]
     rows, targets = [], []

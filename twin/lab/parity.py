@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
+from twin.engine.async_scheduler import make_scheduler
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.perf.base import StepBatch
 from twin.engine.records import RequestLog
@@ -320,7 +321,7 @@ def twin_engine(wl: Workload) -> tuple[Scheduler, BlockPool, RequestLog]:
     cfg = SchedulerConfig(max_num_batched_tokens=wl.max_num_batched_tokens, max_num_seqs=wl.max_num_seqs,
                           long_prefill_token_threshold=wl.long_prefill_token_threshold)
     log = RequestLog(len(wl.requests))
-    return Scheduler(cfg, pool, _UnitSteps(), log), pool, log
+    return make_scheduler(cfg, pool, _UnitSteps(), log), pool, log
 
 
 def twin_request(wl: Workload, p: ParityRequest) -> Request:

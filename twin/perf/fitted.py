@@ -196,6 +196,24 @@ class FittedModel:
         dec = self._dec(b.decode_context_tokens, nd) if nd > 0 else 0.0
         return (pre + dec) + self._rest(t, nd + b.num_prefill_sampled, nd + b.num_prefill_reqs)
 
+    def basis_terms(self, b: StepBatch) -> tuple[tuple[float, float, float, float], float]:
+        """A step's terms as calibration fits them (linear + lm_head, attention, per step, per request) and its
+        constant part (all-reduce): `step_time` is linear in the fitted coefficients on these (twin.lab.calibrate)."""
+        g = self.basis
+        nd = b.num_decode_tokens
+        t = b.num_prefill_tokens + nd
+        if t == 0:
+            return (0.0, 0.0, 0.0, 0.0), 0.0
+        sampled = nd + b.num_prefill_sampled
+        lin = g._linear(t) + ((max(g._lm_s * sampled, g._lm_w)) if sampled > 0 else 0.0)
+        attn = 0.0
+        if b.num_prefill_tokens > 0:
+            attn += max(g._attn_s * b.prefill_attn_tokens, g._kv_s * (b.prefill_kv_read_tokens + b.num_prefill_tokens))
+        if nd > 0:
+            ctx = b.decode_context_tokens
+            attn += max(g._attn_s * ctx, g._kv_s * (ctx + nd))
+        return (lin, attn, 1.0, float(nd + b.num_prefill_reqs)), self.coefficients["allreduce"] * g._ar_s * t
+
     def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
         """k decode-only steps, each exactly as `step_time` computes it."""
         nd = num_decode

@@ -28,6 +28,7 @@ from twin.policy.base import Router, prefix_index_kind
 from twin.policy.scalers import Scaler
 from twin.policy.views import Reject, RequestView
 from twin.engine.records import RequestLog, account
+from twin.engine.sink import FanOut
 from twin.scenario import Scenario
 from twin.sim.timeline import Timeline
 from twin.workload.stream import RequestStream
@@ -80,6 +81,20 @@ def new_request_view(id: str, arrival_time: float, num_prompt_tokens: int, max_t
     return v
 
 
+class _RunHooks:
+    """The engine events the run acts on (twin.engine.sink): a first token and a finish reach the dispatcher's
+    books and the router's hooks, the API server's delivery, the chunk planner and the session's next turn."""
+
+    def __init__(self, cluster: "Cluster") -> None:
+        self.cluster = cluster
+
+    def first_token(self, r: Request, t: float) -> None:
+        self.cluster._first_token(r.idx, t)
+
+    def request_finished(self, r: Request, t: float) -> None:
+        self.cluster._finished(r.idx)
+
+
 class Cluster:
     """Instances and a router in one SimPy environment, fed by a request stream."""
 
@@ -115,6 +130,8 @@ class Cluster:
             self.log.session_id[:] = stream.session_id
         self.instances: list[Instance] = []
         self.by_id: dict[str, Instance] = {}
+        # every engine's events: into the log, then the hooks (the log first: the hooks read it)
+        self.sink = FanOut([self.log, _RunHooks(self)])
         for _ in range(sc.cluster.num_instances):
             self._build_instance()
         if router is None:
@@ -192,9 +209,8 @@ class Cluster:
     def _build_instance(self) -> Instance:
         i = len(self.instances)
         inst = Instance(self.env, f"instance-{i}", i, self.engine_config, self.perf, self.num_blocks, self.log,
-                        fast_forward=self.scenario.sim.mode == "fast", segmented=self.segmented)
-        inst.scheduler.on_finish = self._finished
-        inst.scheduler.on_first_token = self._first_token
+                        fast_forward=self.scenario.sim.mode == "fast", segmented=self.segmented,
+                        sink=self.sink)
         inst.on_idle = self._instance_idle
         self.instances.append(inst)
         self.by_id[inst.id] = inst
@@ -259,7 +275,7 @@ class Cluster:
         if p is None:
             return view
         if getattr(p, "needs_truth", False):  # the oracle (or noise around it) is handed the true length
-            p.reveal(view.id, r.max_tokens)
+            p.reveal(view.id, r.stop_at_tokens)
         return new_request_view(view.id, view.arrival_time, view.num_prompt_tokens, view.max_tokens, prefix, bs,
                                 sid, 0, self.dispatcher.host.predict(view), text)
 
@@ -285,7 +301,7 @@ class Cluster:
         r = self.make_request(i)
         r.arrival_time = env._now
         max_len = self.max_model_len
-        cap = self.max_tokens_cap if self.max_tokens_cap is not None else r.max_tokens
+        cap = self.max_tokens_cap if self.max_tokens_cap is not None else r.stop_at_tokens
         if r.num_prompt_tokens + cap > max_len:  # vLLM refuses prompt + max_tokens > max_model_len (HTTP 400)
             self._reject(i, "longer than max_model_len", f"{r.num_prompt_tokens} + {cap} tokens > {max_len}")
             return
@@ -303,7 +319,7 @@ class Cluster:
             what = "an unknown instance" if inst is None else f"an instance that is {inst.state}"
             self._reject(i, f"router returned {what}", repr(target))
             return
-        if not inst.fits(r.num_prompt_tokens + r.max_tokens):
+        if not inst.fits(r.num_prompt_tokens + r.stop_at_tokens):
             self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
             return
         inst.touch(env._now)  # its in-flight count changes: the timeline records the ticks before

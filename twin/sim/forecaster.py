@@ -35,14 +35,14 @@ def apply_predicted_lengths(f: EngineFork, lengths: dict[int, float]) -> None:
         if r.idx not in lengths:
             continue
         done = s._member_output(r) if r.in_decode else r.num_output_tokens
-        r.max_tokens = max(int(math.ceil(lengths[r.idx])), done + 1)
+        r.stop_at_tokens = max(int(math.ceil(lengths[r.idx])), done + 1)
     # the decode group's finish heap is keyed by each member's stop length: rebuild it
     heap = []
     for r in s.running:
         if r.in_decode:
             s._heap_seq += 1
             r.heap_seq = s._heap_seq
-            heap.append((r.d_base + r.max_tokens - r.out_base, s._heap_seq, r))
+            heap.append((r.d_base + r.stop_at_tokens - r.out_base, s._heap_seq, r))
     heapq.heapify(heap)
     s.finish_heap = heap
 
@@ -87,7 +87,7 @@ class SimForecaster:
                    for r in (*s.running, *s.waiting, *(r for _, r in transit)) if r.idx in inflight}
         for _, r in transit:
             if r.idx in lengths:
-                r.max_tokens = max(1, int(math.ceil(lengths[r.idx])))
+                r.stop_at_tokens = max(1, int(math.ceil(lengths[r.idx])))
         apply_predicted_lengths(f, lengths)
         return f, transit
 
@@ -102,7 +102,7 @@ class SimForecaster:
         now = f.now
         horizon = now + (self.horizon_s if horizon_s is None else horizon_s)
         x = self.EXTRA
-        log = f.log
+        log = f.sink
         cl = self._cluster
         arrivals = list(transit)
         if extra_request is not None:
@@ -216,7 +216,7 @@ class FleetForecaster:
             for k in mine:
                 idx = -1 - k
                 total += 1
-                ft, fin = f.log.first_token_s.get(idx), f.log.finish_s.get(idx)
+                ft, fin = f.sink.first_token_s.get(idx), f.sink.finish_s.get(idx)
                 if ft is None or fin is None:
                     continue
                 ttft, e2e = ft + api_tok - t[k], fin + api_tok - t[k]
@@ -231,8 +231,8 @@ def _empty_like(sched):
     """A scheduler of the same configuration with an empty pool and no requests."""
     from twin.engine.block_pool import BlockPool
     from twin.engine.fork import ForkLog
-    from twin.engine.scheduler import Scheduler
+    from twin.engine.async_scheduler import make_scheduler
 
     pool = sched.pool
-    return Scheduler(sched.config, BlockPool(pool.num_gpu_blocks, pool.block_size, pool.enable_caching), sched.perf,
+    return make_scheduler(sched.config, BlockPool(pool.num_gpu_blocks, pool.block_size, pool.enable_caching), sched.perf,
                      ForkLog())

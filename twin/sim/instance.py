@@ -12,7 +12,9 @@ from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
 from twin.engine.segment_pool import SegmentPool
 from twin.engine.config import EngineConfig
-from twin.engine.scheduler import Scheduler
+from twin.engine.core import EngineCore
+from twin.engine.async_scheduler import make_scheduler
+from twin.engine.sink import FanOut
 from twin.sim.events import Proc, Timer
 from twin.perf.base import StepTimeModel
 from twin.engine.records import RequestLog
@@ -62,7 +64,7 @@ class Instance:
 
     def __init__(self, env: simpy.Environment, name: str, index: int, config: EngineConfig,
                  perf: StepTimeModel, num_blocks: int, log: RequestLog, fast_forward: bool = True,
-                 max_run_steps: int = 4096, segmented: bool = False) -> None:
+                 max_run_steps: int = 4096, segmented: bool = False, sink: Any = None) -> None:
         self.env = env
         self.id = name
         self.index = index
@@ -72,7 +74,8 @@ class Instance:
         # segmented: the range pool for keys given as runs (prefix-heavy traces); else the per-block reference
         pool_cls = SegmentPool if segmented else BlockPool
         self.pool: BlockPool = pool_cls(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(), self.pool, perf, log)
+        self.scheduler = make_scheduler(config.scheduler_config(), self.pool, perf, log if sink is None else sink)
+        self.core = EngineCore(self.scheduler, perf, env._now, fast_forward, max_run_steps, name)
         self._running = self.scheduler.running  # the same list and deque objects, for cheap views
         self._waiting = self.scheduler.waiting
         self.fast_forward = fast_forward
@@ -80,10 +83,6 @@ class Instance:
         self._wakeup: simpy.Event | None = None
         self._run: list[float] | None = None  # end times of the steps of the decode run in progress
         self._interruptible = False
-        # work in progress, so a fork can finish it exactly as this loop will (twin.engine.fork)
-        self.pending_step: tuple | None = None  # (SchedulerOutput, t_end) of the step being computed
-        self.pending_run: tuple | None = None  # (k, durations, ends, t0) of the decode run in progress
-        self.pending_tail: tuple | None = None  # (j, durations, ends, t_resume): an interrupted run's last step
         self.num_dispatched = 0
         self.state = "serving"  # starting | serving | draining | stopped: the fleet's lifecycle
         self.serving_since = env._now
@@ -100,118 +99,52 @@ class Instance:
 
     # -- the step loop -------------------------------------------------------------------------------
     def run(self) -> Generator[Any, Any, None]:
-        if self.scheduler.async_scheduling:
-            yield from self._run_async()
+        """The engine core's loop (twin.engine.core) on the simulation clock: bring it to now, wait for the
+        work it started, and sleep when it has none (an arrival wakes it, or cuts a decode run short)."""
         env = self.env
-        sched = self.scheduler
+        core = self.core
         while True:
-            if not sched.has_unfinished_requests():
-                if self.on_idle is not None:
-                    self.on_idle(self)
+            core.advance(until=env._now)
+            if not core.is_busy():
+                if self.on_idle is not None:  # a draining instance stops here (under async scheduling its
+                    self.on_idle(self)  # finished requests kept their blocks until the step after they finished)
                 self._wakeup = env.event()
                 yield self._wakeup
                 self.touch(env._now)
                 self._wakeup = None
                 continue
-            k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
-            if k >= 2:
-                t0 = env._now
-                durations, ends = sched.decode_run_plan(k, t0)  # ends summed as the clock would add them
-                self._run = ends
-                self.pending_run = (k, durations, ends, t0)
-                self._interruptible = True
-                j = k
-                try:
-                    yield Timer(env, ends[-1] - t0)
-                except simpy.Interrupt:
-                    # an arrival: the step in progress completes, then the scheduler sees the newcomer
-                    j = min(bisect_left(ends, env._now) + 1, k)
-                self.touch(env._now)
-                self._interruptible = False
-                self._run = None
-                self.pending_run = None
-                self.num_wakeups += 1
-                if env._now < ends[j - 1]:
-                    self.pending_tail = (j, durations, ends, env._now)
-                    yield Timer(env, ends[j - 1] - env._now)
-                    self.touch(env._now)
-                    self.pending_tail = None
-                sched.commit_decode_run(j, durations, ends)
-                continue
-            self.num_wakeups += 1
-            out = sched.schedule(env._now)
-            if out.is_empty:
-                # nothing fits even an empty pool: cannot happen for admitted requests (checked at dispatch)
-                raise RuntimeError(f"{self.id}: scheduler made no progress with {len(sched.waiting)} waiting")
-            dt = self.perf.step_time(out.batch())
-            self.pending_step = (out, env._now + dt)
-            yield Timer(env, dt)
+            run = core.pending_run
+            self._run = None if run is None else run[2]
+            self._interruptible = run is not None
+            try:
+                yield Timer(env, core.wait_s)
+            except simpy.Interrupt:
+                pass  # an arrival: `EngineCore.add_request` cut the run; the loop waits out its last step
             self.touch(env._now)
-            self.pending_step = None
-            sched.update_from_output(out, env._now)
-
-    def _run_async(self) -> Generator[Any, Any, None]:
-        """`run` under async scheduling: vLLM's `EngineCore.step_with_batch_queue` (see twin.engine.scheduler).
-
-        At each step boundary: update(k) (finished requests keep their blocks), the decision for step k+1 as
-        made when step k started (arrivals up to then), then step k's finished requests are freed. Mirrored
-        by `EngineFork.advance`."""
-        env = self.env
-        sched = self.scheduler
-        while True:
-            if sched.is_idle():
-                if not sched.inbox:
-                    if self.on_idle is not None:  # a draining instance stops here: its finished requests
-                        self.on_idle(self)  # kept their blocks until the step after they finished
-                    self._wakeup = env.event()
-                    yield self._wakeup
-                    self.touch(env._now)
-                    self._wakeup = None
-                sched.wake(env._now)
-            sched.admit_inbox()
-            k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
-            if k >= 2:
-                t0 = env._now
-                durations, ends = sched.decode_run_plan(k, t0)
-                self._run = ends
-                self.pending_run = (k, durations, ends, t0)
-                self._interruptible = True
-                j = k
-                try:
-                    yield Timer(env, ends[-1] - t0)
-                except simpy.Interrupt:
-                    # an arrival during step s: step s+1 was decided before it, so it sees it at s+2
-                    j = min(bisect_left(ends, env._now) + 2, k)
-                now = env._now
-                self.touch(now)
-                self._interruptible = False
-                self._run = None
-                self.pending_run = None
-                self.num_wakeups += 1
-                if now < ends[j - 1]:
-                    self.pending_tail = (j, durations, ends, now)
-                    yield Timer(env, ends[j - 1] - now)
-                    self.touch(env._now)
-                    self.pending_tail = None
-                sched.commit_decode_run(j, durations, ends)
-                continue
+            self._interruptible = False
+            self._run = None
             self.num_wakeups += 1
-            now = env._now
-            out = sched.schedule(now)
-            released = sched.release_finished()
-            if out.is_empty:
-                # nothing to run as decided: decide again now, after the frees, with nothing to overlap
-                sched.prev_gpu_s = 0.0
-                if not released and not sched.inbox:
-                    raise RuntimeError(f"{self.id}: scheduler made no progress with {len(sched.waiting)} waiting")
-                continue
-            dt = sched.step_duration(out)
-            self.pending_step = (out, now + dt)
-            yield Timer(env, dt)
-            now = env._now
-            self.touch(now)
-            self.pending_step = None
-            sched.update_from_output(out, now)
+
+    @property
+    def pending_step(self) -> tuple | None:
+        """(SchedulerOutput, t_end) of the step being computed (twin.engine.core)."""
+        return self.core.pending_step
+
+    @property
+    def pending_run(self) -> tuple | None:
+        """(k, durations, ends, t0) of the decode run in progress."""
+        return self.core.pending_run
+
+    @property
+    def pending_tail(self) -> tuple | None:
+        """(j, durations, ends, t_resume): a decode run cut at an arrival, its last step still running."""
+        return self.core.pending_tail
+
+    def subscribe(self, sink: Any) -> None:
+        """Add a sink for this engine's events (twin.engine.sink), after those it has: e.g. a step recorder."""
+        sched = self.scheduler
+        sched.sink = FanOut([sched.sink, sink])
+        sched.wants_steps = sched.sink.wants_steps
 
     def add_request(self, r: Request) -> None:
         """Dispatch: the request joins the waiting queue; a sleeping or fast-forwarding engine is woken."""
@@ -219,7 +152,7 @@ class Instance:
         self.touch(now)
         self.num_dispatched += 1
         self.log.instance[r.idx] = self.index
-        self.scheduler.add_request(r, now)
+        self.core.add_request(r, now)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
         elif self._interruptible:

@@ -2,8 +2,8 @@
 
 Policies that must price many candidate batches (a planner, a router's look-ahead) may want an estimate
 cheaper than a simulation and usable where only measurements exist. `record_run` collects training data from
-a twin run (every step's `StepBatch`, its step time and the KV blocks in use when it ran; the run is forced
-to step mode on one instance so every step is seen); measured profiles with the same columns train it the
+a twin run (every step's `StepBatch`, its step time and the KV blocks in use when it ran, from the engine's
+step events; the run is forced to step mode on one instance so every step is one event); measured profiles with the same columns train it the
 same way. `ResourceEstimator.fit` learns both targets; `error_report` measures it against held-out twin
 steps, and that error is what a policy using the estimate must budget for (the twin itself remains the
 reference).
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from twin.engine.sink import StepRecorder
 from twin.errors import TwinInputError
-from twin.perf.base import StepBatch, StepTimeModel
+from twin.perf.base import StepBatch
 
 FEATURES = ("num_prefill_tokens", "prefill_attn_tokens", "prefill_kv_read_tokens", "num_prefill_sampled",
             "num_decode_tokens", "decode_context_tokens", "num_prefill_reqs")
@@ -28,35 +29,20 @@ def features(batches: list[StepBatch]) -> np.ndarray:
     return np.log1p(x)
 
 
-class RecordingModel:
-    """A step model that passes every call to `base` and records (batch, seconds, KV blocks in use)."""
+class StepLog(StepRecorder):
+    """Every step one engine ran, subscribed to its events (twin.engine.sink): batch, seconds, KV blocks in use."""
 
-    def __init__(self, base: StepTimeModel) -> None:
-        self.base = base
-        self.gpu = base.gpu
-        self.batches: list[StepBatch] = []
-        self.times: list[float] = []
-        self.kv_blocks: list[int] = []
-        self.pool = None  # set after the instance is built: its block pool is read at each step
+    @property
+    def times(self) -> list[float]:
+        return [e - s for s, e in zip(self.starts, self.ends)]
 
-    def step_time(self, batch: StepBatch) -> float:
-        t = self.base.step_time(batch)
-        if batch.num_tokens > 0:
-            self.batches.append(StepBatch(**{f: getattr(batch, f) for f in FEATURES}))
-            self.times.append(t)
-            p = self.pool
-            self.kv_blocks.append(p.num_usable_blocks - p.get_num_free_blocks() if p is not None else -1)
-        return t
-
-    def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
-        return self.base.decode_run_times(num_decode, context0, k)  # step mode never calls this
-
-    def __getattr__(self, name):  # sizes, bounds, API times, describe: the base model's
-        return getattr(self.base, name)
+    @property
+    def kv_blocks(self) -> list[int]:
+        return self.used_blocks
 
 
-def record_run(sc, stream) -> RecordingModel:
-    """Run `sc` on `stream` (one instance, step mode) and return the recorder with every step it saw."""
+def record_run(sc, stream) -> StepLog:
+    """Run `sc` on `stream` (one instance, step mode) and return every step its engine ran."""
     from twin.sim.cluster import Cluster, build_perf
 
     sc = sc.model_copy(deep=True)
@@ -65,9 +51,9 @@ def record_run(sc, stream) -> RecordingModel:
     c = sc.cluster
     c.min_instances, c.num_instances, c.max_instances = 1, 1, 1
     sc.scaler.name = "none"
-    rec = RecordingModel(build_perf(sc))
-    cluster = Cluster(sc, stream, perf=rec)
-    rec.pool = cluster.instances[0].pool
+    cluster = Cluster(sc, stream, perf=build_perf(sc))
+    rec = StepLog()
+    cluster.instances[0].subscribe(rec)
     cluster.run()
     return rec
 

@@ -108,7 +108,7 @@ def queue_order(sc, max_model_len: int) -> WaitingQueueOrder | None:
     cap = sc.workload.max_tokens
     if s.predictor == "oracle":
         def predict(r) -> int:  # the true output length (capped by the client's max_tokens): an upper bound
-            return int(r.max_tokens)
+            return int(r.stop_at_tokens)
     else:
         def predict(r) -> int:  # what the client sent: its max_tokens, else vLLM's default
             return int(cap) if cap is not None else max(1, max_model_len - int(r.num_prompt_tokens))

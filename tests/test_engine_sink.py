@@ -1,0 +1,102 @@
+"""The engine reports through its sink (twin.engine.sink): a subscriber hears every request and step event,
+the run's log is one such sink, and the SimPy instance and the fork run one loop (twin.engine.core)."""
+
+import numpy as np
+import pytest
+
+from twin.engine.core import EngineCore
+from twin.engine.fork import fork_instance
+from twin.engine.sink import EngineSink, FanOut, StepRecorder
+from twin.sim.cluster import Cluster
+
+from conftest import make_scenario, stream_of
+
+
+class Heard(EngineSink):
+    """A user's subscriber: it overrides some events only."""
+
+    def __init__(self):
+        self.events = []
+
+    def first_token(self, r, t):
+        self.events.append(("first", r.idx, t))
+
+    def request_finished(self, r, t):
+        self.events.append(("finished", r.idx, t, r.num_output_tokens))
+
+    def request_preempted(self, r):
+        self.events.append(("preempted", r.idx))
+
+
+def workload(n=60, seed=3):
+    rng = np.random.default_rng(seed)
+    arr = np.sort(rng.uniform(0, 0.5, n))
+    return stream_of(arr, rng.integers(20, 700, n), rng.integers(1, 90, n))
+
+
+@pytest.mark.parametrize("mode,async_on,blocks", [("fast", True, 2000), ("fast", False, 2000), ("step", True, 60),
+                                                  ("step", False, 60)])
+def test_a_subscriber_hears_what_the_log_records(mode, async_on, blocks):
+    sc = make_scenario(**{"sim.mode": mode, "cluster.engine.async_scheduling": async_on,
+                          "cluster.engine.num_gpu_blocks_override": blocks, "cluster.engine.max_num_seqs": 16,
+                          "cluster.engine.max_num_batched_tokens": 512, "sim.timeline_interval_s": 0})
+    cl = Cluster(sc, workload())
+    heard, steps = Heard(), StepRecorder()
+    cl.instances[0].subscribe(heard)
+    cl.instances[0].subscribe(steps)
+    res = cl.run()
+    log, stats = res.log, cl.instances[0].scheduler.stats
+    first = {e[1]: e[2] for e in heard.events if e[0] == "first"}
+    fin = {e[1]: e for e in heard.events if e[0] == "finished"}
+    assert set(fin) == set(range(log.n))  # every request finished, and was heard finishing once
+    shift = cl.api_token_s()  # the log has the client's times: the engine's plus the API server's token time
+    for i, (_, _, t, n_out) in fin.items():
+        assert t + shift == pytest.approx(log.finish_s[i], abs=1e-12) and n_out == log.output_tokens[i]
+        assert first[i] + shift == pytest.approx(log.first_token_s[i], abs=1e-12)
+        assert first[i] <= t
+    assert sum(1 for e in heard.events if e[0] == "preempted") == int(log.preemptions.sum())
+    if blocks == 60:
+        assert log.preemptions.sum() > 0  # the small pool makes the preemption event happen
+    # steps: as many as the engine counted, end to end, busy as long as the engine was
+    assert len(steps.starts) == stats.num_steps
+    assert all(s < e for s, e in zip(steps.starts, steps.ends))
+    assert all(e <= s2 + 1e-12 for e, s2 in zip(steps.ends, steps.starts[1:]))
+    assert sum(e - s for s, e in zip(steps.starts, steps.ends)) == pytest.approx(stats.busy_time_s, rel=1e-9)
+    assert sum(b.num_decode_tokens + b.num_prefill_sampled for b in steps.batches) == stats.generated_tokens
+
+
+def test_fanout_calls_only_the_sinks_that_act_on_an_event():
+    class Nothing:  # duck-typed, not an EngineSink: it acts on nothing
+        pass
+
+    heard = Heard()
+    fan = FanOut([Nothing(), heard, EngineSink()])
+    assert fan._first_token == [heard.first_token] and fan._request_queued == [] and not fan.wants_steps
+    assert FanOut([StepRecorder()]).wants_steps
+
+
+def test_no_step_events_unless_asked():
+    """The log does not want steps, so the engine never builds a step event for it."""
+    class Counting(EngineSink):
+        calls = 0
+
+        def step(self, out, t_end, used_blocks):
+            Counting.calls += 1
+
+    sc = make_scenario(**{"sim.timeline_interval_s": 0})
+    cl = Cluster(sc, workload(20))
+    cl.instances[0].subscribe(Counting())  # overrides `step` but leaves wants_steps False
+    cl.run()
+    assert Counting.calls == 0 and cl.instances[0].scheduler.stats.num_steps > 0
+
+
+def test_the_instance_and_its_fork_run_one_loop():
+    sc = make_scenario(**{"sim.timeline_interval_s": 0})
+    cl = Cluster(sc, workload(40))
+    cl.env.run(until=0.6)
+    inst = cl.instances[0]
+    assert isinstance(inst.core, EngineCore)
+    f = fork_instance(inst, cl.env.now)
+    assert type(f) is type(inst.core) and f.sink is not inst.scheduler.sink
+    f.advance()
+    assert f.drained_at is not None and not f.is_busy()
