@@ -151,7 +151,8 @@ class Controller:
 
             self.actuator = LocalActuator(cfg.launcher, self)
             if cfg.launcher.num_workers:
-                await asyncio.gather(*(self.actuator.start(self.launch_spec()) for _ in range(cfg.launcher.num_workers)))
+                await asyncio.gather(*(self.actuator.start(self.launch_spec())
+                                       for _ in range(cfg.launcher.num_workers)))
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._scrape_loop()), loop.create_task(self._health_loop())]
         if cfg.scaler.name != "none":
