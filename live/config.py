@@ -11,8 +11,8 @@ import yaml
 from pydantic import BaseModel, PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
-from twin.scenario import (PerfSpec, PredictorSpec, RouterSpec, ScalerSpec, SLOSpec, _format_error,
-                           apply_overrides)
+from twin.scenario import (ChunkPlanSpec, PerfSpec, PredictorSpec, RouterSpec, ScalerSpec, SLOSpec,
+                           _format_error, apply_overrides)
 
 
 class _Spec(BaseModel):
@@ -187,6 +187,8 @@ class LiveConfig(_Spec):
     tokenizer: TokenizerSpec = TokenizerSpec()
     kv_events: KVEventSpec = KVEventSpec()
     scaler: ScalerSpec = ScalerSpec()
+    # the scenario's own online chunk planner (live.chunk_plan): its pick is applied to workers launched after it
+    chunk_plan: ChunkPlanSpec = ChunkPlanSpec()
     shadow: ShadowSpec = ShadowSpec()
     base_dir: str = Field(".", exclude=True)
 
@@ -226,7 +228,27 @@ class LiveConfig(_Spec):
         if not self.shadow.enabled and _router_needs_forecaster(self.router.name):
             raise ValueError(f"router {self.router.name} looks ahead with the twin (it needs a forecaster): set "
                              "shadow.enabled: true (and shadow.hardware, shadow.model, shadow.perf)")
-        if self.shadow.enabled:
+        cp = self.chunk_plan
+        if cp.online:
+            if self.launcher is None:
+                raise ValueError("chunk_plan.online applies its pick to the workers the launcher starts: configure "
+                                 "launcher (workers given by URL run with the arguments they were started with)")
+            if cp.apply != "new":
+                raise ValueError("chunk_plan.apply: live applies a pick to workers started after it (apply: new); "
+                                 "running workers are not restarted")
+            missing = [k for k in ("hardware", "model") if getattr(self.shadow, k) is None]
+            if missing:
+                raise ValueError(f"chunk_plan.online plans with the twin: give shadow.{' and shadow.'.join(missing)} "
+                                 "(the workers' GPU and model, as in a scenario) and shadow.perf; shadow.enabled "
+                                 "is not needed")
+            from twin.policy.chunk import EngineKnobs
+            from twin.sim.evaluate import online_chunk_planner
+
+            try:  # a bad candidate list or planner setting is one line now, not at the first plan
+                online_chunk_planner(cp, None, EngineKnobs(1))
+            except ValueError as e:
+                raise ValueError(f"chunk_plan: {e}") from None
+        if self.shadow.enabled or cp.online:
             from live.shadow import check_config
 
             check_config(self)  # builds the twin once: names, engine keys and the perf profile are checked now

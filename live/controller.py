@@ -103,6 +103,12 @@ class Controller:
 
             self.shadow = Shadow(self)
         prepare_scaler_slo(self.scaler, cfg)
+        # the online chunk planner (live.chunk_plan): its pick goes to the workers launched after it
+        self.chunk_plan: Any = None
+        if cfg.chunk_plan.online:
+            from live.chunk_plan import LiveChunkPlanner
+
+            self.chunk_plan = LiveChunkPlanner(self)
         if self.shadow is not None and getattr(self.router, "needs_forecaster", False):
             self.registry.fleet.forecaster = self.shadow.instance_forecaster()  # Block's look-ahead, live
         # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it
@@ -141,17 +147,20 @@ class Controller:
             self.add_worker(w)
         await asyncio.gather(*(self._first_contact(w) for w in self.registry))
         if cfg.launcher is not None:
-            from live.launcher import LaunchSpec, LocalActuator
+            from live.launcher import LocalActuator
 
             self.actuator = LocalActuator(cfg.launcher, self)
             if cfg.launcher.num_workers:
-                await asyncio.gather(*(self.actuator.start(LaunchSpec()) for _ in range(cfg.launcher.num_workers)))
+                await asyncio.gather(*(self.actuator.start(self.launch_spec())
+                                       for _ in range(cfg.launcher.num_workers)))
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._scrape_loop()), loop.create_task(self._health_loop())]
         if cfg.scaler.name != "none":
             self.tasks.append(loop.create_task(self._scale_loop()))
         if self.shadow is not None:
             self.tasks.append(loop.create_task(self.shadow.loop()))
+        if self.chunk_plan is not None:
+            self.tasks.append(loop.create_task(self.chunk_plan.loop()))
         self.started = True
 
     async def _first_contact(self, w: Worker) -> None:
@@ -183,6 +192,14 @@ class Controller:
             self.session = None
 
     # -- registry ------------------------------------------------------------------------------------
+    def launch_spec(self, engine_args: Mapping[str, Any] | None = None) -> Any:
+        """What the actuator starts the next worker with: the chunk planner's pick over `launcher.engine_args`
+        (the actuator lays these over them), and `engine_args` (a scale action's own) over the pick."""
+        from live.launcher import LaunchSpec
+
+        pick = self.chunk_plan.engine_args if self.chunk_plan is not None else {}
+        return LaunchSpec({**pick, **(engine_args or {})})
+
     def launch_config(self, args: Mapping[str, Any]) -> InstanceConfig:
         """What a policy knows of a worker's launch arguments before its first scrape (vLLM's defaults)."""
         d = InstanceConfig()
@@ -402,8 +419,6 @@ class Controller:
 
     async def scale_once(self) -> Any:
         """Ask the scaler once and apply its action through the actuator."""
-        from live.launcher import LaunchSpec
-
         fleet = self.registry.fleet_view(time.monotonic())
         if self.shadow is not None and getattr(self.scaler, "needs_forecaster", False):
             # the twin scaler simulates in its decide(): a thread keeps the event loop serving meanwhile
@@ -427,7 +442,7 @@ class Controller:
             log.warning("scaler wants %s but no launcher is configured", plan)
             return plan
         log.info("scaling: start %d, drain %s (%s)", plan.start, list(plan.drain), plan.reason)
-        jobs = [self.actuator.start(LaunchSpec(plan.engine_args)) for _ in range(plan.start)]
+        jobs = [self.actuator.start(self.launch_spec(plan.engine_args)) for _ in range(plan.start)]
         jobs += [self.actuator.drain(wid) for wid in plan.drain]
         await asyncio.gather(*jobs, return_exceptions=True)
         return plan
@@ -452,6 +467,8 @@ class Controller:
         self.host.finished(req, worker_id, now, output_tokens)
         if self.shadow is not None:
             self.shadow.finished(req, now, output_tokens)
+        if self.chunk_plan is not None and output_tokens > 0:  # as the simulator's planner: finished requests
+            self.chunk_plan.observe(req.arrival_time, req.num_prompt_tokens, output_tokens)
         if self.bookkeeping.load(worker_id).requests == 0:
             ev = self._idle.get(worker_id)
             if ev is not None:
@@ -473,16 +490,20 @@ class Controller:
     def status(self) -> dict[str, Any]:
         """What an operator asks first: the workers, their states, signals and errors."""
         now = time.monotonic()
-        return {"router": self.router_name, "prefix_index": self.index_kind, "tokenizer": self.tokenizer.mode,
-                "in_flight": self.bookkeeping.in_flight(), "accepting": self.accepting,
-                "workers": [{"id": w.id, "url": w.url, "state": w.status, "healthy": w.healthy,
-                             "models": list(w.models), "in_flight": self.bookkeeping.load(w.id).requests,
-                             "running": w.gauges.num_running, "waiting": w.gauges.num_waiting,
-                             "kv_usage": w.gauges.kv_usage, "block_size": w.config.block_size,
-                             "num_gpu_blocks": w.config.num_gpu_blocks, "max_model_len": w.config.max_model_len,
-                             "scrape_age_s": None if not w.last_scrape else now - w.last_scrape,
-                             "prefix_cache_hits": w.counters.get("prefix_hits"),
-                             "prefix_cache_queries": w.counters.get("prefix_queries"),
-                             "kv_blocks_indexed": self.precise.num_blocks(w.id),
-                             "kv_events": self.kv.state(w.id) if self.kv is not None else "off",
-                             "last_error": w.last_error or None} for w in self.registry]}
+        workers = [{"id": w.id, "url": w.url, "state": w.status, "healthy": w.healthy,
+                    "models": list(w.models), "in_flight": self.bookkeeping.load(w.id).requests,
+                    "running": w.gauges.num_running, "waiting": w.gauges.num_waiting,
+                    "kv_usage": w.gauges.kv_usage, "block_size": w.config.block_size,
+                    "num_gpu_blocks": w.config.num_gpu_blocks, "max_model_len": w.config.max_model_len,
+                    "scrape_age_s": None if not w.last_scrape else now - w.last_scrape,
+                    "prefix_cache_hits": w.counters.get("prefix_hits"),
+                    "prefix_cache_queries": w.counters.get("prefix_queries"),
+                    "kv_blocks_indexed": self.precise.num_blocks(w.id),
+                    "kv_events": self.kv.state(w.id) if self.kv is not None else "off",
+                    "last_error": w.last_error or None} for w in self.registry]
+        out: dict[str, Any] = {"router": self.router_name, "prefix_index": self.index_kind,
+                               "tokenizer": self.tokenizer.mode, "in_flight": self.bookkeeping.in_flight(),
+                               "accepting": self.accepting, "workers": workers}
+        if self.chunk_plan is not None:
+            out["chunk_plan"] = self.chunk_plan.status()
+        return out

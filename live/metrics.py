@@ -52,12 +52,19 @@ class ControllerMetrics:
                                 ["reason"], registry=r)
 
         self.shadow: ShadowMetrics | None = None
+        self.chunk_plan: ChunkPlanMetrics | None = None
 
     def enable_shadow(self) -> "ShadowMetrics":
         """Register shadow mode's series (live.shadow) on this controller's page; only when it is on."""
         if self.shadow is None:
             self.shadow = ShadowMetrics(self.registry)
         return self.shadow
+
+    def enable_chunk_plan(self) -> "ChunkPlanMetrics":
+        """Register the online chunk planner's series (live.chunk_plan); only when it is on."""
+        if self.chunk_plan is None:
+            self.chunk_plan = ChunkPlanMetrics(self.registry)
+        return self.chunk_plan
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -95,3 +102,20 @@ class ShadowMetrics:
     def clear_forecasts(self) -> None:
         for g in (self.forecast, self.goodput, self.attainment):
             g.clear()
+
+
+class ChunkPlanMetrics:
+    """The online chunk planner: the engine arguments the next launched worker gets, plans and changes."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.engine_arg = Gauge("llmtwin_chunk_plan_engine_arg",
+                                "Engine argument the chunk planner gives workers launched from now on", ["arg"],
+                                registry=r)
+        self.plans = Counter("llmtwin_chunk_plans", "Chunk planner runs over its candidates", registry=r)
+        self.changes = Counter("llmtwin_chunk_plan_changes", "Picks that changed the launch arguments", registry=r)
+        self.plan_seconds = Gauge("llmtwin_chunk_plan_last_seconds", "Wall time of the last chunk plan", registry=r)
+
+    def set_current(self, knobs) -> None:
+        self.engine_arg.clear()
+        for k, v in knobs.as_engine_args().items():
+            self.engine_arg.labels(k).set(v)

@@ -5,13 +5,15 @@ vLLM 0.32 (`vllm/v1/metrics/loggers.py`, `PrometheusStatLogger`) publishes `vllm
 and `vllm:gpu_prefix_cache_{queries,hits}_total`. Both spellings are read; the new one wins when a page has
 both. Series of several engines (data parallel: label `engine`) are summed (usage: averaged).
 Only the few series the controller needs are parsed (one regular expression over the page, about a
-millisecond for a 50 KB page here).
+millisecond for a 50 KB page here). `series_sums` reads any named series (histogram `_sum`/`_count`, counters)
+the same way, for the lab's before/after deltas (`twin.lab.observe`, `twin.lab.calibrate`).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from twin.policy.views import Gauges, InstanceConfig
 
@@ -110,3 +112,25 @@ def parse_metrics(text: str) -> MetricsPage:
         page.values[key] = total / counts[key] if key in _MEAN and counts[key] else total
     page.engines = len(engines) or (1 if acc else 0)
     return page
+
+
+# a label set, quoted values may hold braces ("{...}") and escaped quotes
+_LABELS = r'\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\}'
+
+
+def series_sums(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Each named series' value summed over its label sets (engines, models); a name the page lacks is left out.
+
+    Exact names: `vllm:time_to_first_token_seconds_sum` is one series, its `_bucket` lines are others."""
+    wanted = tuple(dict.fromkeys(names))
+    if not wanted:
+        return {}
+    pat = re.compile(r"^(" + "|".join(re.escape(n) for n in wanted) + r")(?:" + _LABELS + r")?[ \t]+(\S+)", re.M)
+    out: dict[str, float] = {}
+    for name, raw in pat.findall(text):
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out

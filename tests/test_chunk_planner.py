@@ -224,3 +224,12 @@ def test_online_window_forgets_old_requests_and_can_watch_the_rate():
     feed(op, 100, 130, 500, rate=6)  # same prompts, three times the rate: re-plan (nothing better to emit)
     assert op.step(130, SLO(ttft_s=1)) is None and op.plans == 2
     assert op.reference["rate"] == pytest.approx(6, rel=0.05)
+
+
+def test_online_window_is_in_arrival_order_though_requests_finish_out_of_it():
+    op = OnlineChunkPlanner(ChunkPlanner(nearest_pow2), current=EngineKnobs(512), window_s=30, min_requests=1)
+    for a, p in ((5.0, 100), (1.0, 200), (7.0, 300), (3.0, 400), (0.5, 500)):  # finish order: a long one last
+        op.observe(a, p, 10)
+    w = op.window(32.0)  # the cut is 2.0: the two that arrived before it go, wherever they finished
+    assert list(w.arrival_s) == [3.0, 5.0, 7.0] and list(w.prompt_tokens) == [400, 100, 300]
+    assert w.duration_s == 4.0

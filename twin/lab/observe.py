@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from live.signals import parse_metrics, series_sums
 from live.vllm_server import cpu_env, engine_flags, free_port, server_command, spawn, stop_group, wait_serving
 from twin.errors import TwinInputError
 
@@ -286,8 +287,6 @@ def scrape(url: str, timeout: float = 10.0) -> str:
 def cache_config(metrics: str) -> dict:
     """block_size, num_gpu_blocks, enable_prefix_caching from `vllm:cache_config_info`'s labels (read by the
     controller's parser, `live.signals.parse_metrics`)."""
-    from live.signals import parse_metrics
-
     page = parse_metrics(metrics)
     out: dict = {}
     for k in ("block_size", "num_gpu_blocks"):
@@ -301,14 +300,9 @@ def cache_config(metrics: str) -> dict:
 def histogram_sums(metrics: str, names=("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                                          "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                                          "vllm:request_prefill_time_seconds")) -> dict:
-    """Each histogram's _sum and _count (summed over series): before/after deltas give the server's own means."""
-    out: dict = {}
-    for line in metrics.splitlines():
-        for n in names:
-            for suf in ("_sum", "_count"):
-                if line.startswith(n + suf + "{") or line.startswith(n + suf + " "):
-                    out[n + suf] = out.get(n + suf, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    """Each histogram's _sum and _count (summed over series): before/after deltas give the server's own means.
+    Read by the controller's parser (`live.signals.series_sums`)."""
+    return series_sums(metrics, [n + suf for n in names for suf in ("_sum", "_count")])
 
 
 @dataclass
@@ -544,12 +538,8 @@ def block_ids(tokens: list[int], block: int = HASH_BLOCK) -> list[int]:
 
 
 def counter(metrics: str, name: str) -> float:
-    """A counter's (or histogram part's) value summed over its series; 0 when absent."""
-    s = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            s += float(line.rsplit(" ", 1)[1])
-    return s
+    """A counter's (or histogram part's) value summed over its series; 0 when absent (`live.signals.series_sums`)."""
+    return series_sums(metrics, [name]).get(name, 0.0)
 
 
 def machine() -> dict:

@@ -27,6 +27,7 @@ from twin.engine.async_scheduler import make_scheduler
 from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.perf.base import StepBatch
 from twin.engine.records import RequestLog
+from twin.workload.prefix_hash import TRACE_ROOT, token_block_hashes
 
 VOCAB = 4096
 MAX_MODEL_LEN = 8192
@@ -297,12 +298,7 @@ class Arrivals:
 
 def block_keys(tokens: list[int], block_size: int) -> list[int]:
     """Chained hashes of the full blocks of `tokens` (as vLLM hashes them: parent hash + block tokens)."""
-    keys = []
-    h = 0x5EED
-    for j in range(len(tokens) // block_size):
-        h = hash((h, tuple(tokens[j * block_size:(j + 1) * block_size])))
-        keys.append(h)
-    return keys
+    return token_block_hashes(tokens, block_size, TRACE_ROOT)
 
 
 class _UnitSteps:

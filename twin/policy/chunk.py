@@ -13,6 +13,7 @@ The knobs are vLLM's engine arguments by their vLLM names (vllm/config/scheduler
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -245,10 +246,15 @@ class OnlineChunkPlanner:
     _output: list[int] = field(default_factory=list, repr=False)
 
     def observe(self, arrival_s: float, prompt_tokens: int, output_tokens: int) -> None:
-        """A request arrived (output_tokens: the client's cap or a prediction; live never knows the truth)."""
-        self._arrival.append(float(arrival_s))
-        self._prompt.append(int(prompt_tokens))
-        self._output.append(int(output_tokens))
+        """A request to plan on (both worlds call it at finish, with the output it produced). Kept in arrival
+        order: requests finish out of it, and the window's cut and the evaluator's replay read arrival order."""
+        a = float(arrival_s)
+        k = len(self._arrival)
+        if k and self._arrival[-1] > a:
+            k = bisect.bisect_right(self._arrival, a)
+        self._arrival.insert(k, a)
+        self._prompt.insert(k, int(prompt_tokens))
+        self._output.insert(k, int(output_tokens))
 
     def window(self, now: float) -> WorkloadWindow:
         """The requests of the last `window_s` seconds; older ones are forgotten."""

@@ -51,3 +51,21 @@ class TwinEvaluator:
         sc = with_knobs(self.scenario, knobs, slo)
         self.runs += 1
         return summarize(self.simulate(sc, self.stream_of(window)))
+
+
+def online_chunk_planner(spec: Any, evaluate: Any, current: EngineKnobs, seed: int = 0) -> Any:
+    """The online chunk planner a `chunk_plan:` section (`twin.scenario.ChunkPlanSpec`) describes, one builder for
+    the simulator's fleet and the live controller: the robust planner when `resamples` > 0, else the offline one,
+    re-planned on a sliding window (`twin.policy.chunk.OnlineChunkPlanner`)."""
+    from twin.policy.chunk import DEFAULT_CHUNKS, ChunkPlanner, OnlineChunkPlanner
+
+    chunks = tuple(spec.candidates) or DEFAULT_CHUNKS
+    if spec.resamples:
+        from twin.policy.robust_chunk import RobustChunkPlanner
+
+        inner: Any = RobustChunkPlanner(evaluate, current, chunks, blocks=spec.blocks, resamples=spec.resamples,
+                                        seed=seed)
+    else:
+        inner = ChunkPlanner(evaluate, chunks)
+    return OnlineChunkPlanner(inner, current, window_s=spec.window_s, min_requests=spec.min_requests,
+                              shift_threshold=spec.shift_threshold, margin=spec.margin)

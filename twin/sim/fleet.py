@@ -145,8 +145,8 @@ class Fleet:
         """The online chunk planner: observe finished requests, re-plan every interval, apply changes."""
         from dataclasses import replace as dc_replace
 
-        from twin.sim.evaluate import TwinEvaluator, slo_of
-        from twin.policy.chunk import DEFAULT_CHUNKS, ChunkPlanner, EngineKnobs, OnlineChunkPlanner
+        from twin.sim.evaluate import TwinEvaluator, online_chunk_planner, slo_of
+        from twin.policy.chunk import EngineKnobs
 
         cl = self.cluster
         spec = cl.scenario.chunk_plan
@@ -158,17 +158,7 @@ class Fleet:
         ec = cl.engine_config
         current = EngineKnobs(ec.max_num_batched_tokens)
         evaluator = TwinEvaluator(quiet, lambda s, st: type(cl)(s, st).run())  # the run handed in
-        chunks = tuple(spec.candidates) or DEFAULT_CHUNKS
-        if spec.resamples:
-            from twin.policy.robust_chunk import RobustChunkPlanner
-
-            inner = RobustChunkPlanner(evaluator, current, chunks, blocks=spec.blocks,
-                                       resamples=spec.resamples, seed=sc.seed)
-        else:
-            inner = ChunkPlanner(evaluator, chunks)
-        planner = OnlineChunkPlanner(inner,
-                                     current, window_s=spec.window_s, min_requests=spec.min_requests,
-                                     shift_threshold=spec.shift_threshold, margin=spec.margin)
+        planner = online_chunk_planner(spec, evaluator, current, sc.seed)
         self.chunk_planner = planner
         slo = slo_of(sc)
         while True:
