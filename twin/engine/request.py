@@ -6,6 +6,7 @@ from enum import IntEnum
 from typing import Sequence
 
 from twin.engine.block_pool import Run
+from twin.workload.prefix_hash import TRACE_ROOT, chain
 
 
 class RequestStatus(IntEnum):
@@ -74,14 +75,7 @@ class Request:
                 f"out={self.num_output_tokens}/{self.stop_at_tokens}, computed={self.num_computed_tokens})")
 
 
-def _chain(hash_ids) -> list[int]:
-    """Chained ids: element t names every trace block up to t (equal values mean equal prefixes)."""
-    chain = []
-    h = 0x5EED
-    for hid in hash_ids:
-        h = hash((h, hid))
-        chain.append(h)
-    return chain
+_chain = chain  # chained trace ids (twin.workload.prefix_hash): element t names every trace block up to t
 
 
 class KeyBases:
@@ -105,7 +99,7 @@ class KeyBases:
         base = self.base
         cont = self.continued
         runs: list[tuple[int, int, int]] = []
-        h = 0x5EED
+        h = TRACE_ROOT
         prev = 0
         cur_b = 0
         cur_t0 = 0
