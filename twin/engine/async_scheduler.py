@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
-from twin.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from twin.engine.output import SchedulerOutput
+from twin.engine.scheduler import Scheduler, SchedulerConfig
 from twin.engine.sink import EngineSink
 from twin.perf.base import StepTimeModel
 

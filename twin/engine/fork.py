@@ -17,7 +17,9 @@ from twin.engine.core import EngineCore
 from twin.engine.request import Request
 from twin.engine.segment_pool import Seg, SegmentPool
 from twin.engine.async_scheduler import make_scheduler
-from twin.engine.scheduler import EngineStats, RefusedHead, Scheduler, SchedulerOutput
+from twin.engine.output import SchedulerOutput
+from twin.engine.scheduler import RefusedHead, Scheduler
+from twin.engine.stats import EngineStats
 from twin.engine.records import RequestLog
 
 

@@ -22,18 +22,18 @@ picks the class from the config. The methods it overrides are the points where t
 from __future__ import annotations
 
 import heapq
-from array import array
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 
 from twin.engine.block_pool import BlockPool
 from twin.engine.kv_cache_manager import KVCacheManager, kv_cache_manager
 from twin.engine.request import Request, RequestStatus
-from twin.perf.base import StepBatch, StepTimeModel
+from twin.perf.base import StepTimeModel
+from twin.engine.output import SchedulerOutput
 from twin.engine.sink import EngineSink
+from twin.engine.stats import EngineStats
 
 
 @dataclass
@@ -47,111 +47,6 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True  # vLLM 0.32 admission gate: room for the whole sequence
     watermark: float = 0.0
     async_scheduling: bool = False  # vLLM's AsyncScheduler + batch queue (see `Scheduler` docstring)
-
-
-@dataclass
-class SchedulerOutput:
-    """What one `schedule()` decided."""
-
-    t_start: float
-    prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, tokens, computed before)
-    num_decode: int = 0  # decode-group members scheduled (1 token each)
-    decode_context: int = 0
-    skipped: list[Request] = field(default_factory=list)  # decode members that got no token
-    preempted: list[Request] = field(default_factory=list)
-
-    t_decided: float = -1.0  # when vLLM made this decision (async: the start of the step before)
-
-    def __init__(self, t_start: float, prefills: list[tuple[Request, int, int]] | None = None, num_decode: int = 0,
-                 decode_context: int = 0, skipped: list[Request] | None = None,
-                 preempted: list[Request] | None = None, t_decided: float = -1.0) -> None:
-        # written out (dataclass keeps it): one per step, a native constructor when compiled
-        self.t_start = t_start
-        self.prefills = [] if prefills is None else prefills
-        self.num_decode = num_decode
-        self.decode_context = decode_context
-        self.skipped = [] if skipped is None else skipped
-        self.preempted = [] if preempted is None else preempted
-        self.t_decided = t_decided
-
-    def batch(self) -> StepBatch:
-        b = StepBatch(num_decode_tokens=self.num_decode, decode_context_tokens=self.decode_context,
-                      num_prefill_reqs=len(self.prefills))
-        for r, n, c in self.prefills:
-            b.num_prefill_tokens += n
-            b.prefill_attn_tokens += n * c + n * (n + 1) / 2
-            b.prefill_kv_read_tokens += c + n
-            if c + n == r.num_tokens:
-                b.num_prefill_sampled += 1
-        return b
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and self.num_decode == 0
-
-
-ITL_FLUSH = 1 << 16  # values gathered before they move into the arrays
-
-
-class ItlRecorder:
-    """Inter-token latencies as (value, how many tokens had it), in compact arrays (16 bytes an entry).
-
-    Values gather in a list first, where a decode run's durations go in as one pointer copy, with one
-    (count, weight) pair per run; they move into the float64 arrays in chunks (array.extend converts a
-    list element by element through argument parsing, ~10x slower than numpy)."""
-
-    __slots__ = ("values", "weights", "_buf", "_counts", "_wts")
-
-    def __init__(self) -> None:
-        self.values = array("d")
-        self.weights = array("q")
-        self._buf: list[float] = []
-        self._counts: list[int] = []
-        self._wts: list[int] = []
-
-    def add(self, value: float, weight: int) -> None:
-        if weight > 0:
-            self._buf.append(value)
-            self._counts.append(1)
-            self._wts.append(weight)
-            if len(self._buf) >= ITL_FLUSH:
-                self._flush()
-
-    def add_many(self, values: list[float], weight: int) -> None:
-        if weight > 0 and len(values):
-            self._buf.extend(values)
-            self._counts.append(len(values))
-            self._wts.append(weight)
-            if len(self._buf) >= ITL_FLUSH:
-                self._flush()
-
-    def _flush(self) -> None:
-        if self._buf:
-            self.values.frombytes(np.asarray(self._buf, dtype=np.float64).tobytes())
-            w = np.repeat(np.asarray(self._wts, dtype=np.int64), np.asarray(self._counts, dtype=np.int64))
-            self.weights.frombytes(w.tobytes())
-            self._buf = []
-            self._counts = []
-            self._wts = []
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        self._flush()
-        return np.frombuffer(self.values, dtype=np.float64), np.frombuffer(self.weights, dtype=np.int64)
-
-
-@dataclass
-class EngineStats:
-    """Counters and weighted samples an instance accumulates over a run."""
-
-    num_steps: int = 0
-    busy_time_s: float = 0.0
-    prefix_cache_queries: int = 0  # prompt tokens of newly admitted requests (vLLM's counter)
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    kv_used_block_seconds: float = 0.0
-    kv_peak_used_blocks: int = 0
-    generated_tokens: int = 0
-    itl: ItlRecorder = field(default_factory=ItlRecorder)
 
 
 class RefusedHead:
