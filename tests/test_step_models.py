@@ -162,3 +162,11 @@ def test_a_cluster_takes_any_step_model_object(mode):
     assert (e2e(res) > 1.9 * e2e(base)).all() and (e2e(res) < 2.1 * e2e(base)).all()
     s = summarize(res)
     assert s["perf_model"] == {"kind": "doubled"} and s["physics_ok"]
+
+
+@pytest.mark.parametrize("knob", ["layer_overhead_s", "step_overhead_s", "compute_efficiency"])
+def test_a_roofline_correction_beside_a_fitted_profile_is_refused_not_ignored(knob):
+    """The fitted model fits its own fixed costs (per_layer_s is layer_overhead_s's term): one line, no silent loss."""
+    with pytest.raises(TwinInputError, match=f"{knob}: roofline corrections"):
+        make_scenario(**{"cluster.perf": {"kind": "fitted", "profile": "h100-vllm", knob: 0.5}})
+    assert make_scenario(**{"cluster.perf": {"kind": "roofline", knob: 0.5}}).cluster.perf.kind == "roofline"

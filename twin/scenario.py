@@ -30,6 +30,10 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+ROOFLINE_CORRECTIONS = ("compute_efficiency", "memory_efficiency", "step_overhead_s", "per_request_overhead_s",
+                        "allreduce_latency_s", "layer_overhead_s")
+
+
 class PerfSpec(_Spec):
     """Step-time model and its corrections (twin.perf.roofline says which values are assumptions).
 
@@ -68,6 +72,15 @@ class PerfSpec(_Spec):
                              "one by name)")
         if self.fit_path and self.profile:
             raise ValueError("give fit_path or profile, not both")
+        if self.kind == "fitted":
+            # the fitted model prices steps with its own terms over the ideal roofline (twin.perf.fitted: step_s,
+            # per_request_s, per_layer_s, allreduce_call_s, the groups' coefficients): a roofline correction set
+            # beside it would be silently ignored, and layer_overhead_s is the same GPU fixed cost as per_layer_s
+            ignored = [k for k in ROOFLINE_CORRECTIONS if k in self.model_fields_set]
+            if ignored:
+                raise ValueError(f"{', '.join(ignored)}: roofline corrections, which kind 'fitted' does not read "
+                                 "(its profile fits its own terms: step_s, per_request_s, per_layer_s, ...); "
+                                 "remove them or use kind 'roofline'")
         if self.profile is not None:
             from twin.perf.fitted import known_profiles
 
