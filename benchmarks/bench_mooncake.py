@@ -36,7 +36,7 @@ HEAD = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.head
 if HEAD.exists():
     SCENARIOS["conversation head, scenario's cluster"] = (ROOT / "scenarios" / "mooncake-replay.yaml",
                                                          [f"workload.trace.path={HEAD}"])
-POOL_FUNCS = ("release_keyed", "allocate", "_register_full_blocks", "touch", "engine_block_keys", "<listcomp>",
+POOL_FUNCS = ("release_keyed", "allocate", "cache_blocks", "free", "lookup", "touch", "engine_block_keys", "<listcomp>",
               # the range pool (twin/engine/segment_pool.py) and its helpers
               "register", "release_held", "touch_prefix", "num_cached_hits", "num_free_hits", "_isolate",
               "_coalesce", "_assign", "_split", "_append", "_unlink", "engine_block_runs")

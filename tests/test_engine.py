@@ -143,7 +143,7 @@ def test_a_preempted_request_hits_its_own_surviving_blocks_when_resumed():
         cl.env.step()
         for r in sched.waiting:
             if r.num_preemptions and r.own_run is not None:
-                seen.append(sched._lookup(r)[1])
+                seen.append(sched.kv.lookup(r)[1])
     assert seen and max(seen) >= 200 // 16  # at least its prompt's full blocks are still there
 
 
