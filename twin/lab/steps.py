@@ -13,14 +13,15 @@ its own load (`steps.parquet`, `engine_requests.parquet` in the observation fold
   every step slower, not the replay wronger.
 - **Step time** (`step_time_rows`): a step model (the profile `twin calibrate` fitted on client-side times,
   or `fit_steps` on the calibration load's measured steps) against each measured step. This one moves with
-  the machine: `machine_drift` is how far the measured-to-model ratio of each load moved from the
-  calibration load's.
+  the machine: `machine_drift` is how far the same decode steps' durations moved from the calibration
+  load's (no model in it).
 
 How a step's duration and a request's entry are read off the log: twin.lab.steplog.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,18 +166,34 @@ def step_time_rows(name: str, steps: pd.DataFrame, model, label: str) -> dict:
             "median_step_ms": float(np.median(meas[ok]) * 1e3)}
 
 
-def machine_drift(rows: list[dict], reference: str = "calibration") -> dict:
-    """Per model: how far each load's median measured / model ratio moved from the reference load's (%); the
-    model is the same throughout, so the movement is the machine's."""
-    out: dict = {}
-    for label in sorted({r["model"] for r in rows}):
-        mine = [r for r in rows if r["model"] == label]
-        ref = next((r["median_ratio"] for r in mine if r["slice"] == reference), None)
-        if not ref:
-            continue
-        per = {r["slice"]: (r["median_ratio"] / ref - 1) * 100 for r in mine}
-        out[label] = {"per_slice_pct": per, "max_abs_pct": float(max(abs(v) for v in per.values()))}
-    return out
+def machine_drift(frames: dict[str, pd.DataFrame], reference: str = "calibration", min_steps: int = 5) -> dict:
+    """How far the machine's speed moved from the reference load's, with no model in between: decode-only
+    steps of the same batch size (the commonest shape, seen in every load) in each load against the same
+    batch size in the reference load; the load's figure is the median over its matched steps of duration /
+    the reference's median duration for that batch size, minus 1 (%). Only batch sizes with `min_steps` steps
+    in both loads count (`matched_steps` says how many)."""
+    ref = frames.get(reference)
+    if ref is None or ref.empty:
+        return {}
+
+    def decodes(f: pd.DataFrame) -> pd.DataFrame:
+        return f[(f["num_prefill_tokens"] == 0) & (f["num_decode_tokens"] > 0)]
+
+    rd = decodes(ref)
+    ref_med = rd.groupby("num_decode_tokens")["duration_s"].median()
+    ref_n = rd.groupby("num_decode_tokens").size()
+    per, matched = {}, {}
+    for name, f in frames.items():
+        d = decodes(f)
+        n = d.groupby("num_decode_tokens").size()
+        ok = [b for b in n.index if n[b] >= min_steps and ref_n.get(b, 0) >= min_steps]
+        m = d[d["num_decode_tokens"].isin(ok)]
+        matched[name] = int(len(m))
+        per[name] = float((np.median(m["duration_s"].to_numpy() / ref_med.loc[m["num_decode_tokens"]].to_numpy())
+                           - 1) * 100) if len(m) else float("nan")
+    vals = [abs(v) for v in per.values() if v == v]
+    return {"per_slice_pct": per, "matched_steps": matched, "max_abs_pct": float(max(vals)) if vals else float("nan"),
+            "reference": reference, "basis": "decode-only steps, same batch size, median duration ratio"}
 
 
 def fit_steps(steps: pd.DataFrame, profile, meta: dict):
@@ -205,3 +222,76 @@ def fit_steps(steps: pd.DataFrame, profile, meta: dict):
          "per_request_s": float(z[3])}
     prof = Profile.from_params(p, profile.coefficients)
     return FittedModel(roof, prof.coefficients, source="step fit"), prof
+
+
+# -- both figures for a run's observations ---------------------------------------------------------------------
+
+def has_steps(obs) -> bool:
+    return obs.path is not None and (Path(obs.path) / "steps.parquet").is_file()
+
+
+def live_fidelity(observations: dict, profile, out: Path | None = None, calibrate_on: str = "calibration") -> dict:
+    """The scheduling figure (every observation with a step log, replayed with its measured steps) and the
+    step-time figure (the calibrated profile, and a step fit on `calibrate_on`'s measured steps, against every
+    observation's steps) with the machine's drift; `out/live_fidelity.csv` and `.json` when `out` is given."""
+    from twin.lab.calibrate import twin_scenario
+    from twin.perf.fitted import FittedModel
+    from twin.perf.registry import roofline
+
+    obs = {k: o for k, o in observations.items() if has_steps(o) and int(o.meta.get("num_instances", 1)) == 1}
+    if not obs:
+        return {}
+    sched, steps_rows, agree = [], [], {}
+    frames = {k: read_engine(Path(o.path))[0] for k, o in obs.items()}
+    first = next(iter(obs.values()))
+    calibrated = FittedModel(roofline(twin_scenario(first.meta)), profile.coefficients, source="calibration")
+    models = [("calibrated", calibrated)]
+    if calibrate_on in frames:
+        models.append(("step fit", fit_steps(frames[calibrate_on], profile, obs[calibrate_on].meta)[0]))
+    for name, o in obs.items():
+        rep = replay_observation(o, profile, "composition")
+        order = replay_observation(o, profile, "order")
+        sched += scheduling_rows(name, rep)  # no fit in it (the profile prices only unmatched steps): every load counts
+        agree[name] = {"composition": rep.stats, "order_agreement": order.stats["agreement"],
+                       "order_mean_e2e_ape_pct": scheduling_rows(name, order)[1]["mean_ape_pct"]}
+        for label, m in models:
+            steps_rows.append({**step_time_rows(name, frames[name], m, label),
+                               "fitted_on": name == calibrate_on})
+    summary = {
+        "scheduling": {"rows": sched, "matching": agree,
+                       "max_mean_ape_pct": {m: float(max(r["mean_ape_pct"] for r in sched if r["metric"] == m))
+                                            for m in ("ttft", "e2e")},
+                       "max_per_request_mape_pct": {m: float(max(r["per_request_mape_pct"] for r in sched
+                                                                 if r["metric"] == m)) for m in ("ttft", "e2e")}},
+        "step_time": {"rows": steps_rows,
+                      "held_out_step_mape_pct": {lab: float(np.mean([r["step_mape_pct"] for r in steps_rows
+                                                                      if r["model"] == lab and not r["fitted_on"]]
+                                                                     or [np.nan])) for lab, _ in models},
+                      "held_out_total_ape_pct": {lab: float(np.mean([r["total_ape_pct"] for r in steps_rows
+                                                                      if r["model"] == lab and not r["fitted_on"]]
+                                                                     or [np.nan])) for lab, _ in models}},
+        "machine_drift": machine_drift(frames, calibrate_on),
+    }
+    if out is not None:
+        out = Path(out)
+        pd.DataFrame(sched).to_csv(out / "live_fidelity_scheduling.csv", index=False)
+        pd.DataFrame(steps_rows).to_csv(out / "live_fidelity_steps.csv", index=False)
+        (out / "live_fidelity.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    return summary
+
+
+def describe_live(summary: dict) -> list[str]:
+    """The two figures in a few lines, for `twin fidelity` and the heavy test's output."""
+    if not summary:
+        return []
+    s, t, d = summary["scheduling"], summary["step_time"], summary["machine_drift"]
+    lines = ["scheduling (twin with the server's measured steps vs the server, engine TTFT / E2E, mean abs % "
+             "error per slice): " + ", ".join(f"{r['slice']} {r['metric']} {r['mean_ape_pct']:.2f}"
+                                                for r in s["rows"])]
+    for lab in t["held_out_step_mape_pct"]:
+        lines.append(f"step time ({lab} model vs measured steps, held out): per-step MAPE "
+                     f"{t['held_out_step_mape_pct'][lab]:.1f} %, total {t['held_out_total_ape_pct'][lab]:.1f} %")
+    if d:
+        lines.append("machine drift (same-size decode steps against the calibration load's): " + ", ".join(
+            f"{k} {v:+.1f} %" for k, v in d["per_slice_pct"].items()))
+    return lines
