@@ -11,8 +11,8 @@ import pytest
 
 from twin.errors import TwinInputError
 from twin.lab.calibrate import Observation, Profile, twin_scenario
-from twin.lab.steps import (STEP_COLS, batch_of, engine_entry, engine_frames, fit_steps, machine_drift, read_step_log,
-                            replay_observation, scheduling_rows, step_time_rows)
+from twin.lab.steps import (STEP_COLS, batch_of, describe_live, engine_entry, engine_frames, fit_steps, live_fidelity,
+                            machine_drift, read_step_log, replay_observation, scheduling_rows, step_time_rows)
 from twin.perf.base import StepBatch
 from twin.perf.fitted import FittedModel
 from twin.perf.registry import roofline
@@ -75,6 +75,7 @@ def serve(tmp_path, model_factor: float = 1.0, seed: int = 0):
                            **{c: getattr(b, c) for c in STEP_COLS}} for k, (b, d, t) in enumerate(m.steps)])
     er = pd.DataFrame({"request_id": np.arange(len(arr)), "queued_s": log["arrival_s"], "prompt_tokens": p,
                        "first_token_s": log["first_token_s"], "finish_s": log["finish_s"], "output_tokens": o})
+    obs.requests = obs.requests.assign(first_token_s=log["first_token_s"].to_numpy(), finish_s=log["finish_s"].to_numpy())
     steps.to_parquet(tmp_path / "steps.parquet")
     er.to_parquet(tmp_path / "engine_requests.parquet")
     return obs, prof, steps
@@ -170,3 +171,17 @@ def test_step_log_lines_become_frames(tmp_path):
     with pytest.raises(TwinInputError, match="not JSON"):
         (tmp_path / "bad.jsonl").write_text("nope\n")
         read_step_log(tmp_path / "bad.jsonl")
+
+
+def test_live_fidelity_splits_the_error(tmp_path):
+    """Two loads on the moving machine: the scheduling figure is exact, the step model's is not, and on the
+    client side (no API server here) the measured steps remove what the model got wrong."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    obs_a, prof, _ = serve(tmp_path / "a", seed=1)
+    obs_b, _, _ = serve(tmp_path / "b", seed=2)
+    s = live_fidelity({"calibration": obs_a, "later": obs_b}, prof, tmp_path)
+    assert max(s["scheduling"]["max_mean_ape_pct"].values()) < 1e-4
+    assert s["step_time"]["held_out_step_mape_pct"]["calibrated"] > 20
+    c = s["client"]["held_out_mean_ape_pct"]
+    assert c["measured steps e2e"] < 1e-3 < c["calibrated model e2e"]
+    assert (tmp_path / "live_fidelity.json").is_file() and len(describe_live(s)) == 5

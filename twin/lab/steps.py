@@ -224,6 +224,42 @@ def fit_steps(steps: pd.DataFrame, profile, meta: dict):
     return FittedModel(roof, prof.coefficients, source="step fit"), prof
 
 
+# -- the client's view, with the measured steps -------------------------------------------------------------------
+
+def client_rows(name: str, obs, profile) -> list[dict]:
+    """The client-side mean TTFT and E2E error twice: the twin with the calibrated step model (the published
+    table's) and with the server's measured steps (composition-matched; the API server's fitted terms in both).
+    What the measured steps leave is the API server's and the client's own share, which the engine log cannot
+    see; what they remove is the step model's."""
+    from twin.lab.calibrate import Simulated, observed_stream, request_errors, simulate_observation, twin_scenario
+    from twin.perf.fitted import FittedModel
+    from twin.perf.registry import roofline
+    from twin.sim.cluster import Cluster
+
+    steps, _ = read_engine(Path(obs.path))
+    sc = twin_scenario(obs.meta, profile.api, 1).model_copy(deep=True)
+    sc.sim.mode = "step"
+    model = ReplayStepModel(recorded_steps(steps), FittedModel(roofline(sc), profile.coefficients))
+    stream, ordered = observed_stream(obs)
+    cl = Cluster(sc, stream, perf=model)
+    for inst in cl.instances:
+        inst.perf = inst.scheduler.perf = model
+    df = cl.run().log.to_frame()
+    df["request_id"] = ordered["request_id"].to_numpy()
+    runs = {"measured steps": Simulated(df, np.empty(0), np.empty(0), 0.0),
+            "calibrated model": simulate_observation(obs, profile)}
+    rows = []
+    for label, sim in runs.items():
+        e = request_errors(obs, sim)
+        for m in ("ttft", "e2e"):
+            v = e[m][np.all(np.isfinite(e[m]), axis=1)]
+            rows.append({"slice": name, "steps": label, "metric": m, "observed_mean_s": float(v[:, 0].mean()),
+                         "twin_mean_s": float(v[:, 1].mean()), "mean_ape_pct": _ape(float(v[:, 1].mean()),
+                                                                                     float(v[:, 0].mean())),
+                         "agreement": model.stats()["agreement"] if label == "measured steps" else float("nan")})
+    return rows
+
+
 # -- both figures for a run's observations ---------------------------------------------------------------------
 
 def has_steps(obs) -> bool:
@@ -241,7 +277,7 @@ def live_fidelity(observations: dict, profile, out: Path | None = None, calibrat
     obs = {k: o for k, o in observations.items() if has_steps(o) and int(o.meta.get("num_instances", 1)) == 1}
     if not obs:
         return {}
-    sched, steps_rows, agree = [], [], {}
+    sched, steps_rows, agree, client = [], [], {}, []
     frames = {k: read_engine(Path(o.path))[0] for k, o in obs.items()}
     first = next(iter(obs.values()))
     calibrated = FittedModel(roofline(twin_scenario(first.meta)), profile.coefficients, source="calibration")
@@ -257,6 +293,7 @@ def live_fidelity(observations: dict, profile, out: Path | None = None, calibrat
         for label, m in models:
             steps_rows.append({**step_time_rows(name, frames[name], m, label),
                                "fitted_on": name == calibrate_on})
+        client += [{**r, "fitted_on": name == calibrate_on} for r in client_rows(name, o, profile)]
     summary = {
         "scheduling": {"rows": sched, "matching": agree,
                        "max_mean_ape_pct": {m: float(max(r["mean_ape_pct"] for r in sched if r["metric"] == m))
@@ -271,11 +308,16 @@ def live_fidelity(observations: dict, profile, out: Path | None = None, calibrat
                                                                       if r["model"] == lab and not r["fitted_on"]]
                                                                      or [np.nan])) for lab, _ in models}},
         "machine_drift": machine_drift(frames, calibrate_on),
+        "client": {"rows": client, "held_out_mean_ape_pct": {
+            f"{lab} {m}": float(np.mean([r["mean_ape_pct"] for r in client if r["steps"] == lab and r["metric"] == m
+                                         and not r["fitted_on"]] or [np.nan]))
+            for lab in ("calibrated model", "measured steps") for m in ("ttft", "e2e")}},
     }
     if out is not None:
         out = Path(out)
         pd.DataFrame(sched).to_csv(out / "live_fidelity_scheduling.csv", index=False)
         pd.DataFrame(steps_rows).to_csv(out / "live_fidelity_steps.csv", index=False)
+        pd.DataFrame(client).to_csv(out / "live_fidelity_client.csv", index=False)
         (out / "live_fidelity.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     return summary
 
@@ -291,6 +333,11 @@ def describe_live(summary: dict) -> list[str]:
     for lab in t["held_out_step_mape_pct"]:
         lines.append(f"step time ({lab} model vs measured steps, held out): per-step MAPE "
                      f"{t['held_out_step_mape_pct'][lab]:.1f} %, total {t['held_out_total_ape_pct'][lab]:.1f} %")
+    c = summary.get("client", {}).get("held_out_mean_ape_pct", {})
+    if c:
+        lines.append("client side, held out, mean abs % error (TTFT / E2E): calibrated model "
+                     f"{c['calibrated model ttft']:.1f} / {c['calibrated model e2e']:.1f}, measured steps "
+                     f"{c['measured steps ttft']:.1f} / {c['measured steps e2e']:.1f} (the rest: API server, client)")
     if d:
         lines.append("machine drift (same-size decode steps against the calibration load's): " + ", ".join(
             f"{k} {v:+.1f} %" for k, v in d["per_slice_pct"].items()))
