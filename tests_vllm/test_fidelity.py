@@ -3,8 +3,8 @@
 - Scheduling: the worker logs its own engine steps (live/vllm_plugins/llmtwin_steplog.py); the twin replays each
   load with those measured step durations and the scheduler's own entry stamps (twin.lab.steps). Its engine
   TTFT and E2E must match the server's within SCHEDULING_BOUND_PCT: the machine's speed is in the durations on
-  both sides, so only the twin's scheduling (admission, batching, chunked prefill, prefix reuse, KV capacity)
-  is left to differ.
+  both sides, so only the twin's scheduling (admission, batching, chunked prefill, prefix reuse, KV capacity,
+  preemption: the worker's KV cache is 16 blocks, so azure-conv preempts) is left to differ.
 - Step time: the calibrated step model (fitted on the calibration load's client-side times) and a fit on the
   calibration load's measured steps, against every load's measured steps, with the machine's drift between
   loads. Reported (printed, and in live_fidelity.json), not bounded: it moves with whatever else the machine
@@ -19,10 +19,10 @@ import json
 
 import numpy as np
 
-from calib_workers import calib_model, calib_worker  # noqa: F401 - fixtures
+from calib_workers import calib_args, calib_model, calib_worker  # noqa: F401 - fixtures
 from twin.lab.calibrate import Profile, read_observation, simulate_observation
 from twin.lab.fidelity import evaluate, warmup_load
-from twin.lab.observe import EngineArgs, _drive, calibration_load, observe, session_load, trace_load, write
+from twin.lab.observe import _drive, calibration_load, observe, session_load, trace_load, write
 from twin.lab.steps import describe_live
 
 # ASSUMPTION: "a few percent"; measured at load average 2-5 on 2 shared cores: under 0.01 % (README)
@@ -32,7 +32,7 @@ SCHEDULING_BOUND_PCT = 3.0
 def test_short_fidelity_check(calib_worker, tmp_path):
     import asyncio
 
-    args = EngineArgs()
+    args = calib_args()
     asyncio.run(_drive([calib_worker.url], warmup_load(args.max_model_len, args.max_num_seqs), "tiny", 4096, 120))
     loads = {"calibration": calibration_load(args.max_model_len, args.max_num_seqs, scale=0.5),
              "azure-conv": trace_load("traces/azure_conv.sample.csv", 40, 0, 4.0, max_model_len=args.max_model_len),
@@ -78,6 +78,11 @@ def test_short_fidelity_check(calib_worker, tmp_path):
         assert r["requests"] == len(loads[r["slice"]]), r
         assert r["mean_ape_pct"] < SCHEDULING_BOUND_PCT, r
     assert live["scheduling"]["matching"]["sessions"]["composition"]["agreement"] > 0.9
+    # the small KV cache made the server preempt; the replay preempted as often (vllm:num_preemptions_total)
+    conv = read_observation(dirs["azure-conv"])
+    preempted = conv.meta["prefix_cache"][0]["vllm:num_preemptions_total"]
+    assert preempted > 0
+    assert live["scheduling"]["matching"]["azure-conv"]["composition"]["twin_preemptions"] == preempted
     # the step-time figure and the drift: reported; present and finite
     st = live["step_time"]
     assert np.isfinite(st["held_out_step_mape_pct"]["calibrated"]) and np.isfinite(st["held_out_step_mape_pct"]["step fit"])

@@ -556,7 +556,8 @@ def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny
             "prefix_cache": [{k: counter(a, k) - counter(b, k) for k in ("vllm:prefix_cache_queries_total",
                                                                        "vllm:prefix_cache_hits_total",
                                                                        "vllm:iteration_tokens_total_count",
-                                                                       "vllm:iteration_tokens_total_sum")}
+                                                                       "vllm:iteration_tokens_total_sum",
+                                                                       "vllm:num_preemptions_total")}
                              for b, a in zip(before, after)]}
     if load.sessions:  # prefix identity of each request's tokens as sent and answered (16-token content blocks)
         meta["hash_block_size"] = HASH_BLOCK

@@ -127,7 +127,8 @@ def replay_observation(obs, profile, match: str = "composition") -> Replay:
                         "real_ttft_s": (real["first_token_s"] - real["queued_s"]).to_numpy(float),
                         "real_e2e_s": (real["finish_s"] - real["queued_s"]).to_numpy(float),
                         "finished": (df["status"] == "finished").to_numpy()})
-    stats = {**model.stats(), "requests": int(len(out)), "twin_unfinished": int((~out["finished"]).sum())}
+    stats = {**model.stats(), "requests": int(len(out)), "twin_unfinished": int((~out["finished"]).sum()),
+             "twin_preemptions": int(res.log.preemptions.sum())}
     return Replay(out, stats)
 
 
