@@ -185,3 +185,25 @@ def test_live_fidelity_splits_the_error(tmp_path):
     c = s["client"]["held_out_mean_ape_pct"]
     assert c["measured steps e2e"] < 1e-3 < c["calibrated model e2e"]
     assert (tmp_path / "live_fidelity.json").is_file() and len(describe_live(s)) == 5
+
+
+def test_the_plugin_is_found_by_its_entry_point(tmp_path):
+    """vLLM finds plugins by entry point (vllm/plugins/__init__.py: load_plugins_by_group): with the folder on
+    the path, `vllm.general_plugins` names ours, and without LLMTWIN_STEP_LOG it wraps nothing."""
+    import importlib.metadata as md
+    import subprocess
+    import sys
+
+    from live.vllm_server import PLUGIN_DIR, step_log_env
+
+    env = step_log_env({"PYTHONPATH": "/x", "VLLM_PLUGINS": "other"}, tmp_path / "s.jsonl")
+    assert env["PYTHONPATH"].split(":")[0] == str(PLUGIN_DIR) and env["LLMTWIN_STEP_LOG"].endswith("s.jsonl")
+    assert env["VLLM_PLUGINS"] == "other,llmtwin_steplog"
+    code = ("import importlib.metadata as md; e = [p for p in md.entry_points(group='vllm.general_plugins') "
+            "if p.name == 'llmtwin_steplog']; print(e[0].value); e[0].load()()")
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(PLUGIN_DIR), "PATH": "/usr/bin"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "llmtwin_steplog:register"
+    # and nowhere else: vLLM run inside the project's own processes (the parity harness) is never wrapped
+    assert not any(p.name == "llmtwin_steplog" for p in md.entry_points(group="vllm.general_plugins"))
