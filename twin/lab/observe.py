@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from live.signals import parse_metrics, series_sums
-from live.vllm_server import cpu_env, engine_flags, free_port, server_command, spawn, stop_group, wait_serving
+from live.vllm_server import (cpu_env, engine_flags, free_port, server_command, spawn, step_log_env, stop_group,
+                               wait_serving)
 from twin.errors import TwinInputError
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -225,7 +226,7 @@ class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` in its own process group (signalled as a group)."""
 
     def __init__(self, model_dir: str | Path, args: EngineArgs, core: str | None = None, served: str = "tiny",
-                 log_dir: str | Path | None = None, python: str = sys.executable) -> None:
+                 log_dir: str | Path | None = None, python: str = sys.executable, step_log: bool = False) -> None:
         self.model_dir = Path(model_dir)
         self.args = args
         self.served = served
@@ -234,8 +235,14 @@ class VllmServer:
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-log-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm-{self.port}.log"
-        cmd = server_command(python, str(self.model_dir), "127.0.0.1", self.port, args.as_args(), served)
-        self.popen = spawn(cmd, self.log_path, cpu_env(self.cache, core))
+        eng, env = args.as_args(), cpu_env(self.cache, core)
+        # the engine's own steps (live/vllm_plugins/llmtwin_steplog.py, loaded by vLLM as a general plugin)
+        self.step_log = (log_dir / f"steps-{self.port}.jsonl").resolve() if step_log else None
+        if self.step_log is not None:
+            env = step_log_env(env, self.step_log)
+            eng["enable_logging_iteration_details"] = True  # vLLM's own elapsed_ms rides along in the log
+        cmd = server_command(python, str(self.model_dir), "127.0.0.1", self.port, eng, served)
+        self.popen = spawn(cmd, self.log_path, env)
 
     @property
     def url(self) -> str:
@@ -397,12 +404,18 @@ async def _one(host: str, port: int, body: dict, rec: Record, clock) -> None:
         writer.close()
 
 
-async def _drive(urls: list[str], load: Load, served: str, vocab_size: int, timeout_s: float, progress=None):
+async def _drive(urls: list[str], load: Load, served: str, vocab_size: int, timeout_s: float, progress=None,
+                 tag: str | None = None, started: dict | None = None):
+    """Send the load; `tag`: each request carries `request_id` twin.lab.steps.request_tag(tag, i), so the
+    engine's step log names it; `started` gets the load's start on the machine's monotonic clock (`t0_monotonic`,
+    the clock the step log stamps; perf_counter reads the same CLOCK_MONOTONIC on Linux, the offset is kept)."""
     hosts = [check_loopback(u) for u in urls]
     prompts = load.prompts(vocab_size)
     recs = [Record() for _ in range(len(load))]
     ended = [asyncio.Event() for _ in range(len(load))]
     t0 = time.perf_counter()
+    if started is not None:
+        started["t0_monotonic"] = time.monotonic() - (time.perf_counter() - t0)
     clock = lambda: time.perf_counter() - t0  # noqa: E731
     done = 0
     rng = np.random.default_rng(load.seed + 7)
@@ -427,6 +440,10 @@ async def _drive(urls: list[str], load: Load, served: str, vocab_size: int, time
         n = int(load.output_tokens[i])
         body = {"model": served, "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        if tag is not None:
+            from twin.lab.steplog import request_tag
+
+            body["request_id"] = request_tag(tag, i)
         if load.sessions:
             body["return_token_ids"] = True  # the next turn carries this answer's exact ids
             recs[i].prompt = prompt
@@ -459,16 +476,23 @@ class Observed:
     meta: dict
     metrics_before: list[str]
     metrics_after: list[str]
+    steps: object = None  # DataFrame: the engine's own steps (twin.lab.steps), when the worker logs them
+    engine_requests: object = None  # DataFrame: each request's scheduler entry, first token, finish at the engine
 
 
 def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny", hardware: str = "CPU-2core-AVX512",
             model: str = "tiny-llama", vocab_size: int = 4096, timeout_s: float = 600.0, progress=None,
             server_note: str = "", metrics_urls: list[str] | None = None, num_instances: int | None = None,
-            router: str | None = None, router_params: dict | None = None) -> Observed:
+            router: str | None = None, router_params: dict | None = None,
+            step_log: str | Path | None = None) -> Observed:
     """Send `load` to the servers (round-robin over `urls`) and record every request (twin.engine.records columns).
 
     Through a router (the live controller): `urls` is the controller, `metrics_urls` the workers behind it
-    (scraped before and after), `num_instances`, `router` and `router_params` what the twin simulates."""
+    (scraped before and after), `num_instances`, `router` and `router_params` what the twin simulates.
+    `step_log`: the one worker's step log (`VllmServer(step_log=True).step_log`): this load's engine steps and
+    requests are kept (`steps`, `engine_requests`; twin.lab.steps)."""
+    import secrets
+
     import pandas as pd
 
     from twin.engine.request import RequestStatus
@@ -478,8 +502,17 @@ def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny
         check_loopback(u)
     murls = metrics_urls or urls
     before = [scrape(u) for u in murls]
-    recs = asyncio.run(_drive(urls, load, served, vocab_size, timeout_s, progress))
+    offset = Path(step_log).stat().st_size if step_log is not None and Path(step_log).is_file() else 0
+    tag = secrets.token_hex(4) if step_log is not None else None
+    started: dict = {}
+    recs = asyncio.run(_drive(urls, load, served, vocab_size, timeout_s, progress, tag, started))
     after = [scrape(u) for u in murls]
+    steps = engine_requests = None
+    if step_log is not None:
+        from twin.lab.steplog import engine_frames, read_step_log
+
+        lines, _ = read_step_log(step_log, offset)
+        steps, engine_requests = engine_frames(lines, started["t0_monotonic"], tag)
     n = len(load)
     log = RequestLog(n)
     rows = []
@@ -517,14 +550,19 @@ def observe(urls: list[str], load: Load, engine: EngineArgs, served: str = "tiny
             "prefix_cache": [{k: counter(a, k) - counter(b, k) for k in ("vllm:prefix_cache_queries_total",
                                                                        "vllm:prefix_cache_hits_total",
                                                                        "vllm:iteration_tokens_total_count",
-                                                                       "vllm:iteration_tokens_total_sum")}
+                                                                       "vllm:iteration_tokens_total_sum",
+                                                                       "vllm:num_preemptions_total")}
                              for b, a in zip(before, after)]}
     if load.sessions:  # prefix identity of each request's tokens as sent and answered (16-token content blocks)
         meta["hash_block_size"] = HASH_BLOCK
         meta["hashes_cover_output"] = True
         meta["hash_ids"] = {str(i): block_ids((r.prompt or []) + r.output_ids) for i, r in enumerate(recs)}
         meta["session"] = [int(x) for x in load.session]
-    return Observed(df, tokens, meta, before, after)
+    if steps is not None:
+        meta["step_log"] = {"steps": int(len(steps)), "requests": int(len(engine_requests)), "tag": tag,
+                            "t0_monotonic": started["t0_monotonic"],
+                            "source": "live/vllm_plugins/llmtwin_steplog.py (EngineCore.step, monotonic clock)"}
+    return Observed(df, tokens, meta, before, after, steps, engine_requests)
 
 
 HASH_BLOCK = 16
@@ -555,6 +593,9 @@ def write(obs: Observed, out: str | Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         obs.requests.to_parquet(out / "requests.parquet", index=False)
         obs.tokens.to_parquet(out / "tokens.parquet", index=False)
+        if obs.steps is not None:
+            obs.steps.to_parquet(out / "steps.parquet", index=False)
+            obs.engine_requests.to_parquet(out / "engine_requests.parquet", index=False)
         for j, (b, a) in enumerate(zip(obs.metrics_before, obs.metrics_after)):
             sfx = "" if j == 0 else f".{j}"
             (out / f"metrics_before{sfx}.prom").write_text(b)
