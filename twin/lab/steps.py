@@ -201,18 +201,15 @@ def fit_steps(steps: pd.DataFrame, profile, meta: dict):
     """A fitted model (twin.perf.fitted's coefficients, the profile's layout) fitted directly on measured steps:
     non-negative least squares on relative errors over the basis `linear` (lm_head tied), `attn`, `step_s`,
     `per_request_s`; linear and attention at least 1 (the roofline floor). Returns (FittedModel, Profile)."""
-    from twin.lab.calibrate import Profile, _StepRecorder, nnls, twin_scenario
+    from twin.lab.calibrate import Profile, nnls, twin_scenario
     from twin.perf.fitted import FittedModel
     from twin.perf.registry import roofline
 
     roof = roofline(twin_scenario(meta))
     base = FittedModel(roof, profile.coefficients, source="calibration")
-    rec = _StepRecorder(base, type("E", (), {"now": 0.0})())
-    bs = batches(steps)
-    for b in bs:
-        rec.step_time(b)
-    phi = np.array(rec.phi, float)
-    const = np.array(rec.const, float)
+    terms = [base.basis_terms(b) for b in batches(steps)]  # each step's basis vector and constant part
+    phi = np.array([t[0] for t in terms], float).reshape(-1, 4)
+    const = np.array([t[1] for t in terms], float)
     y = steps["duration_s"].to_numpy(float) - const
     ok = (y > 0) & (phi.sum(axis=1) > 0)
     w = 1.0 / y[ok]
