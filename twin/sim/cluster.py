@@ -10,7 +10,7 @@ import time
 from collections import deque
 from functools import partial
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
 import simpy
@@ -19,7 +19,7 @@ from twin.sim.api_server import ApiServer
 from twin.engine.config import num_gpu_blocks
 from twin.sim.instance import Instance
 from twin.engine.request import BlockKeys, KeyBases, Request, RequestStatus, engine_block_keys, engine_block_runs
-from twin.sim.events import NORMAL, URGENT, Timer
+from twin.sim.events import Proc, Timer
 from twin.sim.events import run as run_events
 from twin.sim.dispatcher import Dispatcher, RouterError
 from twin.perf.base import StepTimeModel
@@ -191,11 +191,7 @@ class Cluster:
         self.timeline: Timeline | None = None
         if sc.sim.timeline_interval_s > 0:
             self.timeline = Timeline(self.env, self.dispatcher, sc.sim.timeline_interval_s)
-        # the arrivals: a chain of timers, one per arrival time, started as a SimPy process would be (now,
-        # before anything else at this time); no generator to resume at each request
-        self._next_arrival = 0
-        self._arrival_due_cb = self._arrival_due
-        Timer(self.env, 0.0, URGENT, self._arrivals_start)
+        Proc(self.env, self.arrivals())  # twin.sim.events: SimPy's process, compiled
 
     def _build_instance(self) -> Instance:
         i = len(self.instances)
@@ -271,35 +267,18 @@ class Cluster:
         return new_request_view(view.id, view.arrival_time, view.num_prompt_tokens, view.max_tokens, prefix, bs,
                                 sid, 0, self.dispatcher.host.predict(view), text)
 
-    def _arrivals_from(self, i: int) -> None:
-        """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor.
-        Dispatches the requests from i on that are due now, then sets a timer for the next one."""
+    def arrivals(self) -> Generator[Any, Any, None]:
+        """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor."""
         env = self.env
         arrival = self.stream.arrival_s
         after = self.stream.after
-        n = len(arrival)
-        while i < n:
+        for i in range(len(arrival)):
             if after is not None and after[i] >= 0:
-                i += 1
                 continue  # sent by `_turn_ended` when the turn before it ends
             t = float(arrival[i])
             if t > env._now:
-                self._next_arrival = i
-                Timer(env, t - env._now, NORMAL, self._arrival_due_cb)
-                return
+                yield Timer(env, t - env._now)
             self.dispatch(i)
-            i += 1
-        self._next_arrival = n
-
-    def _arrivals_start(self, _event: object) -> None:
-        self._arrivals_from(0)
-
-    def _arrival_due(self, _event: object) -> None:
-        """The timer set for request `_next_arrival`: it arrives now (its time less now plus now can differ from
-        it by an ulp, so it is not compared again)."""
-        i = self._next_arrival
-        self.dispatch(i)
-        self._arrivals_from(i + 1)
 
     def dispatch(self, i: int) -> None:
         """Request i arrives now: checked, routed and queued, or rejected with a reason."""
