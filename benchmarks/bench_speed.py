@@ -108,6 +108,42 @@ def _maxrss_mib() -> float:
     return r / 1024.0 if sys.platform != "darwin" else r / 2**20  # Linux: KiB; macOS: bytes
 
 
+def _loadavg() -> float | None:
+    """The 1-minute load average: a figure from a busy machine says so."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def run_config(sc, cluster) -> dict:
+    """What a run simulated that changes its speed: engine generation, async scheduling, the API server's
+    queue and times, the mode, router and fleet (read off the constructed Cluster, defaults resolved)."""
+    perf = cluster.perf
+    return {
+        "vllm_version": sc.cluster.engine.vllm_version,
+        "async_scheduling": bool(cluster.engine_config.async_scheduling),
+        "api_queue": cluster.api_discipline if cluster.api_cap is not None else "off",
+        "api_request_overhead_s": getattr(perf, "api_request_overhead_s", None),
+        "api_prompt_token_s": getattr(perf, "api_prompt_token_s", None),
+        "api_output_token_s": getattr(perf, "api_output_token_s", None),
+        "mode": sc.sim.mode,
+        "router": cluster.router_info()["name"],
+        "instances": len(cluster.instances),
+        "num_gpu_blocks": cluster.num_blocks,
+    }
+
+
+def config_label(c: dict) -> str:
+    """The configuration in a few words, printed with each figure."""
+    api = "API server off"
+    if c["api_queue"] != "off" or c.get("api_request_overhead_s"):
+        api = (f"API {c['api_queue']} {1e3 * (c['api_request_overhead_s'] or 0):g} ms/req "
+               f"{1e6 * (c['api_output_token_s'] or 0):g} us/out-tok")
+    return (f"vLLM {c['vllm_version']}, async {'on' if c['async_scheduling'] else 'off'}, {api}, "
+            f"{c['router']}, {c['instances']} inst")
+
+
 # ---------------------------------------------------------------------------------------------------
 # the child: one run, JSON on the last line of stdout
 # ---------------------------------------------------------------------------------------------------
@@ -135,6 +171,8 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     cluster = Cluster(sc, stream)
     t_setup = time.perf_counter() - t0
+    config = run_config(sc, cluster)
+    load_before = _loadavg()
     import gc
 
     if args.gc == "disable":  # an experiment: how much of the run is the cyclic garbage collector?
@@ -185,6 +223,7 @@ def child(args: argparse.Namespace) -> None:
         result = cluster.run(progress)
         t_run = time.perf_counter() - t0
     rss_run = _maxrss_mib()
+    load_after = _loadavg()
     gc.callbacks.remove(gc_cb)
 
     t0 = time.perf_counter()
@@ -204,6 +243,9 @@ def child(args: argparse.Namespace) -> None:
         "scenario_file": str(args.scenario),
         "mode": sc.sim.mode,
         "requests": n,
+        "config": config,
+        "config_label": config_label(config),
+        "loadavg_1m": {"before_run": load_before, "after_run": load_after},
         "trace": str(sc.resolve_path(sc.workload.lengths.path)) if sc.workload.lengths.path else None,
         "import_s": t_import,
         "build_s": t_build,
@@ -306,6 +348,9 @@ def fmt_table(rows: list[dict]) -> str:
         ("total_s", "total s", "{:.2f}"),
         ("process_s", "proc s", "{:.2f}"),
         ("sim_req_per_wall_s", "sim req/s", "{:,.0f}"),
+        ("median_req_per_wall_s", "median req/s", "{:,.0f}"),
+        ("repeats", "runs", "{}"),
+        ("load_max", "load", "{:.1f}"),
         ("e2e_req_per_wall_s", "e2e req/s", "{:,.0f}"),
         ("sim_time_s", "sim-time s", "{:,.0f}"),
         ("sim_s_per_wall_s", "sim-s/wall-s", "{:,.0f}"),
@@ -385,20 +430,30 @@ def main(argv: list[str] | None = None) -> int:
     all_runs: list[dict] = []
     for sc, n, mode in runs:
         best = None
+        these: list[dict] = []  # this configuration's runs
         for rep in range(max(args.repeat, 1)):
             print(f"  {sc.stem} {n:,} {mode}" + (f" (repeat {rep + 1})" if args.repeat > 1 else "") + " ...",
                   end="", flush=True)
             rec = run_child(sc, n, mode, args)
             rec["repeat"] = rep
             all_runs.append(rec)
+            these.append(rec)
             if "error" in rec:
                 print(" " + rec["error"])
                 best = best or rec
                 break
             print(f" run {rec['run_s']:.2f} s, {rec['sim_req_per_wall_s']:,.0f} req/s, "
-                  f"{rec['peak_rss_mib']:,.0f} MiB")
+                  f"{rec['peak_rss_mib']:,.0f} MiB; load {rec['loadavg_1m']['before_run']}"
+                  f"->{rec['loadavg_1m']['after_run']}; {rec['config_label']}")
             if best is None or "error" in best or rec["run_s"] < best["run_s"]:
                 best = rec
+        if best is not None and "error" not in best:
+            ok = sorted(r["run_s"] for r in these if "error" not in r)
+            med = ok[len(ok) // 2] if len(ok) % 2 else (ok[len(ok) // 2 - 1] + ok[len(ok) // 2]) / 2
+            best["median_run_s"] = med
+            best["median_req_per_wall_s"] = best["requests"] / med if med > 0 else None
+            best["repeats"] = len(ok)
+            best["load_max"] = max((r["loadavg_1m"]["after_run"] or 0.0) for r in these if "error" not in r)
         rows.append(best)
     # fast-vs-step gain where both ran
     by_key = {(r.get("scenario"), r.get("requests"), r.get("mode")): r for r in rows if "error" not in r}
@@ -414,7 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(fmt_table(rows))
     print()
-    print("sim req/s = requests / run s (Cluster.run only); e2e req/s = requests / total s "
+    print(f"machine: {info['cpu']}, {info['cores_usable']} usable cores, {info['python']}, {info['twin_build']}, "
+          f"commit {info['commit']}")
+    for r in rows:
+        if "error" not in r:
+            print(f"  {r['scenario']} {r['requests']:,} {r['mode']}: {r['config_label']}")
+    print("sim req/s = requests / fastest run s (Cluster.run only), median req/s = over --repeat runs, "
+          "load = highest 1-minute load average after a run (a busy machine's figures are slow); e2e req/s = requests / total s "
           "(build + setup + run + summarize); proc s = whole child process incl. interpreter start and imports.")
     print("sim-s/wall-s = simulated seconds / run s; peak RSS = VmHWM (peak resident set) of the child process; "
           "fast gain = step-mode run s / fast-mode run s; "

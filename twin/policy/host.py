@@ -111,7 +111,9 @@ class PolicyHost:
 
     # -- what happened to a request ----------------------------------------------------------------------
     def dispatched(self, req: RequestView, instance_id: str, now: float) -> None:
-        self.bookkeeping.dispatched(req.id, instance_id, req.num_prompt_tokens, expected_output_tokens(req))
+        # `expected_output_tokens`, inlined: this runs at every request in both worlds
+        self.bookkeeping.dispatched(req.id, instance_id, req.num_prompt_tokens,
+                                    int(req.predicted_output_tokens or req.max_tokens or 0))
         self.signals.arrived(now, req.num_prompt_tokens)
         if self.index is not None:
             self.index.on_dispatch(req.prefix, instance_id, now)
@@ -120,8 +122,7 @@ class PolicyHost:
 
     def first_token(self, req: RequestView, instance_id: str, now: float) -> None:
         self.bookkeeping.first_token(req.id)
-        if req.id not in self._first_token_at:
-            self._first_token_at[req.id] = now
+        self._first_token_at.setdefault(req.id, now)
         if self._hook_first:
             self._call("on_first_token", req, instance_id, now)
 

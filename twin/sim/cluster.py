@@ -182,8 +182,12 @@ class Cluster:
             self._next_turn[stream.after[has]] = has
         # the API server of each instance as a queue (twin.sim.api_server), when it has work to queue: per request
         # and per token; the waits its tokens had for queued pre-processing (first token, finish)
+        # the step model's API-server functions, looked up once: they are called at every request and token
+        self._api_request_fn: Callable[[int], float] | None = getattr(self.perf, "api_request_s", None)
+        self._api_token_fn: Callable[[], float] | None = getattr(self.perf, "api_token_s", None)
         self.api_cap, self.api_handoff_s, self.api_discipline = self._api_queue_settings()
         self.api_servers: dict[str, ApiServer] = {}
+        self._api_by_index: list[ApiServer | None] = []  # the same servers by instance index (delivery waits)
         self.api_record: bool = False  # the fit's gradients (twin.lab.calibrate)
         n_api = len(stream) if self.api_cap is not None else 0
         self.api_wait_first = np.zeros(n_api)
@@ -322,15 +326,23 @@ class Cluster:
         if not inst.fits(r.num_prompt_tokens + r.stop_at_tokens):
             self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
             return
-        inst.touch(env._now)  # its in-flight count changes: the timeline records the ticks before
+        now = env._now
+        if now >= inst.timeline_next:  # its in-flight count changes: the timeline records the ticks before
+            inst.timeline.fill(inst, now)  # (`Instance.touch`; its gauges do not change until the engine sees it)
         self.dispatcher.dispatched(i, view, inst.id)
-        delay = self._api_request_s(r.num_prompt_tokens)
+        fn = self._api_request_fn
+        delay = float(fn(r.num_prompt_tokens)) if fn is not None else 0.0
         if delay > 0 and self.api_cap is not None:  # the API server's queue, stretched by the token stream
-            srv = self.api_server(inst.id)
+            srv = self.api_servers.get(inst.id)
+            if srv is None:
+                srv = self.api_server(inst.id)
             if srv.discipline == "ps":  # shares the event loop with every request in pre-processing
-                srv.arrive(env._now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(), r.idx)
-                self.in_transit.setdefault(inst.id, {})[r.idx] = (r, srv.backlog_end()[0] + self.api_handoff_s)
-                self.log.status[i] = RequestStatus.WAITING
+                srv.arrive(now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(), r.idx)
+                transit = self.in_transit.get(inst.id)
+                if transit is None:
+                    transit = self.in_transit[inst.id] = {}
+                transit[r.idx] = (r, srv.backlog_end()[0] + self.api_handoff_s)
+                log.status[i] = RequestStatus.WAITING
                 self._api_wake(inst, srv)
                 return
             delay = srv.preprocess(env._now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(),
@@ -339,7 +351,7 @@ class Cluster:
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
             self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env._now + delay)
             self.log.status[i] = RequestStatus.WAITING  # arrived: queued in the API server
-            Timer(self.env, delay).then(partial(self._to_engine, inst, r))
+            Timer(self.env, delay, callback=partial(self._to_engine, inst, r))
         else:
             self._enter_engine(inst, r)
 
@@ -353,7 +365,7 @@ class Cluster:
             self.queue_order(inst.scheduler.waiting)
 
     def _api_request_s(self, prompt_tokens: int) -> float:
-        fn = getattr(self.perf, "api_request_s", None)
+        fn = self._api_request_fn
         return float(fn(prompt_tokens)) if fn is not None else 0.0
 
     def _api_queue_settings(self) -> tuple[float | None, float, str]:
@@ -370,20 +382,22 @@ class Cluster:
         srv.generation += 1
         t = srv.next_done()
         if t < math.inf:
-            Timer(self.env, max(t - self.env._now, 0.0)).then(partial(self._api_done, inst, srv, srv.generation))
+            dt = t - self.env._now
+            Timer(self.env, dt if dt > 0.0 else 0.0, callback=partial(self._api_done, inst, srv, srv.generation))
 
     def _api_done(self, inst: Instance, srv: ApiServer, generation: int, _event: object) -> None:
         """Pre-processing ended: the requests go to the engine (after the hand-off)."""
         if generation != srv.generation:
             return
         transit = self.in_transit[inst.id]
+        handoff = self.api_handoff_s
         for idx in srv.pop_done(self.env._now):
-            r = transit[idx][0]
-            if self.api_handoff_s > 0:
-                transit[idx] = (r, self.env._now + self.api_handoff_s)
-                Timer(self.env, self.api_handoff_s).then(partial(self._to_engine, inst, r))
-            else:
-                self._to_engine(inst, r, None)
+            if handoff > 0:
+                r = transit[idx][0]
+                transit[idx] = (r, self.env._now + handoff)
+                Timer(self.env, handoff, callback=partial(self._to_engine, inst, r))
+            else:  # `_to_engine` at once
+                self._enter_engine(inst, transit.pop(idx)[0])
         self._api_wake(inst, srv)
 
     def api_server(self, instance_id: str) -> ApiServer:
@@ -393,6 +407,12 @@ class Cluster:
             assert self.api_cap is not None
             srv = ApiServer(self.api_cap, self.api_discipline, record={} if self.api_record else None)
             self.api_servers[instance_id] = srv
+            inst = self.by_id.get(instance_id)
+            if inst is not None:
+                by_index = self._api_by_index
+                while len(by_index) <= inst.index:
+                    by_index.append(None)
+                by_index[inst.index] = srv
         return srv
 
     def api_entry_s(self, instance_id: str, prompt_tokens: int) -> float:
@@ -407,12 +427,14 @@ class Cluster:
 
     def _api_delivery_wait(self, i: int, t: float, which: int) -> float:
         """A token of request i the engine emitted at t waits this long for pre-processing queued ahead of it."""
-        srv = self.api_servers.get(self.instances[int(self.log.instance[i])].id)
+        k = int(self.log.instance[i])
+        by_index = self._api_by_index
+        srv = by_index[k] if k < len(by_index) else None
         return srv.delivery_wait(t, i, which) if srv is not None else 0.0
 
     def api_token_s(self) -> float:
         """The API server's per-output-token time (detokenize, stream): each token reaches the client this late."""
-        fn = getattr(self.perf, "api_token_s", None)
+        fn = self._api_token_fn
         return float(fn()) if fn is not None else 0.0
 
     def _reject(self, i: int, reason: str, detail: str) -> None:

@@ -149,9 +149,10 @@ class Dispatcher:
         views = self.views
         replaced = False
         for inst in self.instances:
-            old = views[inst.id]
-            v = self._follow_state(inst)
-            replaced = replaced or v is not old
+            v = views[inst.id]
+            if v.state != inst.state:  # `_follow_state`, inlined
+                v = self._follow_state(inst)
+                replaced = True
             if v.gauges.as_of < tick:
                 running, waiting, kv = inst.gauges_at(tick)
                 v.gauges = Gauges(running, waiting, kv, tick)
@@ -179,12 +180,14 @@ class Dispatcher:
     # -- a decision ----------------------------------------------------------------------------------
     def route(self, req: RequestView) -> str | Reject:
         """Ask the router, through the host (its error rule: a RouterError, or a rejection with `reject`)."""
-        if self.clock is None:
+        clock = self.clock
+        now = self.env._now
+        if clock is None:
             self.scrape()
-        else:
-            self._bring_to_tick()
+        elif not (clock.cur <= now < clock.nxt and clock.cur <= self._views_tick):
+            self._bring_to_tick()  # (else: no tick since the views were brought to one, `ScrapeClock.last_tick`)
         fleet = self.fleet
-        fleet.now = self.env._now
+        fleet.now = now
         return self.host.choose(req, fleet)
 
     def dispatched(self, idx: int, req: RequestView, instance_id: str) -> None:

@@ -36,13 +36,16 @@ URGENT = 0  # simpy.events.URGENT: a process's start and its interrupts, before 
 
 
 class Timer:
-    """A `simpy.Timeout`: fires `delay` after now with `callbacks` (the waiting process's resume among them)."""
+    """A `simpy.Timeout`: fires `delay` after now with `callbacks` (the waiting process's resume among them).
 
-    def __init__(self, env: Any, delay: float, priority: int = NORMAL) -> None:
+    `callback`: the first one, as `then(callback)` adds it, without the second call."""
+
+    def __init__(self, env: Any, delay: float, priority: int = NORMAL,
+                 callback: Optional[Callable[[Any], None]] = None) -> None:
         if delay < 0:
             raise ValueError(f"Negative delay {delay}")
         self.env = env
-        self.callbacks: Optional[list[Callable[[Any], None]]] = []
+        self.callbacks: Optional[list[Callable[[Any], None]]] = [] if callback is None else [callback]
         self._value: Any = None
         self._ok = True
         self._defused = False
@@ -91,7 +94,7 @@ class Proc:
         self.alive = True
         self.value: Any = None  # what the generator returned
         self._resume_cb = self._resume  # one bound method: appended to, and removed from, the target's callbacks
-        self.target: Any = Timer(env, 0.0, URGENT).then(self._resume_cb)  # SimPy's `Initialize`
+        self.target: Any = Timer(env, 0.0, URGENT, self._resume_cb)  # SimPy's `Initialize`
 
     @property
     def is_alive(self) -> bool:
@@ -140,7 +143,7 @@ class Proc:
         """`simpy.Process.interrupt`: a `simpy.Interrupt` is thrown in now, before anything else at this time."""
         if not self.alive:
             raise RuntimeError(f"{self} has terminated and cannot be interrupted.")
-        t = Timer(self.env, 0.0, URGENT).then(self._interrupt)
+        t = Timer(self.env, 0.0, URGENT, self._interrupt)
         t._ok = False
         t._value = simpy.Interrupt(cause)
         t._defused = True
@@ -168,6 +171,11 @@ def run(env: Any, until: Optional[Any] = None) -> Optional[Any]:
             return until.value
         until.callbacks.append(StopSimulation.callback)
     queue: list = env._queue
+    # `Environment.step`'s callback loop, inlined: on a stop inside it (the `until` event's callback), the
+    # event's remaining callbacks run first when the simulation resumes (`entry`, `cbs` and `i` say where)
+    entry: tuple = (0.0, 0, 0, None)
+    cbs: list = []
+    i = -1  # callbacks of `entry` run so far; -1: outside a callback loop
     try:
         while queue:
             entry = heappop(queue)
@@ -175,41 +183,39 @@ def run(env: Any, until: Optional[Any] = None) -> Optional[Any]:
             env._now = entry[0]
             if type(event) is Timer:  # compiled: the fields, not attribute lookups
                 t = cast(Timer, event)
-                cbs = t.callbacks
+                tcbs = t.callbacks
                 t.callbacks = None
-                assert cbs is not None
-                _call_back(env, entry, queue, cbs)
+                assert tcbs is not None
+                cbs = tcbs
+                i = 0
+                for cb in cbs:
+                    i += 1
+                    cb(event)
+                i = -1
                 if not t._ok and not t._defused:
                     raise _copy_of(t._value)
             else:
                 cbs = event.callbacks
                 event.callbacks = None
-                _call_back(env, entry, queue, cbs)
+                i = 0
+                for cb in cbs:
+                    i += 1
+                    cb(event)
+                i = -1
                 if not event._ok and not hasattr(event, "_defused"):
                     raise _copy_of(event._value)
         raise EmptySchedule
     except StopSimulation as stop:
+        if i >= 0:
+            event = entry[3]
+            event.callbacks = cbs[i:]
+            heappush(queue, (entry[0], -1, next(env._eid), event))
         return stop.args[0]
     except EmptySchedule:
         if until is not None:
             assert not until.triggered
             raise RuntimeError(f'No scheduled events left but "until" event was not triggered: {until}') from None
     return None
-
-
-def _call_back(env: Any, entry: tuple, queue: list, cbs: list) -> None:
-    """`Environment.step`'s callback loop for the event just popped (`entry`): on a stop inside it, the event's
-    remaining callbacks run first when the simulation resumes."""
-    event = entry[3]
-    i = 0
-    try:
-        for cb in cbs:
-            i += 1
-            cb(event)
-    except StopSimulation:
-        event.callbacks = cbs[i:]
-        heappush(queue, (entry[0], -1, next(env._eid), event))
-        raise
 
 
 def _copy_of(failure: Any) -> BaseException:
