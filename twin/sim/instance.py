@@ -179,7 +179,10 @@ class Instance:
     def free_blocks_at(self, t: float) -> int:
         """Free blocks at time t, no change since: the decode run in progress took a block per step started."""
         free = self.pool.get_num_free_blocks()
-        if self._run is not None:  # blocks taken by the decode steps of the run started so far
+        tail = self.core.pending_tail
+        if tail is not None:  # a run cut at an arrival: its steps started by t took their blocks (the commit allocates)
+            free -= self.scheduler.decode_blocks_needed(min(bisect_right(tail[2], t) + 1, tail[0]))
+        elif self._run is not None:  # blocks taken by the decode steps of the run started so far
             ends = self._run
             started = min(bisect_right(ends, t) + 1, len(ends))
             free -= self.scheduler.decode_blocks_needed(started)
