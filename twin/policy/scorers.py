@@ -19,6 +19,8 @@ builds on (`pkg/epp/scheduling/framework/plugins/` in kubernetes-sigs/gateway-ap
 Users add their own with `@register_scorer("name")` / `@register_filter("name")` (or `module:Class`): a scorer
 has `score(ctx, instances) -> list[float]` (clamped to 0..1 unless it sets `bounded = True`) and sets
 `needs_prefix_index = True` if it reads `ctx.cached`; a filter has `filter(ctx, instances) -> list`.
+When every scorer is a built-in (its exact class), `weighted` sums them in one pass over the instances
+(`fuse_scorers`, the same floats); a user's scorer, or a subclass of a built-in, is called as written.
 """
 
 from __future__ import annotations
