@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -28,7 +29,7 @@ def _predicted(view: RequestView | None, fallback: float) -> float:
     return fallback
 
 
-def apply_predicted_lengths(f: EngineFork, lengths) -> None:
+def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callable[[int], float | None]) -> None:
     """Replace each forked request's stop length by its prediction (never below what it already produced).
 
     `lengths` maps a request index to its predicted output length, or is a function of the index giving it
