@@ -2,7 +2,8 @@
 """Decision latency of the Block router (fork + look-ahead per candidate) on a loaded 16-instance fleet.
 
 Runs the ShareGPT-length bench scenario with the Block router and times every `choose` call with
-perf_counter_ns. Prints p50/p99 per objective and per candidate bound. No assertions: figures only.
+perf_counter_ns. Prints p50/p99/max per objective and per candidate bound, with the machine and its load (at
+the start and after each row: the figures move with it). No assertions: figures only.
 
   .venv/bin/python benchmarks/bench_block.py [--instances 16] [--requests 3000] [--rate 120]
 """
@@ -10,7 +11,6 @@ perf_counter_ns. Prints p50/p99 per objective and per candidate bound. No assert
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
 
@@ -33,9 +33,12 @@ def main() -> None:
     from twin.scenario import load_scenario
     from twin.workload import build_stream
 
-    print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}")
-    print(f"{'objective':10s} {'cands':>5s} {'decisions':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'mean ms':>8s} "
-          f"{'fork steps p50':>14s} {'run wall s':>10s}")
+    from twin.lab.machine import describe, machine
+
+    print(f"machine: {describe()}")
+    print(f"{args.instances} instances, {args.requests} requests at {args.rate} req/s (bench-16xh100, ShareGPT lengths)")
+    print(f"{'objective':10s} {'cands':>5s} {'decisions':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} "
+          f"{'mean ms':>8s} {'fork steps p50':>14s} {'run wall s':>10s}")
     for objective in args.objectives.split(","):
         for cands in (int(c) for c in args.candidates.split(",")):
             sc = load_scenario(ROOT / "scenarios" / "bench-16xh100.yaml", [
@@ -67,7 +70,8 @@ def main() -> None:
             wall = time.perf_counter() - t0
             t = np.array(times) / 1e6
             print(f"{objective:10s} {cands or args.instances:5d} {len(t):9d} {np.percentile(t, 50):8.2f} "
-                  f"{np.percentile(t, 99):8.2f} {t.mean():8.2f} {int(np.median(steps)):14d} {wall:10.1f}")
+                  f"{np.percentile(t, 99):8.2f} {t.max():8.2f} {t.mean():8.2f} {int(np.median(steps)):14d} {wall:10.1f}")
+            print(f"{'':10s} load average after this row: {machine()['loadavg']}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 """Decision cost of the `twin` scaler: one look-ahead over a 5-minute horizon on a loaded 16-instance fleet.
 
 Runs bench-16xh100 (ShareGPT lengths) with the twin scaler and times each `decide` call (which runs the
-fleet forecaster for every candidate size). Prints p50/max wall time per decision. No assertions.
+fleet forecaster for every candidate size it tries). Prints p50/p99/max wall time per decision, and per number
+of sizes tried (each a full look-ahead: a decision's cost is about that number times one), with the machine and
+its load. No assertions.
 
   .venv/bin/python benchmarks/bench_scaler.py [--rate 60] [--horizon 300] [--requests 6000]
 """
@@ -10,7 +12,6 @@ fleet forecaster for every candidate size). Prints p50/max wall time per decisio
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
 
@@ -38,12 +39,16 @@ def main() -> None:
         f"workload.num_requests={args.requests}", f"workload.arrival.rate={args.rate}",
         "sim.timeline_interval_s=0", "scaler.name=twin", "scaler.interval_s=30", "slo.ttft_s=1.0"])
     times: list[float] = []
+    tried: list[int] = []  # fleet sizes forecast per decision (each one full look-ahead)
 
     class Timed(TwinScaler):
         def decide(self, now, fleet, forecast=None):
+            if forecast is not None:  # the fleet builds the forecaster with its default; the flag sets it
+                forecast.representatives = args.representatives
             t0 = time.perf_counter()
             out = super().decide(now, fleet, forecast)
             times.append(time.perf_counter() - t0)
+            tried.append(len(self.last.get("attainment", {})) if self.last.get("t") == now else 0)
             return out
 
     scaler = Timed(horizon_s=args.horizon)
@@ -53,10 +58,17 @@ def main() -> None:
     cl.run()
     wall = time.perf_counter() - t0
     t = np.array(times)
-    print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}")
-    print(f"{args.instances} instances, {args.rate} req/s, horizon {args.horizon:.0f} s: {len(t)} decisions, "
-          f"p50 {np.median(t):.3f} s, max {t.max():.3f} s per decision (target <= 1 s); run wall {wall:.1f} s")
+    from twin.lab.machine import describe
 
+    print(f"machine: {describe()}")
+    print(f"{args.instances} instances, {args.rate} req/s, horizon {args.horizon:.0f} s, "
+          f"{args.representatives} representatives, {args.requests} requests: {len(t)} decisions, "
+          f"p50 {np.median(t):.3f} s, p99 {np.percentile(t, 99):.3f} s, max {t.max():.3f} s per decision "
+          f"(target <= 1 s each); run wall {wall:.1f} s")
+    for k in sorted(set(tried)):
+        sel = t[np.array(tried) == k]
+        print(f"  {k} fleet size(s) forecast: {len(sel)} decisions, p50 {np.median(sel):.3f} s, "
+              f"max {sel.max():.3f} s ({np.median(sel) / max(k, 1):.3f} s per look-ahead)")
 
 if __name__ == "__main__":
     main()

@@ -302,6 +302,76 @@ def test_session_affinity_memory_is_bounded_and_wraps_any_router():
     assert kv.inner._prefill == {}
 
 
+# -- one-pass sums: the same numbers as scoring each -----------------------------------------------------
+
+def _random_fleet(rng, n, index=None):
+    specs = [{"id": f"i{k}", "waiting": rng.choice([0, 3, rng.randint(0, 9)]), "kv": rng.random(),
+              "inflight": rng.randint(0, 30)} for k in range(n)]
+    if rng.random() < 0.3:  # every queue equal: the min-max scorers give 1.0 to all
+        for s in specs:
+            s["waiting"] = 4
+    return fleet_of(*specs, index=index)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_weighted_one_pass_sum_gives_the_same_floats_as_scoring_each_then_adding(seed):
+    from twin.policy.scorers import Context, fuse_scorers
+
+    rng = random.Random(seed)
+    p = chain("sys", 40)
+    idx = index_with("approximate", {"i0": [p], "i1": [p[:7]], "i3": [p[:30]]})
+    for _ in range(40):
+        names = rng.sample(["queue", "kv", "prefix", "inflight"], rng.randint(1, 4))
+        router = Weighted(scorers={nm: rng.choice([0, 1, 2, 3, 0.7]) for nm in names}, seed=seed)
+        fleet = _random_fleet(rng, rng.randint(1, 9), idx)
+        r = req(prompt=700, prefix=p[:rng.choice([0, 5, 40])] + chain(f"q{rng.random()}", 2))
+        ctx = Context(r, fleet)
+        want = None  # the generic path: each scorer's list, times its weight, added in order
+        for _, w, sc in router.scorers:
+            if w:
+                part = [x * w for x in sc.score(ctx, fleet.instances)]
+                want = part if want is None else [a + b for a, b in zip(want, part)]
+        fused = fuse_scorers(router.scorers)
+        if want is None:
+            assert fused is None
+        else:
+            assert fused(ctx, fleet.instances) == want
+
+
+def test_weighted_sums_a_subclassed_scorer_by_its_own_score():
+    from twin.policy.scorers import QueueScorer, fuse_scorers
+
+    class LongestQueue(QueueScorer):  # a user's override of a built-in: the one-pass sum must not bypass it
+        def score(self, ctx, instances):
+            return [1.0 - x for x in super().score(ctx, instances)]
+
+    router = Weighted(scorers={"kv": 1})
+    router.scorers = [("queue", 1.0, LongestQueue())]
+    assert fuse_scorers(router.scorers) is None
+    fleet = fleet_of({"id": "a", "waiting": 0}, {"id": "b", "waiting": 5})
+    assert router.choose(req(), fleet) == "b"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lmetric_scores_the_product_whether_few_or_most_instances_hold_the_prefix(seed):
+    """Both ways of scoring (per holder, or one pass over the fleet when most hold some) pick the least product."""
+    rng = random.Random(seed)
+    p = chain("doc", 60)
+    for _ in range(30):
+        n = rng.randint(2, 12)
+        holders = rng.sample(range(n), rng.choice([1, n // 2, n]))
+        cut = {k: rng.randint(1, 60) for k in holders}
+        idx = index_with("approximate", {f"i{k}": [p[:c]] for k, c in cut.items()})
+        fleet = fleet_of(*({"id": f"i{k}", "inflight": rng.randint(0, 20)} for k in range(n)), index=idx)
+        prompt = 60 * 16 + rng.randint(0, 15)
+        score = {v.id: max(prompt - cut.get(int(v.id[1:]), 0) * 16, 1) * (v.load.requests + 1)
+                 for v in fleet.instances}
+        best = min(score.values())
+        router = LMetric(hotspot=False, cold_start=False, seed=seed)
+        got = router.choose(req(prompt=prompt, prefix=p + chain(f"q{rng.random()}", 3)), fleet)
+        assert score[got] == best
+
+
 # -- prefix index: bisection equals the block-by-block walk ---------------------------------------------
 
 def _random_tree(rng, n_heads=4, n_prefixes=40):

@@ -10,11 +10,12 @@ import random
 from collections import deque
 from itertools import repeat
 from operator import add, mul
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from twin.policy.base import RouterBase, register_router
 from twin.policy.routers import NO_INSTANCE
-from twin.policy.scorers import Context, build_filters, build_scorers, cached_blocks, max_score_pick
+from twin.policy.scorers import (Context, build_filters, build_scorers, cached_blocks, fuse_scorers,
+                                max_score_pick)
 from twin.policy.views import FleetView, InstanceView, Reject, RequestView
 
 LOAD_SIGNALS = ("bookkeeping", "gauges")
@@ -37,7 +38,7 @@ class _FleetCache:
     """Per-fleet facts that change only when the world replaces its instance list (each scrape, each
     lifecycle change): instance positions and start times. Keyed on the list object and its length."""
 
-    __slots__ = ("ref", "n", "pos", "t0", "t1", "started")
+    __slots__ = ("ref", "n", "ids", "pos", "t0", "t1", "started")
 
     def __init__(self) -> None:
         self.ref: object = None
@@ -47,6 +48,7 @@ class _FleetCache:
         if insts is not self.ref or len(insts) != self.n:
             self.ref = insts
             self.n = len(insts)
+            self.ids = [v.id for v in insts]
             self.pos = {v.id: k for k, v in enumerate(insts)}
             self.started = [v.started_at for v in insts]
             self.t0 = min(self.started) if insts else 0.0
@@ -154,46 +156,55 @@ class LMetric(RouterBase):
         prompt = req.num_prompt_tokens if req.num_prompt_tokens > 1 else 1
         loads = _loads(insts, self.load_signal)
         off = self.bs_offset
-        scores = [prompt * (b + off) for b in loads]
         cached = cached_blocks(req, fleet)
-        pos = fc.pos
-        mine: dict[int, int] = {}  # position -> cached blocks, for routable instances with a match
-        if cached:
-            bsz = req.prefix_block_size
-            for iid, c in cached.items():
-                k = pos.get(iid)
-                if k is not None:
-                    mine[k] = c
-                    p = prompt - c * bsz
-                    scores[k] = (p if p > 1 else 1) * (loads[k] + off)
+        bsz = req.prefix_block_size
+        # mine(k): leading blocks cached at position k (0: none); dense: the same as a list over the fleet
+        dense: list[int] | None = None
+        if cached and 4 * len(cached) >= n:  # most instances hold some of it: one pass over the fleet
+            get = cached.get
+            dense = [get(i, 0) for i in fc.ids]
+            # c = 0 gives prompt (>= 1): the uncached score
+            scores = [(p if (p := prompt - c * bsz) > 1 else 1) * (b + off) for c, b in zip(dense, loads)]
+            mine = dense.__getitem__
+        else:  # few holders: score everyone uncached, then fix the holders
+            scores = [prompt * (b + off) for b in loads]
+            at: dict[int, int] = {}  # position -> cached blocks, for routable instances with a match
+            if cached:
+                pos = fc.pos
+                for iid, c in cached.items():
+                    k = pos.get(iid)
+                    if k is not None:
+                        at[k] = c
+                        p = prompt - c * bsz
+                        scores[k] = (p if p > 1 else 1) * (loads[k] + off)
+            mine = lambda k, g=at.get: g(k, 0)  # noqa: E731
         if self.cold_start and fc.t1 > fc.t0 and fleet.now - fc.t1 < self.warmup_s:
-            self._cold(fc, fleet.now, prompt, req.prefix_block_size, loads, mine, scores)
+            self._cold(fc, fleet.now, prompt, bsz, loads, mine, scores)
         if self.hotspot and req.prefix:
             depth = min(len(req.prefix), self.hotspot_prefix_blocks)
             key = req.prefix[depth - 1]
             x = self._observe(key)
-            holders = [k for k, c in mine.items() if c >= depth]
-            m = len(holders)
+            # instances holding the key's blocks (a C-level count over the fleet in the dense case)
+            m = n - sum(map(depth.__gt__, dense)) if dense is not None else sum(1 for c in at.values() if c >= depth)
             if 0 < m < n and len(self._window) >= self.hotspot_min_requests:
                 stage1 = x >= 1.0 or x / (1.0 - x) > m / (n - m)
                 if stage1 and self._streak.get(key, 0) > 2 * m:
-                    hs = set(holders)
-                    outside = [k for k in range(n) if k not in hs and scores[k] != math.inf]
+                    outside = [k for k in range(n) if mine(k) < depth and scores[k] != math.inf]
                     if outside:
                         k = outside[_argmin([scores[j] for j in outside], self._rng)]
                         self._streak[key] = 0
                         self.hotspot_spreads += 1
                         return insts[k].id
             k = _argmin(scores, self._rng)
-            if mine.get(k, 0) >= depth:
+            if mine(k) >= depth:
                 self._streak[key] = self._streak.get(key, 0) + 1
             else:
                 self._streak[key] = 0
             return insts[k].id
         return insts[_argmin(scores, self._rng)].id
 
-    def _cold(self, fc: _FleetCache, now: float, prompt: int, bsz: int, loads: list[int], mine: dict[int, int],
-              scores: list[float]) -> None:
+    def _cold(self, fc: _FleetCache, now: float, prompt: int, bsz: int, loads: list[int],
+              mine: Callable[[int], int], scores: list[float]) -> None:
         """Warming instances: held back at half the warm mean batch, else scored with the token penalty."""
         t0 = fc.t0
         warm_s = self.warmup_s
@@ -211,7 +222,7 @@ class LMetric(RouterBase):
                 scores[k] = math.inf
                 held = True
             else:
-                p = max(prompt - mine.get(k, 0) * bsz, 1)
+                p = max(prompt - mine(k) * bsz, 1)
                 scores[k] = (p + pen) * (loads[k] + off)
         self.cold_capped += held
 
@@ -239,6 +250,7 @@ class Weighted(RouterBase):
         self.prefix_index = ("any" if any(getattr(s, "needs_prefix_index", False) for _, _, s in self.scorers)
                              else None)
         self._rng = random.Random(seed)
+        self._fused: tuple = ((), None)  # (the scorers it was built from, their one-pass sum or None)
 
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
         insts: Sequence[InstanceView] = fleet.instances
@@ -249,6 +261,12 @@ class Weighted(RouterBase):
             insts = f.filter(ctx, insts)
             if not insts:
                 return Reject(f"no instance passed the {fname} filter")
+        key = tuple(self.scorers)
+        fused = self._fused
+        if fused[0] != key:  # built once; again if the scorers are changed
+            fused = self._fused = (key, fuse_scorers(key))
+        if fused[1] is not None:
+            return max_score_pick(insts, fused[1](ctx, insts), self._rng)
         totals: list[float] | None = None
         for _, w, sc in self.scorers:
             if w == 0:

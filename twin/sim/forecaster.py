@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -28,21 +29,33 @@ def _predicted(view: RequestView | None, fallback: float) -> float:
     return fallback
 
 
-def apply_predicted_lengths(f: EngineFork, lengths: dict[int, float]) -> None:
-    """Replace each forked request's stop length by its prediction (never below what it already produced)."""
+def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callable[[int], float | None]) -> None:
+    """Replace each forked request's stop length by its prediction (never below what it already produced).
+
+    `lengths` maps a request index to its predicted output length, or is a function of the index giving it
+    (None: no prediction, the request keeps its length)."""
     s = f.scheduler
-    for r in list(s.running) + list(s.waiting):
-        if r.idx not in lengths:
-            continue
-        done = s._member_output(r) if r.in_decode else r.num_output_tokens
-        r.stop_at_tokens = max(int(math.ceil(lengths[r.idx])), done + 1)
-    # the decode group's finish heap is keyed by each member's stop length: rebuild it
-    heap = []
+    predict = lengths if callable(lengths) else lengths.get
+    member_output = s._member_output
+    heap = []  # the decode group's finish heap is keyed by each member's stop length: rebuilt
+    seq = s._heap_seq
     for r in s.running:
+        x = predict(r.idx)
         if r.in_decode:
-            s._heap_seq += 1
-            r.heap_seq = s._heap_seq
-            heap.append((r.d_base + r.stop_at_tokens - r.out_base, s._heap_seq, r))
+            if x is not None:
+                done = member_output(r)
+                r.stop_at_tokens = max(int(math.ceil(x)), done + 1)
+            seq += 1
+            r.heap_seq = seq
+            heap.append((r.d_base + r.stop_at_tokens - r.out_base, seq, r))
+        elif x is not None:
+            r.stop_at_tokens = max(int(math.ceil(x)), r.num_output_tokens + 1)
+    for r in s.waiting:
+        x = predict(r.idx)
+        if x is not None:
+            done = member_output(r) if r.in_decode else r.num_output_tokens
+            r.stop_at_tokens = max(int(math.ceil(x)), done + 1)
+    s._heap_seq = seq
     heapq.heapify(heap)
     s.finish_heap = heap
 
@@ -80,15 +93,18 @@ class SimForecaster:
         transit = sorted(((t, _fork_request(r, {})) for r, t in self._cluster.in_transit.get(instance_id, {}).values()),
                          key=lambda x: x[0])
         fallback = self._fallback()
-        inflight = self._cluster.dispatcher.inflight
-        s = f.scheduler
-        # predictions for this instance's requests only (the fleet's in-flight map holds every instance's)
-        lengths = {r.idx: _predicted(inflight[r.idx][0], fallback)
-                   for r in (*s.running, *s.waiting, *(r for _, r in transit)) if r.idx in inflight}
+        get = self._cluster.dispatcher.inflight.get
+
+        def predict(idx: int) -> float | None:
+            """This instance's requests only, looked up as the fork meets them (the fleet's map holds all)."""
+            rec = get(idx)
+            return None if rec is None else _predicted(rec[0], fallback)
+
         for _, r in transit:
-            if r.idx in lengths:
-                r.stop_at_tokens = max(1, int(math.ceil(lengths[r.idx])))
-        apply_predicted_lengths(f, lengths)
+            x = predict(r.idx)
+            if x is not None:
+                r.stop_at_tokens = max(1, int(math.ceil(x)))
+        apply_predicted_lengths(f, predict)
         return f, transit
 
     def _engine_request(self, view: RequestView) -> Request:
