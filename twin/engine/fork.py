@@ -26,11 +26,13 @@ from twin.engine.records import RequestLog
 class ForkLog(RequestLog):
     """A request log that records into dicts: a fork writes nowhere shared and reports what it did."""
 
-    def __init__(self) -> None:
-        super().__init__(0)
+    def __init__(self) -> None:  # not RequestLog's: its twelve arrays would be made only to be thrown away
+        self.n = 0
         for col in ("arrival_s", "scheduled_s", "first_token_s", "finish_s", "instance", "prompt_tokens",
                     "max_tokens", "output_tokens", "cached_tokens", "preemptions", "status", "session_id"):
             setattr(self, col, {})
+        self.reject_reason: dict[int, str] = {}
+        self.reject_counts: dict[str, int] = {}
 
 
 def _same(runs: dict, x):
