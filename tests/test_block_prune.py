@@ -112,3 +112,24 @@ def test_the_fallback_cache_follows_new_completions():
     assert fc._fallback() == 77.0
     cl.dispatcher.signals.finished(cl.env.now, 0.1, 0.5, 100, 11)
     assert fc._fallback() == 11.0  # same clock, one more completion: recomputed
+
+
+def test_a_fork_under_async_scheduling_hides_the_true_length_of_requests_in_its_inbox():
+    """A request that reached the engine but no decision yet (async's inbox) runs to its prediction in a fork,
+    as every other forked request does: the true length is an oracle's."""
+    from twin.engine.fork import fork_instance
+    from twin.sim.cluster import Cluster
+    from twin.sim.forecaster import apply_predicted_lengths
+
+    sc = make_scenario(**{"cluster.engine.async_scheduling": True, "sim.timeline_interval_s": 0})
+    rng = np.random.default_rng(2)
+    n = 40
+    cl = Cluster(sc, stream_of(np.sort(rng.uniform(0, 1.0, n)), rng.integers(50, 400, n), rng.integers(200, 400, n)))
+    inst = cl.instances[0]
+    while not inst.scheduler.inbox:
+        cl.env.step()
+    f = fork_instance(inst, cl.env.now)
+    held = [r for r, _ in f.scheduler.inbox]
+    assert held and all(r.stop_at_tokens >= 200 for r in held)
+    apply_predicted_lengths(f, {r.idx: 7 for r in held})
+    assert [r.stop_at_tokens for r in held] == [7] * len(held)

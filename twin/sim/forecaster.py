@@ -55,6 +55,10 @@ def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callab
         if x is not None:
             done = member_output(r) if r.in_decode else r.num_output_tokens
             r.stop_at_tokens = max(int(math.ceil(x)), done + 1)
+    for r, _t in s.inbox:  # async: reached the engine, not yet seen by a decision; its true length stays hidden too
+        x = predict(r.idx)
+        if x is not None:
+            r.stop_at_tokens = max(int(math.ceil(x)), r.num_output_tokens + 1)
     s._heap_seq = seq
     heapq.heapify(heap)
     s.finish_heap = heap
