@@ -248,7 +248,6 @@ class Proxy:
                 return error(503, self._none_serving())
             if attempt:
                 m.retries.inc()
-            errors = ctl.host.hook_errors.get("choose", 0)
             try:  # the host's error rule (twin.policy.host): raise -> answered 500, reject -> answered 503
                 target = ctl.host.choose(req, fleet)
             except RouterError as e:
@@ -256,9 +255,9 @@ class Proxy:
                 log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
                           "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
                 return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
-            if ctl.host.hook_errors.get("choose", 0) > errors:  # on_error: reject turned a raise into this Reject
+            if isinstance(target, Reject) and target.router_error:  # on_error: reject turned a raise into this
                 m.rejected.labels("router_error").inc()
-                return error(503, target.reason if isinstance(target, Reject) else "router error")
+                return error(503, target.reason)
             if attempt == 0:
                 m.decision_latency.observe(time.perf_counter() - t0)
             if isinstance(target, Reject):

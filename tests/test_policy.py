@@ -182,7 +182,9 @@ def test_with_on_error_reject_a_failing_router_loses_no_request():
     sc = make_scenario(**{"router.on_error": "reject"})
     res = run_checked(sc, stream_of([0, 1, 2, 3], [10] * 4, [5] * 4), router=Broken())
     assert list(res.log.status) == [4, 5, 5, 5]
-    assert "router error" in res.log.reject_reason[1]
+    assert res.log.reject_reason[1] == "router error: RuntimeError: boom"
+    assert res.log.reject_counts["router error"] == 2  # counted as the router's failure, in both worlds
+    assert "rejected by the router" not in res.log.reject_counts
     assert "unknown instance" in res.log.reject_reason[2]
 
 

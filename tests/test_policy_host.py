@@ -144,7 +144,7 @@ def test_a_raising_router_is_one_rule_raise_or_reject():
         host.choose(REQS[0], fleet)
     host = PolicyHost(Broken(), on_error="reject")
     got = host.choose(REQS[0], fleet)
-    assert isinstance(got, Reject) and got.reason == "router error: RuntimeError: boom"
+    assert isinstance(got, Reject) and got.reason == "router error: RuntimeError: boom" and got.router_error
     assert host.hook_errors == {"choose": 1}
 
 

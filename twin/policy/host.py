@@ -106,7 +106,7 @@ class PolicyHost:
         except Exception as e:  # noqa: BLE001 - a policy bug: surfaced, never lost
             if self.on_error == "reject":
                 self._count("choose", "router", self.router_name)
-                return Reject(f"router error: {type(e).__name__}: {e}")
+                return Reject(f"router error: {type(e).__name__}: {e}", router_error=True)
             raise RouterError.of(self.router_name, req, e) from e
 
     # -- what happened to a request ----------------------------------------------------------------------

@@ -43,9 +43,13 @@ class RequestView:
 
 @dataclass(frozen=True, slots=True)
 class Reject:
-    """A router's decision not to serve a request; the world answers the client with `reason`."""
+    """A router's decision not to serve a request; the world answers the client with `reason`.
+
+    `router_error`: the router raised and its `on_error` is `reject` (twin.policy.host), so the world counts
+    it as a router failure, not as the policy's choice."""
 
     reason: str
+    router_error: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -315,8 +315,11 @@ class Cluster:
         except RouterError:
             log.reject(i, "router error", "the run stopped here")
             raise
-        if isinstance(target, Reject):
-            self._reject(i, "rejected by the router", target.reason)
+        if isinstance(target, Reject):  # the policy's choice, or (on_error: reject) the router raised
+            if target.router_error:
+                self._reject(i, "router error", target.reason.removeprefix("router error: "))
+            else:
+                self._reject(i, "rejected by the router", target.reason)
             return
         inst = self.by_id.get(target)
         if inst is None or inst.state != "serving":
