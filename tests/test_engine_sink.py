@@ -100,3 +100,36 @@ def test_the_instance_and_its_fork_run_one_loop():
     assert type(f) is type(inst.core) and f.sink is not inst.scheduler.sink
     f.advance()
     assert f.drained_at is not None and not f.is_busy()
+
+
+def test_the_runs_compiled_sink_writes_what_the_request_log_writes():
+    """The cluster's own sink (`_RunSink`, compiled with the engine) records exactly what `RequestLog`'s sink
+    methods record, with the same hooks after them: the same run through both gives the same columns."""
+    from twin.engine.sink import EVENTS
+    from twin.sim.cluster import _RunSink
+
+    assert all(callable(getattr(_RunSink, e, None)) for e in EVENTS)
+
+    class Hooks(EngineSink):
+        def __init__(self, cl):
+            self.cl = cl
+
+        def first_token(self, r, t):
+            self.cl._first_token(r.idx, t)
+
+        def request_finished(self, r, t):
+            self.cl._finished(r.idx)
+
+    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.engine.num_gpu_blocks_override": 80,
+                          "sim.timeline_interval_s": 0})
+    runs = []
+    for via_log in (False, True):
+        cl = Cluster(sc, workload(80, seed=9))
+        if via_log:
+            for inst in cl.instances:
+                inst.scheduler.sink = FanOut([cl.log, Hooks(cl)])
+        runs.append(cl.run().log)
+    a, b = runs
+    assert a.preemptions.sum() > 0
+    for col in ("status", "scheduled_s", "cached_tokens", "preemptions", "first_token_s", "finish_s", "output_tokens"):
+        np.testing.assert_array_equal(getattr(a, col), getattr(b, col), err_msg=col)
