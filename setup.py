@@ -18,6 +18,7 @@ HOT_MODULES = [
     "twin/engine/output.py",
     "twin/engine/stats.py",
     "twin/engine/kv_cache_manager.py",
+    "twin/engine/decode_group.py",
     "twin/engine/core.py",
     "twin/engine/config.py",
     "twin/sim/instance.py",

@@ -93,7 +93,7 @@ def test_the_fallback_is_kept_within_a_decision_and_the_predictions_are_the_old_
                 s = f.scheduler
                 for r in (*s.running, *s.waiting):
                     if r.idx in every:
-                        done = s._member_output(r) if r.in_decode else r.num_output_tokens
+                        done = s.group.member_output(r) if r.in_decode else r.num_output_tokens
                         assert r.stop_at_tokens == max(math.ceil(every[r.idx]), done + 1)
                         checks.append(r.idx)
                 for _, r in transit:

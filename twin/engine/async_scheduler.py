@@ -100,7 +100,7 @@ class AsyncScheduler(Scheduler):
         return t
 
     def _tokens_in_flight(self, r: Request) -> int:
-        return 1 if r.d_base < self.group_step else 0  # it decoded in the step in flight
+        return 1 if r.d_base < self.group.group_step else 0  # it decoded in the step in flight
 
     def _retire(self, r: Request) -> None:
         self.finishing.append(r)  # freed after the next schedule (release_finished)
@@ -116,8 +116,9 @@ class AsyncScheduler(Scheduler):
         return x - hidden
 
     def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
-        xs = self.perf.decode_run_times(self.num_decode, self.decode_context, k)
-        c = self._host_s(self.num_decode) if self._host_s is not None else 0.0
+        g = self.group
+        xs = self.perf.decode_run_times(g.num_decode, g.decode_context, k)
+        c = self._host_s(g.num_decode) if self._host_s is not None else 0.0
         g_prev = self.prev_gpu_s
         out = []
         ends = []

@@ -14,6 +14,7 @@ from collections import OrderedDict, deque
 
 from twin.engine.block_pool import BlockPool, Dup, Run
 from twin.engine.core import EngineCore
+from twin.engine.decode_group import DecodeGroup
 from twin.engine.request import Request
 from twin.engine.segment_pool import Seg, SegmentPool
 from twin.engine.async_scheduler import make_scheduler
@@ -133,6 +134,25 @@ def _fork_request(r: Request, runs: dict) -> Request:
 EngineFork = EngineCore  # a fork is an engine core with copied state and its own ForkLog (`core.sink`)
 
 
+def _fork_group(g: DecodeGroup, new: DecodeGroup, R) -> DecodeGroup:
+    """The decode group's state with every member replaced by its copy (`R`)."""
+    for name, value in vars_of(g).items():
+        if name == "finish_heap":
+            value = [(d, seq, R(r)) for d, seq, r in value]
+        elif name == "stale":
+            value = {R(r): t for r, t in value.items()}
+        elif name == "phase_count":
+            value = list(value)
+        elif name == "reg_buckets":
+            value = [{R(r): None for r in b} for b in value]
+        elif name == "reg_by_first_key":
+            value = {k: {R(r): None for r in d} for k, d in value.items()}
+        elif isinstance(value, (list, dict, deque)):
+            raise TypeError(f"fork: DecodeGroup.{name} ({type(value).__name__}) needs an explicit copy rule")
+        setattr(new, name, value)
+    return new
+
+
 def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Scheduler, dict]:
     """A deep copy of a scheduler's state (requests, pool, decode group) with a ForkLog and no callbacks."""
     runs = {} if runs is None else runs
@@ -156,18 +176,10 @@ def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Schedule
             value = [R(r) for r in value]
         elif name == "waiting":
             value = deque(R(r) for r in value)
-        elif name == "finish_heap":
-            value = [(d, seq, R(r)) for d, seq, r in value]
-        elif name == "stale":
-            value = {R(r): t for r, t in value.items()}
-        elif name == "phase_count":
-            value = list(value)
+        elif name == "group":
+            value = _fork_group(value, new.group, R)
         elif name == "stats":
             value = EngineStats()
-        elif name == "reg_buckets":
-            value = [{R(r): None for r in b} for b in value]
-        elif name == "_reg_by_first_key":
-            value = {k: {R(r): None for r in d} for k, d in value.items()}
         elif name == "refused_head":
             value = None if value is None else RefusedHead(R(value.request), value.num_running, value.num_decode,
                                                            value.free_blocks, value.num_registrations)

@@ -5,14 +5,10 @@ requests first in admission order (decodes 1 token, a partial prefill its next c
 requests are admitted while the token budget, `max_num_seqs` and KV blocks allow. When blocks run out,
 the most recently admitted request is preempted (recompute) and goes back to the front of the queue.
 
-Decoding requests advance in lockstep, so they form one *decode group* driven by a shared step
-counter `group_step`: a member's output count is `out_base + group_step - d_base`. A step then costs O(1) for all
-decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the fast-forward).
-Blocks a decode needs follow from its position modulo the block size (`phase_count`), finishes from
-a heap keyed by the value of `group_step` at which each member reaches its `stop_at_tokens`. Output blocks are cached
-as they fill, as vLLM's `allocate_slots` caches every block full within the tokens it schedules: members
-whose block keys cover their output sit in per-phase buckets (`reg_buckets`), so a step touches only the
-members that cross a block boundary in it.
+Decoding requests advance in lockstep, so they form one *decode group* (twin/engine/decode_group.py): a step
+costs O(1) for all decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the
+fast-forward, here: it asks the queue head's admission too). Output blocks are cached as they fill, as vLLM's
+`allocate_slots` caches every block full within the tokens it schedules.
 
 Async scheduling is `AsyncScheduler` (twin/engine/async_scheduler.py), a subclass, as in vLLM; `make_scheduler`
 picks the class from the config. The methods it overrides are the points where the two differ.
@@ -21,13 +17,13 @@ picks the class from the config. The methods it overrides are the points where t
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 
 from twin.engine.block_pool import BlockPool
+from twin.engine.decode_group import DecodeGroup, _by_run_seq
 from twin.engine.kv_cache_manager import KVCacheManager, kv_cache_manager
 from twin.engine.request import Request, RequestStatus
 from twin.perf.base import StepTimeModel
@@ -62,10 +58,6 @@ class RefusedHead:
         self.num_registrations = num_registrations
 
 
-def _by_run_seq(r: Request) -> int:
-    return r.run_seq
-
-
 class Scheduler:
     """Waiting queue, running list, decode group and KV cache of one engine; vLLM's synchronous scheduler."""
 
@@ -84,19 +76,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # running requests not in the decode group, running order
-        # the decode group
-        self.group_step = 0
-        self.phase_count = [0] * self.block_size
-        self.finish_heap: list[tuple[int, int, Request]] = []
-        self._heap_seq = 0
-        self.num_decode = 0
-        self.decode_context = 0  # sum over members of the tokens each attends to in the next step
-        self.group_last_out = 0.0
-        self.stale: dict[Request, float] = {}  # members whose last output was not the group's
-        # members with blocks still to register, by phase: those with phase (-group_step-1) % bs fill a block at group_step
-        self.reg_buckets: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
-        self.num_reg_members = 0
-        self._reg_by_first_key: dict[int, dict[Request, None]] = {}  # the same members by their first key
+        self.group = DecodeGroup(self.block_size, pool.enable_caching)  # the decoding requests, in lockstep
         self._run_seq = 0
         self.stats = EngineStats()
         self._watermark_blocks = int(config.watermark * pool.num_gpu_blocks)
@@ -161,101 +141,11 @@ class Scheduler:
             r.num_tokens for r, _ in self.inbox)
 
     # -- the decode group --------------------------------------------------------------------------
-    def _member_output(self, r: Request) -> int:
-        return r.out_base + self.group_step - r.d_base
-
-    def _join_group(self, r: Request, now: float) -> None:
-        """A request whose prompt is computed and that sampled a token starts decoding."""
-        bs = self.block_size
-        r.in_decode = True
-        r.out_base = r.num_output_tokens
-        r.d_base = self.group_step
-        computed = r.num_prompt_tokens + r.num_output_tokens - 1
-        r.phase = (computed - self.group_step) % bs
-        self.phase_count[r.phase] += 1
-        self.num_decode += 1
-        self.decode_context += computed + 1
-        self._heap_seq += 1
-        r.heap_seq = self._heap_seq
-        heapq.heappush(self.finish_heap, (self.group_step + r.stop_at_tokens - r.out_base, self._heap_seq, r))
-        if r.next_reg < len(r.block_keys) and self.pool.enable_caching:
-            r.reg_pending = True
-            self.reg_buckets[r.phase][r] = None
-            self.num_reg_members += 1
-            group = self._reg_by_first_key.get(r.block_keys[0])
-            if group is None:
-                self._reg_by_first_key[r.block_keys[0]] = {r: None}
-            else:
-                group[r] = None
-        if self.num_decode == 1:
-            self.group_last_out = now
-        elif self.group_last_out != now:
-            self.stale[r] = now
-
-    def _leave_group(self, r: Request) -> None:
-        """Materialise a member's counters and take it out of the group."""
-        out = self._member_output(r)
-        r.num_output_tokens = out
-        r.num_computed_tokens = r.num_prompt_tokens + out - 1
-        r.num_blocks = -(-r.num_computed_tokens // self.block_size)
-        self.phase_count[r.phase] -= 1
-        if r.reg_pending:
-            self._drop_reg(r)
-        self.num_decode -= 1
-        self.decode_context -= r.num_computed_tokens + 1
-        r.in_decode = False
-        r.heap_seq = -1  # invalidates its heap entry
-        if r in self.stale:
-            r.last_output_time = self.stale.pop(r)
-        else:
-            r.last_output_time = self.group_last_out
-
-    def _skip_member(self, r: Request) -> None:
-        """A member got no token this step (budget exhausted): it falls one step behind the group."""
-        bs = self.block_size
-        self.phase_count[r.phase] -= 1
-        if r.reg_pending:
-            del self.reg_buckets[r.phase][r]
-            self.reg_buckets[(r.phase - 1) % bs][r] = None
-        r.d_base += 1
-        r.phase = (r.phase - 1) % bs
-        self.phase_count[r.phase] += 1
-        self._heap_seq += 1
-        r.heap_seq = self._heap_seq
-        heapq.heappush(self.finish_heap, (r.d_base + r.stop_at_tokens - r.out_base, self._heap_seq, r))
-        if r not in self.stale:
-            self.stale[r] = self.group_last_out
-
-    def _drop_reg(self, r: Request) -> None:
-        del self.reg_buckets[r.phase][r]
-        r.reg_pending = False
-        self.num_reg_members -= 1
-        first = r.block_keys[0]
-        group = self._reg_by_first_key[first]
-        del group[r]
-        if not group:
-            del self._reg_by_first_key[first]
-
-    def _crossing(self, d: int) -> list[Request]:
-        """Members that fill a block in the step at group counter `d`, in running order."""
-        b = self.reg_buckets[(-d - 1) % self.block_size]
-        if not b:
-            return []
-        if len(b) == 1:
-            return list(b)
-        return sorted(b, key=_by_run_seq)
-
     def _register_member(self, r: Request, d: int) -> None:
         """A member's decode at group counter `d` fills a block: cache it (vLLM caches up to num_tokens)."""
         self.kv.cache_blocks(r, r.num_prompt_tokens + r.out_base + d - r.d_base)
         if r.next_reg >= len(r.block_keys):
-            self._drop_reg(r)
-
-    def _next_finish_d(self) -> int | None:
-        h = self.finish_heap
-        while h and h[0][2].heap_seq != h[0][1]:
-            heapq.heappop(h)
-        return h[0][0] if h else None
+            self.group.drop_reg(r)
 
     # -- admission helpers -------------------------------------------------------------------------
     def _admission_plan(self, r: Request, budget: int, thr: int) -> tuple[int, int, int] | None:
@@ -301,11 +191,11 @@ class Scheduler:
             return
         if r.in_decode:
             in_flight = self._tokens_in_flight(r)
-            self._leave_group(r)
+            self.group.leave(r)
         else:
             self.prefilling.remove(r)
             if r.num_output_tokens > 0 and r.last_output_time < 0:
-                r.last_output_time = self.group_last_out
+                r.last_output_time = self.group.group_last_out
         self.kv.free(r, preempted=True, in_flight=in_flight)
         r.status = RequestStatus.PREEMPTED
         r.num_computed_tokens = 0
@@ -355,8 +245,8 @@ class Scheduler:
         free blocks cover it all, so nobody is preempted. Returns False to fall back to the exact walk.
         """
         bs = self.block_size
-        nd = self.num_decode
-        need = self.phase_count[(-self.group_step) % bs] if nd else 0
+        nd = self.group.num_decode
+        need = self.group.phase_count[(-self.group.group_step) % bs] if nd else 0
         pre = self.prefilling
         wants = []
         tot = nd
@@ -381,9 +271,9 @@ class Scheduler:
             return False
         self.pool.allocate(need)
         out.num_decode = nd
-        out.decode_context = self.decode_context
-        group_step = self.group_step - self._reg_lag  # the group counter whose output blocks are cached now
-        cross = self._crossing(group_step) if self.num_reg_members else []
+        out.decode_context = self.group.decode_context
+        group_step = self.group.group_step - self._reg_lag  # the group counter whose output blocks are cached now
+        cross = self.group.crossing(group_step) if self.group.num_reg_members else []
         ci = 0
         for r, n in zip(pre, wants):
             if n:
@@ -412,8 +302,8 @@ class Scheduler:
         bs = self.block_size
         pool = self.pool
         running = self.running
-        target = (-self.group_step) % bs  # a member needs a new block this step iff its phase equals this
-        reg_d = self.group_step - self._reg_lag  # async: the block a member's known tokens fill lags one step
+        target = (-self.group.group_step) % bs  # a member needs a new block this step iff its phase equals this
+        reg_d = self.group.group_step - self._reg_lag  # async: the block a member's known tokens fill lags one step
         fills = (-reg_d - 1) % bs  # ... and caches a filled one iff its phase equals this
         free = pool.get_num_free_blocks()
         pending = 0
@@ -460,11 +350,11 @@ class Scheduler:
         skipped_ctx = 0
         for r in running[i:]:
             if r.in_decode:
-                skipped_ctx += r.num_prompt_tokens + self._member_output(r)
-                self._skip_member(r)
+                skipped_ctx += r.num_prompt_tokens + self.group.member_output(r)
+                self.group.skip(r)
                 out.skipped.append(r)
-        out.num_decode = self.num_decode - len(out.skipped)
-        out.decode_context = self.decode_context - skipped_ctx
+        out.num_decode = self.group.num_decode - len(out.skipped)
+        out.decode_context = self.group.decode_context - skipped_ctx
         return budget
 
     def _admit(self, budget: int, thr: int, now: float, out: SchedulerOutput) -> None:
@@ -524,19 +414,19 @@ class Scheduler:
 
         if out.num_decode:
             n_stale_out = 0
-            if self.stale:
+            if self.group.stale:
                 skipped = set(out.skipped)
-                for r, last in list(self.stale.items()):
+                for r, last in list(self.group.stale.items()):
                     if r not in skipped:
                         stats.itl.add(t_end - last, 1)
-                        del self.stale[r]
+                        del self.group.stale[r]
                         n_stale_out += 1
-            stats.itl.add(t_end - self.group_last_out, out.num_decode - n_stale_out)
+            stats.itl.add(t_end - self.group.group_last_out, out.num_decode - n_stale_out)
             stats.generated_tokens += out.num_decode
-            self.group_last_out = t_end
-            self.group_step += 1
-            self.decode_context += out.num_decode
-            finished = self._pop_finished_members()
+            self.group.group_last_out = t_end
+            self.group.group_step += 1
+            self.group.decode_context += out.num_decode
+            finished = self.group.pop_finished()
 
         for r, n, c in out.prefills:
             if r.status is not RequestStatus.RUNNING or r.num_computed_tokens != r.num_tokens:
@@ -554,7 +444,7 @@ class Scheduler:
                 r.last_output_time = t_end
                 finished.append(r)
             else:
-                self._join_group(r, t_end)
+                self.group.join(r, t_end)
 
         if len(finished) > 1:  # vLLM's order, not the finish heap's (see `_finish`)
             finished.sort(key=_by_run_seq)
@@ -587,24 +477,24 @@ class Scheduler:
 
         k < 2 means: take a normal step instead.
         """
-        if self.prefilling or self.stale or not self.num_decode or self.finishing or self.inbox:
+        if self.prefilling or self.group.stale or not self.group.num_decode or self.finishing or self.inbox:
             return 0
         free = self.pool.get_num_free_blocks()
         if self.waiting and not self._head_stays_blocked(free):
-            budget_left = self.config.max_num_batched_tokens - self.num_decode
+            budget_left = self.config.max_num_batched_tokens - self.group.num_decode
             thr = self.config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
             if self._can_admit_head(budget_left, thr):
                 return 0
-            self.refused_head = RefusedHead(self.waiting[0], len(self.running), self.num_decode, free,
+            self.refused_head = RefusedHead(self.waiting[0], len(self.running), self.group.num_decode, free,
                                             self.kv.num_registrations)
-        d_fin = self._next_finish_d()
+        d_fin = self.group.next_finish()
         assert d_fin is not None  # every member has a live heap entry
-        k = min(d_fin - self.group_step, max_steps)
-        if self.waiting and self.num_reg_members:
+        k = min(d_fin - self.group.group_step, max_steps)
+        if self.waiting and self.group.num_reg_members:
             k = min(k, self._steps_until_head_may_hit_more())
         bs = self.block_size
-        if free < self.num_decode * -(-k // bs):  # some member may run out of blocks within k steps
-            k = min(k, self._steps_until_blocks_run_out(free))
+        if free < self.group.num_decode * -(-k // bs):  # some member may run out of blocks within k steps
+            k = min(k, self.group.steps_until_blocks_run_out(free))
         return k if k >= 2 else 0
 
     def _head_stays_blocked(self, free: int) -> bool:
@@ -615,7 +505,7 @@ class Scheduler:
         """
         b = self.refused_head
         return (b is not None and b.request is self.waiting[0] and b.num_running == len(self.running)
-                and b.num_decode == self.num_decode and free <= b.free_blocks
+                and b.num_decode == self.group.num_decode and free <= b.free_blocks
                 and b.num_registrations == self.kv.num_registrations)
 
     def _steps_until_head_may_hit_more(self) -> int:
@@ -626,7 +516,7 @@ class Scheduler:
         """
         head = self.waiting[0]
         keys = head.block_keys
-        if not keys or keys[0] not in self._reg_by_first_key:  # it shares no block with any such member
+        if not keys or keys[0] not in self.group.reg_by_first_key:  # it shares no block with any such member
             return 1 << 30
         hk = self.pool.num_cached_hits(keys, len(keys))
         if hk >= len(keys):
@@ -634,44 +524,31 @@ class Scheduler:
         key = keys[hk]
         bs = self.block_size
         best = 1 << 30
-        for r in self._reg_by_first_key[keys[0]]:
+        for r in self.group.reg_by_first_key[keys[0]]:
             if r.next_reg <= hk < len(r.block_keys) and r.block_keys[hk] == key:
                 # it caches block hk in the step where prompt + outputs reaches (hk + 1) * bs
-                s = (hk + 1) * bs - r.num_prompt_tokens - self._member_output(r) + self._reg_lag
+                s = (hk + 1) * bs - r.num_prompt_tokens - self.group.member_output(r) + self._reg_lag
                 best = min(best, max(s, 0))
         return best
 
-    def _steps_until_blocks_run_out(self, free: int) -> int:
-        """Decode steps the group can take before the free blocks cannot cover a step's allocations."""
-        bs = self.block_size
-        nd = self.num_decode
-        periods = free // nd  # each run of block_size steps takes exactly one block per member
-        left = free - periods * nd
-        pc = self.phase_count
-        group_step = self.group_step
-        s = 0
-        while True:
-            need = pc[(-(group_step + s)) % bs]
-            if need > left:
-                return periods * bs + s
-            left -= need
-            s += 1
-
     def decode_blocks_needed(self, j: int) -> int:
-        """New blocks the decode group takes over the next j steps (each member one per block_size)."""
-        bs = self.block_size
-        full, rest = divmod(j, bs)
-        pc = self.phase_count
-        group_step = self.group_step
-        n = full * self.num_decode
-        for s in range(rest):  # a loop, not a generator: compiled, a generator is an object per call
-            n += pc[(-(group_step + s)) % bs]
-        return n
+        """New blocks the decode group takes over the next j steps (the instance's KV gauges read this)."""
+        return self.group.blocks_needed(j)
+
+    @property
+    def num_decode(self) -> int:
+        """Requests decoding now (the decode group's members)."""
+        return self.group.num_decode
+
+    @property
+    def decode_context(self) -> int:
+        """Tokens the decode group's members attend to in the next step, summed."""
+        return self.group.decode_context
 
     def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
         """The run's step durations, each as `step_duration` would give it step by step, and their end times
         from t0, summed as the clock adds them (so equal to the bit to a step-by-step run's)."""
-        xs = self.perf.decode_run_times(self.num_decode, self.decode_context, k)
+        xs = self.perf.decode_run_times(self.group.num_decode, self.group.decode_context, k)
         ends = []
         t = t0
         for x in xs:
@@ -683,37 +560,37 @@ class Scheduler:
         """Apply the first j steps of a planned run that ended at ends[j-1]."""
         stats = self.stats
         bs = self.block_size
-        pc = self.phase_count
-        group_step = self.group_step
+        pc = self.group.phase_count
+        group_step = self.group.group_step
         used0 = used = self.num_used_blocks
         block_seconds = 0.0
         for s in range(j):  # allocation happens at each step's start, then the step runs
             used += pc[(-(group_step + s)) % bs]
             block_seconds += used * durations[s]
         self.pool.allocate(used - used0)
-        if self.num_reg_members:  # output blocks filled during the run, step by step in running order
+        if self.group.num_reg_members:  # output blocks filled during the run, step by step in running order
             lag = self._reg_lag
             for s in range(j):
-                for r in self._crossing(group_step + s - lag):
+                for r in self.group.crossing(group_step + s - lag):
                     self._register_member(r, group_step + s - lag)
         stats.kv_used_block_seconds += block_seconds
         if used > stats.kv_peak_used_blocks:
             stats.kv_peak_used_blocks = used
-        nd = self.num_decode
+        nd = self.group.num_decode
         t_end = ends[j - 1]
-        stats.itl.add(ends[0] - self.group_last_out, nd)
+        stats.itl.add(ends[0] - self.group.group_last_out, nd)
         if j > 1:
             stats.itl.add_many(durations[1:j], nd)
         stats.num_steps += j
         stats.busy_time_s += t_end - (ends[0] - durations[0])
         stats.generated_tokens += nd * j
         if self.wants_steps:
-            self.sink.decode_run(nd, self.decode_context, durations[:j], ends[:j], used)
+            self.sink.decode_run(nd, self.group.decode_context, durations[:j], ends[:j], used)
         self._after_run(j, durations, ends)
-        self.group_step += j
-        self.decode_context += nd * j
-        self.group_last_out = t_end
-        finished = self._pop_finished_members()
+        self.group.group_step += j
+        self.group.decode_context += nd * j
+        self.group.group_last_out = t_end
+        finished = self.group.pop_finished()
         if len(finished) > 1:  # vLLM's order, not the finish heap's (see `_finish`)
             finished.sort(key=_by_run_seq)
         for r in finished:
@@ -722,20 +599,3 @@ class Scheduler:
 
     def _after_run(self, j: int, durations: list[float], ends: list[float]) -> None:
         """The first j steps of a decode run were applied (async: where the next decision stands)."""
-
-    def _pop_finished_members(self) -> list[Request]:
-        """Members whose output count reached stop_at_tokens at the current group_step leave the group."""
-        finished = []
-        h = self.finish_heap
-        group_step = self.group_step
-        while h:
-            d_fin, seq, r = h[0]
-            if r.heap_seq != seq:
-                heapq.heappop(h)
-                continue
-            if d_fin > group_step:
-                break
-            heapq.heappop(h)
-            self._leave_group(r)
-            finished.append(r)
-        return finished

@@ -35,10 +35,11 @@ def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callab
     `lengths` maps a request index to its predicted output length, or is a function of the index giving it
     (None: no prediction, the request keeps its length)."""
     s = f.scheduler
+    g = s.group
     predict = lengths if callable(lengths) else lengths.get
-    member_output = s._member_output
+    member_output = g.member_output
     heap = []  # the decode group's finish heap is keyed by each member's stop length: rebuilt
-    seq = s._heap_seq
+    seq = g.heap_seq
     for r in s.running:
         x = predict(r.idx)
         if r.in_decode:
@@ -59,9 +60,9 @@ def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callab
         x = predict(r.idx)
         if x is not None:
             r.stop_at_tokens = max(int(math.ceil(x)), r.num_output_tokens + 1)
-    s._heap_seq = seq
+    g.heap_seq = seq
     heapq.heapify(heap)
-    s.finish_heap = heap
+    g.finish_heap = heap
 
 
 class SimForecaster:
