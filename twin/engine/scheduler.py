@@ -5,7 +5,8 @@ requests first in admission order (decodes 1 token, a partial prefill its next c
 requests are admitted while the token budget, `max_num_seqs` and KV blocks allow. When blocks run out,
 the most recently admitted request is preempted (recompute) and goes back to the front of the queue.
 
-Decoding requests advance in lockstep, so they form one *decode group* (twin/engine/decode_group.py): a step
+The waiting queue is a deque, as vLLM's `FCFSRequestQueue` (`vllm/v1/core/sched/request_queue.py`) is one;
+preempted requests go back to its front. Decoding requests advance in lockstep, so they form one *decode group* (twin/engine/decode_group.py): a step
 costs O(1) for all decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the
 fast-forward, here: it asks the queue head's admission too). Output blocks are cached as they fill, as vLLM's
 `allocate_slots` caches every block full within the tokens it schedules.
