@@ -6,14 +6,14 @@ requests are admitted while the token budget, `max_num_seqs` and KV blocks allow
 the most recently admitted request is preempted (recompute) and goes back to the front of the queue.
 
 The waiting queue is a deque, as vLLM's `FCFSRequestQueue` (`vllm/v1/core/sched/request_queue.py`) is one;
-preempted requests go back to its front. Decoding requests advance in lockstep, so they form one *decode group* (twin/engine/decode_group.py): a step
-costs O(1) for all decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the
-fast-forward, here: it asks the queue head's admission too). Output blocks are cached as they fill, as vLLM's
-`allocate_slots` caches every block full within the tokens it schedules.
+preempted requests go back to its front. Decoding requests advance in lockstep, so they form one decode group
+(twin/engine/decode_group.py): a step costs O(1) for all decodes, and `plan_decode_run` can advance k
+homogeneous decode steps at once (the fast-forward; it stays here because it asks admission's questions
+without changing state). Output blocks are cached as they fill, as vLLM's `allocate_slots` caches every
+block full within the tokens it schedules.
 
 Async scheduling is `AsyncScheduler` (twin/engine/async_scheduler.py), a subclass, as in vLLM; `make_scheduler`
 picks the class from the config. The methods it overrides are the points where the two differ.
-
 """
 
 from __future__ import annotations
