@@ -81,8 +81,6 @@ class Instance:
         self.fast_forward = fast_forward
         self.max_run_steps = max_run_steps
         self._wakeup: simpy.Event | None = None
-        self._run: list[float] | None = None  # end times of the steps of the decode run in progress
-        self._interruptible = False
         self.num_dispatched = 0
         self.state = "serving"  # starting | serving | draining | stopped: the fleet's lifecycle
         self.serving_since = env._now
@@ -113,16 +111,11 @@ class Instance:
                 self.touch(env._now)
                 self._wakeup = None
                 continue
-            run = core.pending_run
-            self._run = None if run is None else run[2]
-            self._interruptible = run is not None
             try:
                 yield Timer(env, core.wait_s)
             except simpy.Interrupt:
                 pass  # an arrival: `EngineCore.add_request` cut the run; the loop waits out its last step
             self.touch(env._now)
-            self._interruptible = False
-            self._run = None
             self.num_wakeups += 1
 
     @property
@@ -152,11 +145,11 @@ class Instance:
         self.touch(now)
         self.num_dispatched += 1
         self.log.instance[r.idx] = self.index
+        cut = self.core.pending_run is not None  # the loop waits on a decode run's timer, which this arrival cuts
         self.core.add_request(r, now)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
-        elif self._interruptible:
-            self._interruptible = False
+        elif cut:
             self.process.interrupt()
 
     def fits(self, num_tokens: int) -> bool:
@@ -182,8 +175,8 @@ class Instance:
         tail = self.core.pending_tail
         if tail is not None:  # a run cut at an arrival: its steps started by t took their blocks (the commit allocates)
             free -= self.scheduler.decode_blocks_needed(min(bisect_right(tail[2], t) + 1, tail[0]))
-        elif self._run is not None:  # blocks taken by the decode steps of the run started so far
-            ends = self._run
+        elif self.core.pending_run is not None:  # blocks taken by the decode steps of the run started so far
+            ends = self.core.pending_run[2]
             started = min(bisect_right(ends, t) + 1, len(ends))
             free -= self.scheduler.decode_blocks_needed(started)
         return free
