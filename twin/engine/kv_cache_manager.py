@@ -57,31 +57,34 @@ class KVCacheManager:
         A hash already cached gets a second copy, as vLLM does not deduplicate (`cache_full_blocks`); one
         `BlockStored` event per call carries all the new hashes (`BlockPool.cache_full_blocks`)."""
         start = r.next_reg
-        keys = r.block_keys
-        end = min(computed // self.block_size, len(keys))
+        end = min(computed // self.block_size, len(r.block_keys))
         if end <= start:
             return
-        pool = self.pool
-        if self.enable_caching:  # BlockPool.add_copy, inlined: this loop runs once per prompt block
-            m = pool.cached_block_hash_to_ref
-            keyed = r.keyed
-            if pool.dups:
-                for j in range(start, end):
-                    keyed.append(pool.add_copy(keys[j]))
-            else:
-                for j in range(start, end):
-                    key = keys[j]
-                    if key in m:
-                        keyed.append(pool.add_copy(key))
-                    else:
-                        m[key] = 1
-                        keyed.append(key)
+        if self.enable_caching:
+            self._store(r, start, end)
             self.num_registrations += 1
-            sink = pool.event_sink
-            if sink is not None:
-                sink(BlockStored(list(keys[start:end]), keys[start - 1] if start else None, None,
-                                 self.block_size))
         r.next_reg = end
+
+    def _store(self, r: Request, start: int, end: int) -> None:
+        """Blocks start..end-1 of `r` get their keys, held by `r`, with one `BlockStored` event."""
+        pool = self.pool
+        keys = r.block_keys
+        m = pool.cached_block_hash_to_ref
+        keyed = r.keyed
+        if pool.dups:  # BlockPool.add_copy, inlined: this loop runs once per prompt block
+            for j in range(start, end):
+                keyed.append(pool.add_copy(keys[j]))
+        else:
+            for j in range(start, end):
+                key = keys[j]
+                if key in m:
+                    keyed.append(pool.add_copy(key))
+                else:
+                    m[key] = 1
+                    keyed.append(key)
+        sink = pool.event_sink
+        if sink is not None:
+            sink(BlockStored(list(keys[start:end]), keys[start - 1] if start else None, None, self.block_size))
 
     def _num_held(self, r: Request) -> int:
         return len(r.keyed)
@@ -128,15 +131,8 @@ class SegmentKVCacheManager(KVCacheManager):
     def touch_prefix(self, r: Request, hk: int) -> None:
         r.keyed = self.seg.touch_prefix(r.block_keys, hk)  # type: ignore[arg-type]
 
-    def cache_blocks(self, r: Request, computed: int) -> None:
-        start = r.next_reg
-        end = min(computed // self.block_size, len(r.block_keys))
-        if end <= start:
-            return
-        if self.enable_caching:
-            self.seg.register_blocks(r.block_keys, r.keyed, start, end)  # type: ignore[arg-type]
-            self.num_registrations += 1
-        r.next_reg = end
+    def _store(self, r: Request, start: int, end: int) -> None:
+        self.seg.register_blocks(r.block_keys, r.keyed, start, end)  # type: ignore[arg-type]
 
     def _num_held(self, r: Request) -> int:
         return self.seg.num_held(r.keyed)
