@@ -120,7 +120,8 @@ def train_from_run(sc, stream, test_share: float = 0.2, seed: int = 0) -> tuple[
     k = max(1, int(n * test_share))
     test, train = idx[:k], idx[k:]
     pick = lambda xs, ii: [xs[i] for i in ii]  # noqa: E731
-    est = ResourceEstimator(seed=seed).fit(pick(rec.batches, train), pick(rec.times, train), pick(rec.kv_blocks, train))
-    report = error_report(est, pick(rec.batches, test), pick(rec.times, test), pick(rec.kv_blocks, test))
+    times = rec.times  # derived from the step events: once
+    est = ResourceEstimator(seed=seed).fit(pick(rec.batches, train), pick(times, train), pick(rec.kv_blocks, train))
+    report = error_report(est, pick(rec.batches, test), pick(times, test), pick(rec.kv_blocks, test))
     report["train_steps"] = len(train)
     return est, report
