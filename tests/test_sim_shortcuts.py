@@ -66,3 +66,47 @@ def test_a_scaled_fleet_without_gauge_readers_runs_as_with_them():
     assert len(a.instances) > 1
     assert all(inst.scrape_clock is None for inst in a.instances)
     assert records(a) == records(b)
+
+
+def count_runs_over_finishers(cluster):
+    """Count the decode runs each async scheduler starts while the last step's finishers hold their blocks."""
+    counts = []
+    for inst in cluster.instances:
+        sched = inst.scheduler
+        n = [0]
+
+        def plan(k, t0, _orig=sched.decode_run_plan, _s=sched, _n=n):
+            _n[0] += bool(_s.finishing)
+            return _orig(k, t0)
+
+        sched.decode_run_plan = plan
+        counts.append(n)
+    return counts
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_decode_run_starts_over_pending_finishers_as_the_steps_would(caching):
+    """Async: a decode run may start while the step before's finishers still hold their blocks (they are freed
+    after its first decision): same records, steps, KV use and KV timeline as the step-by-step run."""
+    from test_fast_forward import assert_same
+
+    over = {"cluster.num_instances": 2, "sim.timeline_interval_s": 0.02, "cluster.engine.async_scheduling": True,
+            "cluster.engine.enable_prefix_caching": caching}
+    rng = np.random.default_rng(11)
+    n = 120
+    # sparse arrivals, spread-out lengths: finishers leave batches that go on decoding with nobody waiting
+    stream = stream_of(np.sort(rng.uniform(0, 6.0, n)), rng.integers(20, 700, n), rng.integers(2, 400, n))
+    results = {}
+    for mode in ("fast", "step"):
+        sc = make_scenario(**over, **{"sim.mode": mode})
+        cl = Cluster(sc, stream)
+        counts = count_runs_over_finishers(cl)
+        results[mode] = cl.run()
+        if mode == "fast":
+            assert sum(c[0] for c in counts) > 20
+    fast, step = results["fast"], results["step"]
+    assert_same(fast, step)
+    np.testing.assert_array_equal(fast.timeline.to_frame()["kv_usage"].to_numpy(),
+                                  step.timeline.to_frame()["kv_usage"].to_numpy())
+    for inst in fast.instances:
+        assert inst.pool.get_num_free_blocks() == inst.pool.num_usable_blocks
