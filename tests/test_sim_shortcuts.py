@@ -79,7 +79,10 @@ def count_runs_over_finishers(cluster):
             _n[0] += bool(_s.finishing)
             return _orig(k, t0)
 
-        sched.decode_run_plan = plan
+        try:
+            sched.decode_run_plan = plan
+        except AttributeError:  # the compiled build: native methods cannot be wrapped; records still compared
+            return None
         counts.append(n)
     return counts
 
@@ -102,7 +105,7 @@ def test_a_decode_run_starts_over_pending_finishers_as_the_steps_would(caching):
         cl = Cluster(sc, stream)
         counts = count_runs_over_finishers(cl)
         results[mode] = cl.run()
-        if mode == "fast":
+        if mode == "fast" and counts is not None:
             assert sum(c[0] for c in counts) > 20
     fast, step = results["fast"], results["step"]
     assert_same(fast, step)
@@ -110,3 +113,51 @@ def test_a_decode_run_starts_over_pending_finishers_as_the_steps_would(caching):
                                   step.timeline.to_frame()["kv_usage"].to_numpy())
     for inst in fast.instances:
         assert inst.pool.get_num_free_blocks() == inst.pool.num_usable_blocks
+
+
+def test_a_process_waits_for_a_fresh_timer_instead_of_the_one_it_waited_on():
+    import simpy
+
+    from twin.sim.events import Proc, Timer, run
+
+    env = simpy.Environment()
+    seen = []
+
+    def loop():
+        while True:
+            v = yield Timer(env, 10.0)
+            seen.append((env.now, v))
+
+    p = Proc(env, loop())
+    Timer(env, 1.0, callback=lambda _e: p.wait_instead(3.0))
+    run(env, until=25.0)
+    # resumed at 4 (not at 10, whose timer fired without it), then every 10 from there
+    assert seen == [(4.0, None), (14.0, None), (24.0, None)]
+
+
+def test_an_arrival_that_cuts_a_decode_run_resumes_the_loop_once_with_the_same_run(monkeypatch):
+    """The loop waits out a cut run's last step without an interrupt first: same records and steps as when
+    an interrupt resumed it at the arrival (the former path), and one wake-up fewer per cut."""
+    import twin.sim.events
+    from twin.sim.events import Proc
+
+    if not twin.sim.events.__file__.endswith(".py"):
+        pytest.skip("the compiled build: its native Proc cannot be patched back to the former path")
+    sc = make_scenario(**{"cluster.num_instances": 2, "workload.num_requests": 200, "workload.arrival.rate": 30,
+                          "workload.lengths.output_tokens": 200})
+    from twin.workload import build_stream
+
+    stream = build_stream(sc)
+    new = run_checked(sc, stream)
+    cuts = [0]
+
+    def by_interrupt(self, delay):
+        cuts[0] += 1
+        self.interrupt()
+
+    monkeypatch.setattr(Proc, "wait_instead", by_interrupt)
+    old = run_checked(sc, stream)
+    assert cuts[0] > 50
+    assert records(new) == records(old)
+    assert [i.core.steps for i in new.instances] == [i.core.steps for i in old.instances]
+    assert sum(i.num_wakeups for i in old.instances) - sum(i.num_wakeups for i in new.instances) == cuts[0]
