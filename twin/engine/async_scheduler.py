@@ -116,6 +116,9 @@ class AsyncScheduler(Scheduler):
         return x - hidden
 
     def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
+        """As the synchronous plan, each step's CPU hidden behind the step before; the last step's finishers
+        are freed now, right after the run's first decision (`after_schedule`; `_run_frees_finishers`)."""
+        self.release_finished()
         g = self.group
         xs = self.perf.decode_run_times(g.num_decode, g.decode_context, k)
         c = self._host_s(g.num_decode) if self._host_s is not None else 0.0

@@ -478,7 +478,9 @@ class Scheduler:
 
         k < 2 means: take a normal step instead.
         """
-        if self.prefilling or self.group.stale or not self.group.num_decode or self.finishing or self.inbox:
+        if self.prefilling or self.group.stale or not self.group.num_decode or self.inbox:
+            return 0
+        if self.finishing and not self._run_frees_finishers():
             return 0
         free = self.pool.get_num_free_blocks()
         if self.waiting and not self._head_stays_blocked(free):
@@ -497,6 +499,23 @@ class Scheduler:
         if free < self.group.num_decode * -(-k // bs):  # some member may run out of blocks within k steps
             k = min(k, self.group.steps_until_blocks_run_out(free))
         return k if k >= 2 else 0
+
+    def _run_frees_finishers(self) -> bool:
+        """Async: may a decode run start while the last step's finishers still hold their blocks?
+
+        Their blocks and seats are freed right after the run's first decision (`release_finished`, as after any
+        schedule), which changes nothing the run's decisions read when nobody waits for a seat, and when the
+        first step's new blocks come out of the uncached free blocks: taken before the frees or after them,
+        they are then the same blocks (`BlockPool.allocate` takes those first), and no cached one is evicted.
+        The first step must cache no output block either (the step would cache it before the frees, the run
+        caches it after). The run's block limit is reckoned on the free blocks before the frees: safe after."""
+        if self.waiting:
+            return False
+        g = self.group
+        bs = self.block_size
+        if g.num_reg_members and g.reg_buckets[(-(g.group_step - self._reg_lag) - 1) % bs]:
+            return False
+        return g.phase_count[(-g.group_step) % bs] <= self.pool.num_anon_free
 
     def _head_stays_blocked(self, free: int) -> bool:
         """The queue head was refused with at least as many free blocks and the same batch: still refused.

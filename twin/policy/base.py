@@ -27,10 +27,12 @@ class Router(Protocol):
 
 class RouterBase:
     """Optional base: hooks are no-ops. `prefix_index` says which index the router reads, if any
-    ("approximate", "precise" or "any": the world builds it; "any" takes the scenario's choice)."""
+    ("approximate", "precise" or "any": the world builds it; "any" takes the scenario's choice).
+    `reads_gauges` False: `choose` never reads the scraped gauges, so the simulator keeps none for it."""
 
     name: ClassVar[str] = "router"
     prefix_index: ClassVar[str | None] = None
+    reads_gauges: bool = True
 
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -37,6 +37,7 @@ class RoundRobin(RouterBase):
     """Each request to the next serving instance in turn."""
 
     name = "round-robin"
+    reads_gauges = False
 
     def __init__(self) -> None:
         self._next = 0
@@ -55,6 +56,7 @@ class Random(RouterBase):
     """A uniformly random serving instance, from its own seeded generator (reproducible)."""
 
     name = "random"
+    reads_gauges = False
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -81,6 +83,7 @@ class LeastOutstanding(RouterBase):
         if signal not in ("bookkeeping", "gauges"):
             raise ValueError(f"signal must be 'bookkeeping' or 'gauges', got {signal!r}")
         self.signal = signal
+        self.reads_gauges = signal == "gauges"
         self._rng = random.Random(seed)
 
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
@@ -111,6 +114,7 @@ class PowerOfTwo(RouterBase):
     """Two instances drawn at random, the one with fewer requests in flight wins (Mitzenmacher's p2c)."""
 
     name = "power-of-two"
+    reads_gauges = False
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)

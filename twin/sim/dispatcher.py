@@ -93,12 +93,19 @@ class Dispatcher:
         self.explicit_scrapes = 0  # scrapes asked for outside the poller's ticks (the scaler's, exact mode)
         self.clock: ScrapeClock | None = None
         self._views_tick = env._now  # the tick the views were last brought to (they start fresh now)
+        # a router that never reads the gauges (`RouterBase.reads_gauges`) gets none kept for it: the instances
+        # keep no snapshot at each tick, and a decision brings no view to the last tick (a scaler still scrapes)
+        self.reads_gauges: bool = bool(getattr(router, "reads_gauges", True))
         if scrape_interval_s > 0:
             self.clock = ScrapeClock(env._now, scrape_interval_s)
             for inst in self.instances:
-                inst.scrape_clock = self.clock
+                inst.scrape_clock = self._instance_clock()
 
     # -- views ---------------------------------------------------------------------------------------
+    def _instance_clock(self) -> ScrapeClock | None:
+        """The clock an instance keeps its gauges by for the decisions: none when the router reads none."""
+        return self.clock if self.reads_gauges else None
+
     def _new_view(self, inst: Any) -> InstanceView:
         cfg = inst.config
         ic = InstanceConfig(num_gpu_blocks=inst.pool.num_gpu_blocks, block_size=cfg.block_size,
@@ -174,7 +181,7 @@ class Dispatcher:
         self.by_id[inst.id] = inst
         if self.bus is not None:
             inst.pool.event_sink = self.bus.sink_for(inst.id)
-        inst.scrape_clock = self.clock
+        inst.scrape_clock = self._instance_clock()
         self.lifecycle_changed()
 
     # -- a decision ----------------------------------------------------------------------------------
@@ -184,7 +191,7 @@ class Dispatcher:
         now = self.env._now
         if clock is None:
             self.scrape()
-        elif not (clock.cur <= now < clock.nxt and clock.cur <= self._views_tick):
+        elif self.reads_gauges and not (clock.cur <= now < clock.nxt and clock.cur <= self._views_tick):
             self._bring_to_tick()  # (else: no tick since the views were brought to one, `ScrapeClock.last_tick`)
         fleet = self.fleet
         fleet.now = now

@@ -148,6 +148,14 @@ class Proc:
         t._value = simpy.Interrupt(cause)
         t._defused = True
 
+    def wait_instead(self, delay: float) -> None:
+        """Wait for a fresh timer `delay` from now instead of the timer it waits on, which fires without it: what
+        an interrupt whose handler waits again does, with no interrupt event and no exception thrown in."""
+        cbs = self.target.callbacks
+        assert cbs is not None, "wait_instead: the event it waits on has fired"
+        cbs.remove(self._resume_cb)
+        self.target = Timer(self.env, delay, NORMAL, self._resume_cb)
+
     def _interrupt(self, event: Any) -> None:
         if not self.alive:  # ended meanwhile (SimPy: multiple interrupts, or the process finished)
             return

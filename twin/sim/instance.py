@@ -150,7 +150,11 @@ class Instance:
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
         elif cut:
-            self.process.interrupt()
+            wait = self.core.wait_s
+            if wait > 0.0:  # the loop would only wait out the cut run's last step: it waits for that instead
+                self.process.wait_instead(wait)
+            else:  # the cut run ends now: the loop goes on at once, before anything else now
+                self.process.interrupt()
 
     def fits(self, num_tokens: int) -> bool:
         """Could a request of this many tokens ever be held by this instance's KV pool?"""
