@@ -295,6 +295,8 @@ class ApproxPrefixIndex:
                 chains.forget(h)
 
     def match(self, prefix: Sequence[int], instance_ids: Iterable[str] | None) -> dict[str, int]:
+        if instance_ids is None:  # what the routers ask: one call fewer
+            return _chain_match(self._chains.closed, prefix)
         return self._chains.match(prefix, instance_ids)
 
     def blocks_held(self, instance_id: str) -> int:
@@ -381,6 +383,8 @@ class PreciseIndex:
         """Dispatches teach a precise index nothing: only events do."""
 
     def match(self, prefix: Sequence[int], instance_ids: Iterable[str] | None) -> dict[str, int]:
+        if instance_ids is None:  # what the routers ask: one call fewer
+            return _chain_match(self._chains.closed, prefix)
         return self._chains.match(prefix, instance_ids)
 
     def blocks_held(self, instance_id: str) -> int:
