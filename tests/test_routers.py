@@ -469,6 +469,24 @@ def test_chain_match_finds_every_level_in_the_walks_order_on_long_chains_and_tai
         assert got == _leading_match(approx._holders, q, set(ids))
 
 
+def test_chain_match_terminates_on_prefixes_that_break_the_chain_contract():
+    """Hashes reused at other positions (not chained): the sets along a prefix are then not nested; the match
+    must still answer (instances and counts within the prefix), not raise or loop."""
+    from twin.policy.prefix_index import _chain_match
+
+    rng = random.Random(5)
+    ids = [f"i{k}" for k in range(6)]
+    approx = ApproxPrefixIndex(capacity_blocks=60)
+    for _ in range(300):
+        approx.on_dispatch([rng.randrange(30) for _ in range(rng.randint(1, 40))], rng.choice(ids))
+    for _ in range(300):
+        q = [rng.randrange(30) for _ in range(rng.randint(1, 60))]
+        got = _chain_match(approx._chains.closed, q)
+        assert set(got) <= set(ids) and all(1 <= c <= len(q) for c in got.values())
+    idx = index_with("approximate", {"a": [[1, 2]], "b": [[1, 2]], "c": [[5]]})  # 5 held after unknown blocks
+    assert _chain_match(idx._chains.closed, [1, 99, 98, 5]) == {"a": 1, "b": 1, "c": 4}
+
+
 def test_a_router_block_may_set_the_routers_own_seed():
     """`router: {name: p2c, params: {seed: 3}}` used to fail with "multiple values for keyword argument 'seed'";
     the block's seed wins over the scenario's."""
