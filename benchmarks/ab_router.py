@@ -3,9 +3,10 @@
 between the two, on the same indexes, fleet and requests, so machine load (this project's shared 2-core boxes
 move figures by 2x within minutes) hits both alike. Also says whether every decision was the same.
 
-The revision's `twin/policy/prefix_routers.py` and `prefix_index.py` are read with `git show` and loaded
-beside this tree's (the rest of twin.policy is this tree's); its match runs on this tree's index data, so a
-change to the index's layout needs a plain bench_router.py run per tree instead. Population and fleet are
+The revision's `twin/policy/prefix_routers.py`, `scorers.py` and `prefix_index.py` are read with `git show`
+and loaded beside this tree's (its routers import its scorers; the rest of twin.policy is this tree's); its
+index's `match` runs on this tree's index data, so a change to the index's layout needs a plain
+bench_router.py run per tree instead. Population and fleet are
 bench_router.py's. No assertions: figures only.
 
   .venv/bin/python benchmarks/ab_router.py --rev main --sizes 16,256 --routers lmetric,weighted
@@ -49,7 +50,8 @@ def load_rev(rev: str, path: str, name: str, tmp: Path):
 
 
 class RevIndex:
-    """This tree's index answering `match` with the revision's code."""
+    """This tree's index answering `match` with the revision's code: its `_Chains.match` (which its index
+    classes' `match` called) on this tree's chains; the wrapper stands for the revision's index method."""
 
     def __init__(self, idx, rev_index_module) -> None:
         self.idx = idx
@@ -64,12 +66,15 @@ class RevIndex:
 
 
 class SameIndex(RevIndex):
-    """This tree's index through the same wrapper layer, so both sides pay one extra call."""
+    """This tree's index through its own `match`, behind the same wrapper layer."""
 
     def __init__(self, idx) -> None:
         self.idx = idx
         self.kind = idx.kind
-        self._match = type(idx._chains).match
+        self._match = type(idx).match
+
+    def match(self, prefix, ids):
+        return self._match(self.idx, prefix, ids)
 
 
 def timed(router, fleet, reqs):
@@ -100,7 +105,12 @@ def main() -> None:
     if bad:
         raise SystemExit(f"ab_router: unknown router(s) {', '.join(bad)} (known: {', '.join(CLASSES)})")
     with tempfile.TemporaryDirectory() as tmp:
-        old = load_rev(args.rev, "twin/policy/prefix_routers.py", "rev_prefix_routers", Path(tmp))
+        scorers = sys.modules["twin.policy.scorers"]
+        sys.modules["twin.policy.scorers"] = load_rev(args.rev, "twin/policy/scorers.py", "rev_scorers", Path(tmp))
+        try:  # the revision's routers bind the revision's scorers
+            old = load_rev(args.rev, "twin/policy/prefix_routers.py", "rev_prefix_routers", Path(tmp))
+        finally:
+            sys.modules["twin.policy.scorers"] = scorers
         old_index = load_rev(args.rev, "twin/policy/prefix_index.py", "rev_prefix_index", Path(tmp))
     print(f"machine: {B.machine_info()}; this tree against {args.rev}")
     rng = random.Random(args.seed)
@@ -116,16 +126,22 @@ def main() -> None:
                                   B.fleet_for(ids, SameIndex(idx), random.Random(args.seed + 3)))}
                 us = {"rev": [], "tree": []}
                 chosen = {"rev": [], "tree": []}
+                ratios = []  # tree p50 / rev p50, block by block: both sides under the same load
                 for b, at in enumerate(range(0, len(reqs), args.block)):
+                    p50 = {}
                     for side in (("rev", "tree") if b % 2 == 0 else ("tree", "rev")):
                         t, c = timed(*sides[side], reqs[at:at + args.block])
                         chosen[side] += c
                         if b:
                             us[side] += t
+                            p50[side] = B.pct(t, 0.5)
+                    if b:
+                        ratios.append(p50["tree"] / p50["rev"])
                 row = [f"{n:4d} {kind:11s} {name:11s}"]
                 for side in ("rev", "tree"):
                     xs = us[side]
                     row.append(f"{side} p50 {B.pct(xs, 0.5):7.1f} p99 {B.pct(xs, 0.99):7.1f} max {max(xs):8.1f} us")
+                row.append(f"tree/rev p50 per block: median {B.pct(ratios, 0.5):.3f}")
                 row.append(f"same decisions: {chosen['rev'] == chosen['tree']}")
                 print(" | ".join(row))
     print(f"machine at the end: {B.machine_info()}")

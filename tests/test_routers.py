@@ -423,6 +423,70 @@ def test_index_match_equals_the_reference_walk_under_dispatch_eviction_and_event
 
 
 
+def _walk_levels(closed, prefix):
+    """The level-by-level walk block by block: each level's instances as `cur - next`, in that order (the order
+    a router reading the dict sees, e.g. cache-aware's ties)."""
+    out = {}
+    cur = closed.get(prefix[0]) if prefix else None
+    if not cur:
+        return out
+    for j in range(1, len(prefix)):
+        s = closed.get(prefix[j])
+        if not s:
+            out.update(dict.fromkeys(cur, j))
+            return out
+        if len(s) < len(cur):
+            out.update(dict.fromkeys(cur - s, j))
+            cur = s
+    out.update(dict.fromkeys(cur, len(prefix)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_chain_match_finds_every_level_in_the_walks_order_on_long_chains_and_tails(seed):
+    """Long shared heads, many instances (many levels), unknown tails of 0..40 blocks, fully held prefixes:
+    the galloping-back / divide-and-conquer match gives the walk's dict, items in the same order."""
+    from twin.policy.prefix_index import _chain_match
+
+    rng = random.Random(seed)
+    ids = [f"i{k}" for k in range(rng.choice([3, 16, 40]))]
+    heads = [chain(f"h{seed}.{k}", rng.randint(1, 300)) for k in range(3)]
+    prefixes = []
+    for k in range(60):
+        h = heads[rng.randrange(len(heads))]
+        cut = rng.randint(1, len(h))
+        prefixes.append(h[:cut] + [hash((seed, k, j)) for j in range(rng.randint(0, 200))])
+    approx = ApproxPrefixIndex(capacity_blocks=rng.choice([50, 400, 100_000]))
+    for _ in range(400):
+        p = prefixes[rng.randrange(len(prefixes))]
+        approx.on_dispatch(p[:rng.randint(1, len(p))], ids[rng.randrange(len(ids))])
+    closed = approx._chains.closed
+    for k in range(200):
+        q = prefixes[rng.randrange(len(prefixes))]
+        q = q[:rng.randint(1, len(q))] + chain(f"t{seed}.{k}", rng.choice([0, 0, 1, 2, 5, 40]))
+        got = _chain_match(closed, q)
+        assert list(got.items()) == list(_walk_levels(closed, q).items())
+        assert got == _leading_match(approx._holders, q, set(ids))
+
+
+def test_chain_match_terminates_on_prefixes_that_break_the_chain_contract():
+    """Hashes reused at other positions (not chained): the sets along a prefix are then not nested; the match
+    must still answer (instances and counts within the prefix), not raise or loop."""
+    from twin.policy.prefix_index import _chain_match
+
+    rng = random.Random(5)
+    ids = [f"i{k}" for k in range(6)]
+    approx = ApproxPrefixIndex(capacity_blocks=60)
+    for _ in range(300):
+        approx.on_dispatch([rng.randrange(30) for _ in range(rng.randint(1, 40))], rng.choice(ids))
+    for _ in range(300):
+        q = [rng.randrange(30) for _ in range(rng.randint(1, 60))]
+        got = _chain_match(approx._chains.closed, q)
+        assert set(got) <= set(ids) and all(1 <= c <= len(q) for c in got.values())
+    idx = index_with("approximate", {"a": [[1, 2]], "b": [[1, 2]], "c": [[5]]})  # 5 held after unknown blocks
+    assert _chain_match(idx._chains.closed, [1, 99, 98, 5]) == {"a": 1, "b": 1, "c": 4}
+
+
 def test_a_router_block_may_set_the_routers_own_seed():
     """`router: {name: p2c, params: {seed: 3}}` used to fail with "multiple values for keyword argument 'seed'";
     the block's seed wins over the scenario's."""

@@ -160,10 +160,17 @@ class _Chains:
         return {i: n for i, n in out.items() if i in wanted}
 
 
+_EMPTY: frozenset = frozenset()
+
+
 def _chain_match(closed: dict[int, set[str]], prefix: Sequence[int]) -> dict[str, int]:
-    """Leading blocks per instance: the closed sets along a chained prefix are nested, so each level's end is
-    found by bisecting on the set sizes (galloping first while many instances remain, as levels are then
-    short: O(log gap) probes per level), with C-level set work per level."""
+    """Leading blocks per instance. The closed sets along a chained prefix are nested, so the levels (runs of
+    one set) are found from the sizes alone: first the chain's known end, galloping back from the last block
+    (a request's unknown tail is short), then every level boundary before it by divide and conquer, leftmost
+    first, each probe's set kept so a boundary is not looked up twice. A probe is a lookup in a dict of every
+    held block (cache and TLB misses dominate at a few hundred ns each), so probes are what is counted:
+    ~15 at 16 instances on the Mooncake-like population against ~25 for galloping forward from the start.
+    Same dict, same order as the walk level by level (each level's instances as `cur - next`)."""
     out: dict[str, int] = {}
     n = len(prefix)
     if not n:
@@ -172,43 +179,75 @@ def _chain_match(closed: dict[int, set[str]], prefix: Sequence[int]) -> dict[str
     cur = get(prefix[0])
     if not cur:
         return out
-    last = get(prefix[n - 1])
-    last_size = len(last) if last else 0
-    lo = 0
-    while True:
-        size = len(cur)
-        if last_size >= size:  # the whole rest of the chain keeps every instance of cur
+    size = len(cur)
+    hset = get(prefix[n - 1])
+    if hset:
+        hsz = len(hset)
+        if hsz >= size:  # the whole chain keeps every instance of cur
             out.update(dict.fromkeys(cur, n))
             return out
-        a = lo  # len(set(a)) == size; find b, the first position whose set is smaller (n - 1 is)
-        # few instances left: few levels, plain bisection (log n each); many: gallop (log gap each)
-        step = n if size <= 4 else 1
+        hi = n - 1
+        end = n
+    else:  # the known end: hi the last held position, end the first unheld one
+        b = n - 1
+        step = 1
         while True:
-            m = a + step
-            if m >= n - 1:
-                b = n - 1
+            m = b - step
+            if m <= 0:
+                hi = 0
+                hset = cur
                 break
             s = get(prefix[m])
-            if s is not None and len(s) >= size:
-                a = m
-                step <<= 1
-            else:
-                b = m
+            if s:
+                hi = m
+                hset = s
                 break
-        while b - a > 1:
-            m = (a + b) >> 1
+            b = m
+            step <<= 1
+        while b - hi > 1:
+            m = (hi + b) >> 1
             s = get(prefix[m])
-            if s is not None and len(s) >= size:
-                a = m
+            if s:
+                hi = m
+                hset = s
             else:
                 b = m
-        nxt = get(prefix[b])
-        if not nxt:
-            out.update(dict.fromkeys(cur, b))
-            return out
-        out.update(dict.fromkeys(cur - nxt, b))
-        cur = nxt
-        lo = b
+        end = b
+        hsz = len(hset)
+    # levels in [0, hi]: (lo, hi] holds a boundary while the sizes at lo (size) and hi (hsz) differ;
+    # stack: the right ends still to search, nearest on top
+    lo = 0
+    stack: list = []
+    while True:
+        if hsz == size:  # no boundary in (lo, hi]
+            if not stack:
+                break
+            lo = hi
+            hi, hset, hsz = stack.pop()
+        elif hi - lo == 1:  # hi is a boundary: the instances of cur not in hset end there
+            out.update(dict.fromkeys(cur - hset, hi))
+            cur = hset
+            size = hsz
+            if not stack:
+                break
+            lo = hi
+            hi, hset, hsz = stack.pop()
+        else:
+            m = (lo + hi) >> 1
+            s = get(prefix[m], _EMPTY)  # held under the prefix contract; the default keeps a bad input safe
+            sm = len(s)
+            if sm == size:
+                lo = m
+            elif sm == hsz:
+                hi = m
+                hset = s
+            else:
+                stack.append((hi, hset, hsz))
+                hi = m
+                hset = s
+                hsz = sm
+    out.update(dict.fromkeys(cur, end))
+    return out
 
 
 class ApproxPrefixIndex:
@@ -256,6 +295,8 @@ class ApproxPrefixIndex:
                 chains.forget(h)
 
     def match(self, prefix: Sequence[int], instance_ids: Iterable[str] | None) -> dict[str, int]:
+        if instance_ids is None:  # what the routers ask: one call fewer
+            return _chain_match(self._chains.closed, prefix)
         return self._chains.match(prefix, instance_ids)
 
     def blocks_held(self, instance_id: str) -> int:
@@ -342,6 +383,8 @@ class PreciseIndex:
         """Dispatches teach a precise index nothing: only events do."""
 
     def match(self, prefix: Sequence[int], instance_ids: Iterable[str] | None) -> dict[str, int]:
+        if instance_ids is None:  # what the routers ask: one call fewer
+            return _chain_match(self._chains.closed, prefix)
         return self._chains.match(prefix, instance_ids)
 
     def blocks_held(self, instance_id: str) -> int:
