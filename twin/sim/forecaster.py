@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from typing import Callable, Mapping
 
 import numpy as np
@@ -18,7 +19,12 @@ import numpy as np
 from twin.sim.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
+from twin.perf.base import StepBatch
 from twin.policy.views import Forecast, RequestView
+
+# a fork's clock adds durations to the time it resumed from, so it can land an ulp or so off the ends a lower
+# bound reads; a forecast is cut off only when the bound passes its horizon by more than this (relative)
+_BOUND_MARGIN = 1e-9
 
 
 def _predicted(view: RequestView | None, fallback: float) -> float:
@@ -75,7 +81,9 @@ class SimForecaster:
         self.default_output_tokens = default_output_tokens
         self.horizon_s = horizon_s
         self.calls = 0
+        self.cut_short = 0  # forecasts answered from the lower bound, without a fork
         self._fallback_at: tuple = (None, None, 0.0)  # (now, completions seen, the mean then)
+        self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
 
     def _fallback(self) -> float:
         """The recent mean output length; kept while the clock and the completions are unchanged (a decision
@@ -112,6 +120,65 @@ class SimForecaster:
         apply_predicted_lengths(f, predict)
         return f, transit
 
+    def first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
+        """An engine time the extra request's first token cannot come before, read without forking: when it
+        reaches the engine (`api_entry_s`), and the end of the work in progress that an arrival cannot join
+        (the step in flight; a decode run is cut as `EngineCore.add_request` cuts it at the first arrival,
+        the request's own or one still in the API server, so what is decided runs on first)."""
+        cl = self._cluster
+        core = cl.by_id[instance_id].core
+        t_in = cl.api_entry_s(instance_id, extra_request.num_prompt_tokens)
+        t_first = t_in
+        for _r, t in cl.in_transit.get(instance_id, {}).values():
+            if t < t_first:
+                t_first = t
+        end = t_in
+        step = core.pending_step
+        if step is not None and step[1] > end:
+            end = step[1]
+        tail = core.pending_tail
+        if tail is not None and tail[2][tail[0] - 1] > end:
+            end = tail[2][tail[0] - 1]
+        run = core.pending_run
+        if run is not None:
+            k, _d, ends, _t0 = run
+            j = min(bisect_left(ends, t_first) + (2 if core.scheduler.async_scheduling else 1), k)
+            if ends[j - 1] > end:
+                end = ends[j - 1]
+        return end
+
+    def _prefill_per_token(self, perf) -> float:
+        """Seconds per prompt token of a 2,048-token prefill step, from the instance's step model (0 if it
+        cannot say): the rate at which queued prompts hold a newcomer back."""
+        v = self._prefill_s.get(id(perf))
+        if v is None:
+            n = 2048
+            try:
+                v = float(perf.step_time(StepBatch(num_prefill_tokens=n, prefill_attn_tokens=n * (n + 1) / 2,
+                                                   prefill_kv_read_tokens=n, num_prefill_sampled=1,
+                                                   num_prefill_reqs=1))) / n
+            except Exception:  # noqa: BLE001 - a step model without prefill batches: no queue term
+                v = 0.0
+            self._prefill_s[id(perf)] = v
+        return v
+
+    def estimates(self, instance_ids, extra_request: RequestView) -> dict[str, float]:
+        """A cheap guess (seconds from now) at when the extra request's first token would come on each
+        instance, without forking: the lower bound (`first_token_bound`) plus the prompt tokens queued ahead
+        of it (waiting, part-prefilled, in the inbox or the API server) at the step model's prefill rate.
+        Block forecasts candidates in this order, so the best is found early and later forks stop sooner."""
+        cl = self._cluster
+        now = cl.env.now
+        out = {}
+        for iid in instance_ids:
+            inst = cl.by_id[iid]
+            ahead = inst.scheduler.inflight_prefill_tokens()
+            for r, _t in cl.in_transit.get(iid, {}).values():
+                ahead += r.num_prompt_tokens
+            out[iid] = (self.first_token_bound(iid, extra_request) - now
+                        + ahead * self._prefill_per_token(inst.perf))
+        return out
+
     def _engine_request(self, view: RequestView) -> Request:
         out = max(1, int(math.ceil(_predicted(view, self._fallback()))))
         return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, out, list(view.prefix), -1)
@@ -119,6 +186,14 @@ class SimForecaster:
     def forecast(self, instance_id: str, extra_request: RequestView | None = None,
                  horizon_s: float | None = None, until: str = "finish") -> Forecast:
         self.calls += 1
+        if extra_request is not None and horizon_s is not None and until in ("first_token", "finish"):
+            # the first token (so the finish) cannot come before this: past the horizon, the fork would
+            # report it censored, so it is not made (no steps, no KV peak to report)
+            now = self._cluster.env.now
+            horizon = now + horizon_s
+            if self.first_token_bound(instance_id, extra_request) > horizon + _BOUND_MARGIN * max(1.0, abs(horizon)):
+                self.cut_short += 1
+                return Forecast(instance_id, censored=True)
         f, transit = self._fork(instance_id)
         now = f.now
         horizon = now + (self.horizon_s if horizon_s is None else horizon_s)
