@@ -39,22 +39,24 @@ class ForkLog(RequestLog):
 def _same(runs: dict, x):
     """The fork's copy of a shared mutable pool entry (a Run or a Dup), made once: the pool's queue, its
     duplicate lists and the requests' handles must keep pointing at the same object."""
-    if isinstance(x, Seg):
-        c = runs.get(id(x))
-        if c is None:
-            c = runs[id(x)] = Seg(x.chain, x.gen, x.j0, x.count, x.ref)
+    c = runs.get(id(x))
+    if c is not None:
         return c
-    if isinstance(x, Run):
-        c = runs.get(id(x))
-        if c is None:
-            c = runs[id(x)] = Run(x.count)
-        return c
-    if isinstance(x, Dup):
-        c = runs.get(id(x))
-        if c is None:
-            c = runs[id(x)] = Dup(x.key, x.ref)
-        return c
-    return x
+    cls = x.__class__
+    if cls is Run:  # the common entry: a finished request's unshareable blocks
+        c = Run(x.count)
+    elif cls is Dup:
+        c = Dup(x.key, x.ref)
+    elif isinstance(x, Seg):
+        c = Seg(x.chain, x.gen, x.j0, x.count, x.ref)
+    elif isinstance(x, Run):
+        c = Run(x.count)
+    elif isinstance(x, Dup):
+        c = Dup(x.key, x.ref)
+    else:
+        return x
+    runs[id(x)] = c
+    return c
 
 
 def _fork_pool(pool: BlockPool, runs: dict) -> BlockPool:

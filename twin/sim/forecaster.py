@@ -84,6 +84,7 @@ class SimForecaster:
         self.cut_short = 0  # forecasts answered from the lower bound, without a fork
         self._fallback_at: tuple = (None, None, 0.0)  # (now, completions seen, the mean then)
         self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
+        self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
 
     def _fallback(self) -> float:
         """The recent mean output length; kept while the clock and the completions are unchanged (a decision
@@ -109,9 +110,19 @@ class SimForecaster:
         get = self._cluster.dispatcher.inflight.get
 
         def predict(idx: int) -> float | None:
-            """This instance's requests only, looked up as the fork meets them (the fleet's map holds all)."""
+            """This instance's requests only, looked up as the fork meets them (the fleet's map holds all);
+            `_predicted` written out (a call per forked request)."""
             rec = get(idx)
-            return None if rec is None else _predicted(rec[0], fallback)
+            if rec is None:
+                return None
+            view = rec[0]
+            if view is None:
+                return fallback
+            x = view.predicted_output_tokens
+            if x is not None:
+                return x
+            x = view.max_tokens
+            return x if x is not None else fallback
 
         for _, r in transit:
             x = predict(r.idx)
@@ -124,7 +135,16 @@ class SimForecaster:
         """An engine time the extra request's first token cannot come before, read without forking: when it
         reaches the engine (`api_entry_s`), and the end of the work in progress that an arrival cannot join
         (the step in flight; a decode run is cut as `EngineCore.add_request` cuts it at the first arrival,
-        the request's own or one still in the API server, so what is decided runs on first)."""
+        the request's own or one still in the API server, so what is decided runs on first). `estimates`
+        keeps what it read for the decision's forecasts (same clock, same request: nothing moves in between)."""
+        at, req, memo = self._bounds
+        if at == self._cluster.env.now and req is extra_request:
+            b = memo.get(instance_id)
+            if b is not None:
+                return b
+        return self._first_token_bound(instance_id, extra_request)
+
+    def _first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
         cl = self._cluster
         core = cl.by_id[instance_id].core
         t_in = cl.api_entry_s(instance_id, extra_request.num_prompt_tokens)
@@ -170,13 +190,15 @@ class SimForecaster:
         cl = self._cluster
         now = cl.env.now
         out = {}
+        bounds = {}
         for iid in instance_ids:
             inst = cl.by_id[iid]
             ahead = inst.scheduler.inflight_prefill_tokens()
             for r, _t in cl.in_transit.get(iid, {}).values():
                 ahead += r.num_prompt_tokens
-            out[iid] = (self.first_token_bound(iid, extra_request) - now
-                        + ahead * self._prefill_per_token(inst.perf))
+            b = bounds[iid] = self._first_token_bound(iid, extra_request)
+            out[iid] = b - now + ahead * self._prefill_per_token(inst.perf)
+        self._bounds = (now, extra_request, bounds)
         return out
 
     def _engine_request(self, view: RequestView) -> Request:
