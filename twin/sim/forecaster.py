@@ -20,6 +20,7 @@ from twin.sim.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.perf.base import StepBatch
+from twin.perf.roofline import RooflineModel
 from twin.policy.views import Forecast, RequestView
 
 # a fork's clock adds durations to the time it resumed from, so it can land an ulp or so off the ends a lower
@@ -84,6 +85,7 @@ class SimForecaster:
         self.cut_short = 0  # forecasts answered from the lower bound, without a fork
         self._fallback_at: tuple = (None, None, 0.0)  # (now, completions seen, the mean then)
         self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
+        self._min_step: dict[int, float] = {}  # id(step model) -> the least time a step can take (0: unknown)
         self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
 
     def _fallback(self) -> float:
@@ -132,10 +134,11 @@ class SimForecaster:
         return f, transit
 
     def first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
-        """An engine time the extra request's first token cannot come before, read without forking: when it
-        reaches the engine (`api_entry_s`), and the end of the work in progress that an arrival cannot join
-        (the step in flight; a decode run is cut as `EngineCore.add_request` cuts it at the first arrival,
-        the request's own or one still in the API server, so what is decided runs on first). `estimates`
+        """An engine time the extra request's first token cannot come before, read without forking: the later
+        of when it reaches the engine (`api_entry_s`) and the end of the work in progress that an arrival
+        cannot join (the step in flight; a decode run is cut as `EngineCore.add_request` cuts it at the first
+        arrival, the request's own or one still in the API server, so what is decided runs on first), plus
+        the shortest step the step model can take (`_min_step_s`). `estimates`
         keeps what it read for the decision's forecasts (same clock, same request: nothing moves in between)."""
         at, req, memo = self._bounds
         if at == self._cluster.env.now and req is extra_request:
@@ -144,9 +147,27 @@ class SimForecaster:
                 return b
         return self._first_token_bound(instance_id, extra_request)
 
+    def _min_step_s(self, perf) -> float:
+        """A time no step with a token in it takes less than, or 0 where the step model does not say.
+
+        Only for the roofline (`RooflineModel.step_time`, read as written): a step's time is its GPU groups
+        plus the CPU term `host_time_s(requests)`, and async scheduling hides at most that CPU term
+        (`AsyncScheduler.step_duration`), so a step lasts at least its GPU groups; each group grows with the
+        batch, so no step's are below those of one decode token over an empty context (its KV read is one
+        token's; a prefill reads at least two)."""
+        v = self._min_step.get(id(perf))
+        if v is None:
+            v = 0.0
+            if type(perf) is RooflineModel:
+                v = perf.step_time(StepBatch(num_decode_tokens=1, decode_context_tokens=0)) - perf.host_time_s(1)
+                v = max(0.0, v * (1 - 1e-6))  # a hair under: the engine's sums round
+            self._min_step[id(perf)] = v
+        return v
+
     def _first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
         cl = self._cluster
-        core = cl.by_id[instance_id].core
+        inst = cl.by_id[instance_id]
+        core = inst.core
         t_in = cl.api_entry_s(instance_id, extra_request.num_prompt_tokens)
         t_first = t_in
         for _r, t in cl.in_transit.get(instance_id, {}).values():
@@ -165,7 +186,8 @@ class SimForecaster:
             j = min(bisect_left(ends, t_first) + (2 if core.scheduler.async_scheduling else 1), k)
             if ends[j - 1] > end:
                 end = ends[j - 1]
-        return end
+        # the request's own step starts no earlier (a later decision) and produces its first token at its end
+        return end + self._min_step_s(inst.perf)
 
     def _prefill_per_token(self, perf) -> float:
         """Seconds per prompt token of a 2,048-token prefill step, from the instance's step model (0 if it
