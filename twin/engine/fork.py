@@ -143,6 +143,17 @@ def _copier(what: str, obj, rules: dict, args: str):
     return ns["copy"]
 
 
+def _bare_request_maker():
+    """`Request.__new__` where it makes a settable object; else (a compiled class that refuses it) a maker
+    through `__init__`, whose defaults the copier overwrites."""
+    try:
+        r = Request.__new__(Request)
+        r.idx = 0
+        return Request.__new__
+    except (TypeError, AttributeError):
+        return lambda cls: cls(0, 0.0, 0, 0)
+
+
 def _make_request_copier():
     """A function making a copy of a Request, generated from its slots: a fork copies hundreds of them, and one
     attribute statement each (on an object made by `__new__`, not `__init__`, whose defaults would all be
@@ -156,7 +167,7 @@ def _make_request_copier():
               "    run = r.own_run",
               "    new.own_run = None if run is None else same(runs, run)",
               "    return new"]
-    ns: dict = {"Request": Request, "new_request": Request.__new__, "same": _same}
+    ns: dict = {"Request": Request, "new_request": _bare_request_maker(), "same": _same}
     exec("\n".join(lines), ns)  # noqa: S102 - generated from the class's own attribute names
     return ns["clone"]
 
