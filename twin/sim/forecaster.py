@@ -87,6 +87,7 @@ class SimForecaster:
         self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
         self._min_step: dict[int, float] = {}  # id(step model) -> the least time a step can take (0: unknown)
         self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
+        self._entries: dict[str, float] = {}  # instance -> when the extra request would reach it, same key
 
     def _fallback(self) -> float:
         """The recent mean output length; kept while the clock and the completions are unchanged (a decision
@@ -164,11 +165,20 @@ class SimForecaster:
             self._min_step[id(perf)] = v
         return v
 
+    def _entry_s(self, instance_id: str, extra_request: RequestView) -> float:
+        """`api_entry_s` for the extra request, as `estimates` read it for this decision when it did."""
+        at, req, _memo = self._bounds
+        if at == self._cluster.env.now and req is extra_request:
+            t = self._entries.get(instance_id)
+            if t is not None:
+                return t
+        return self._cluster.api_entry_s(instance_id, extra_request.num_prompt_tokens)
+
     def _first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
         cl = self._cluster
         inst = cl.by_id[instance_id]
         core = inst.core
-        t_in = cl.api_entry_s(instance_id, extra_request.num_prompt_tokens)
+        t_in = self._entries[instance_id] = cl.api_entry_s(instance_id, extra_request.num_prompt_tokens)
         t_first = t_in
         for _r, t in cl.in_transit.get(instance_id, {}).values():
             if t < t_first:
@@ -213,6 +223,7 @@ class SimForecaster:
         now = cl.env.now
         out = {}
         bounds = {}
+        self._entries = {}
         for iid in instance_ids:
             inst = cl.by_id[iid]
             ahead = inst.scheduler.inflight_prefill_tokens()
@@ -248,7 +259,7 @@ class SimForecaster:
         if extra_request is not None:
             # the engine sees the request after the API server's work, as in the cluster
             # (behind the requests queued in its API server: twin.sim.api_server)
-            arrivals.append((cl.api_entry_s(instance_id, extra_request.num_prompt_tokens),
+            arrivals.append((self._entry_s(instance_id, extra_request),
                              self._engine_request(extra_request)))
         arrivals.sort(key=lambda a: a[0])  # stable: the extra request after any in transit at the same time
         for t_in, r in arrivals:
