@@ -190,6 +190,12 @@ def _fork_group(g: DecodeGroup, new: DecodeGroup, reqs: dict, R) -> DecodeGroup:
     return new
 
 
+def _fork_group_no_heap(g: DecodeGroup, new: DecodeGroup, reqs: dict, R) -> DecodeGroup:
+    """`_fork_group` leaving the finish heap empty, for a caller that rebuilds it (new stop lengths)."""
+    _copier("DecodeGroup-no-heap", g, _GROUP_RULES_NO_HEAP, "reqs, R")(g, new, reqs, R)
+    return new
+
+
 def _members(d: dict, reqs: dict, R) -> dict:
     """A dict keyed by members, with the copies as keys (values kept)."""
     get = reqs.get
@@ -203,6 +209,8 @@ _GROUP_RULES = {
     "reg_buckets": "[members(b, reqs, R) if b else {} for b in $]",
     "reg_by_first_key": "{k: members(d, reqs, R) for k, d in $.items()} if $ else {}",
 }
+
+_GROUP_RULES_NO_HEAP = {**_GROUP_RULES, "finish_heap": None}
 
 _SCHED_RULES = {
     "config": None, "pool": None, "perf": None, "sink": None, "wants_steps": None,  # the new pool; no hooks
@@ -220,10 +228,11 @@ _SCHED_RULES = {
 }
 
 
-def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Scheduler, dict]:
+def fork_scheduler(sched: Scheduler, runs: dict | None = None, finish_heap: bool = True) -> tuple[Scheduler, dict]:
     """A deep copy of a scheduler's state (requests, pool, decode group) with a ForkLog and no callbacks.
 
-    Returns the copy and the map id(original request) -> its copy."""
+    Returns the copy and the map id(original request) -> its copy. `finish_heap=False` leaves the decode
+    group's finish heap empty, for a caller that rebuilds it (`apply_predicted_lengths`)."""
     runs = {} if runs is None else runs
     pool = _fork_pool(sched.pool, runs)
     new = make_scheduler(sched.config, pool, sched.perf, ForkLog())
@@ -247,7 +256,9 @@ def fork_scheduler(sched: Scheduler, runs: dict | None = None) -> tuple[Schedule
             out.append(c)
         return out
 
-    _copier("Scheduler", sched, _SCHED_RULES, "reqs, R, copies, fork_group")(sched, new, reqs, R, copies, _fork_group)
+    _copier("Scheduler", sched, _SCHED_RULES, "reqs, R, copies, fork_group")(sched, new, reqs, R, copies,
+                                                                              _fork_group if finish_heap
+                                                                              else _fork_group_no_heap)
     new.kv.num_registrations = sched.kv.num_registrations
     return new, reqs
 
@@ -267,9 +278,10 @@ def _fork_out(out: SchedulerOutput, reqs: dict, sched: Scheduler) -> SchedulerOu
     return new
 
 
-def fork_instance(inst, now: float) -> EngineFork:
-    """Fork `inst` at simulated time `now` (its current time), with the work it has in progress."""
-    sched, reqs = fork_scheduler(inst.scheduler)
+def fork_instance(inst, now: float, finish_heap: bool = True) -> EngineFork:
+    """Fork `inst` at simulated time `now` (its current time), with the work it has in progress
+    (`finish_heap=False`: see `fork_scheduler`)."""
+    sched, reqs = fork_scheduler(inst.scheduler, finish_heap=finish_heap)
     step = None
     if inst.pending_step is not None:
         out, t_end = inst.pending_step

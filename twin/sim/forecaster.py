@@ -106,7 +106,7 @@ class SimForecaster:
         """An exact fork with predicted lengths in place of true ones, and the requests still on their way
         to it (in the API server) as (engine time, request) to arrive in the fork."""
         inst = self._cluster.by_id[instance_id]
-        f = fork_instance(inst, self._cluster.env.now)
+        f = fork_instance(inst, self._cluster.env.now, finish_heap=False)  # rebuilt by apply_predicted_lengths
         transit = sorted(((t, _fork_request(r, {})) for r, t in self._cluster.in_transit.get(instance_id, {}).values()),
                          key=lambda x: x[0])
         fallback = self._fallback()
