@@ -87,6 +87,8 @@ def test_an_attribute_without_a_copy_rule_stops_the_fork(where):
     cl = busy(False)
     s = cl.instances[0].scheduler
     target = {"scheduler": s, "group": s.group, "pool": s.pool}[where]
+    if not hasattr(target, "__dict__"):
+        pytest.skip("a compiled class has a fixed attribute layout: nothing can be added to it")
     target.new_list_attribute = []
     with pytest.raises(TypeError, match="new_list_attribute .*needs an explicit copy rule"):
         fork_scheduler(s)
