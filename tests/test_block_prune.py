@@ -133,3 +133,80 @@ def test_a_fork_under_async_scheduling_hides_the_true_length_of_requests_in_its_
     assert held and all(r.stop_at_tokens >= 200 for r in held)
     apply_predicted_lengths(f, {r.idx: 7 for r in held})
     assert [r.stop_at_tokens for r in held] == [7] * len(held)
+
+
+def api_loaded(n=160, seed=5, async_on=True):
+    """`loaded` with async scheduling and API-server time: requests in transit cut decode runs early."""
+    rng = np.random.default_rng(seed)
+    arr = np.sort(rng.uniform(0, 2.0, n))
+    sc = make_scenario(**{"cluster.num_instances": 4, "cluster.engine.max_num_batched_tokens": 1024,
+                          "cluster.engine.async_scheduling": async_on, "workload.max_tokens": 300,
+                          "cluster.perf.api_request_overhead_s": 0.004, "cluster.perf.api_prompt_token_s": 2e-6,
+                          "router.scrape_interval_s": 0.0})
+    return sc, stream_of(arr, rng.integers(50, 3000, n), rng.integers(5, 300, n))
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_the_first_token_bound_never_passes_the_forecast_first_token(async_on):
+    sc, stream = api_loaded(async_on=async_on)
+    gaps = []
+
+    class Check(Block):
+        def choose(self, req, fleet):
+            fc = fleet.forecaster
+            now = fc._cluster.env.now
+            shift = fc._cluster.api_token_s()
+            for v in fleet.instances:
+                bound = fc.first_token_bound(v.id, req)
+                got = fc.forecast(v.id, req, None, "first_token")  # no horizon: never cut short
+                assert got.ttft_s is not None
+                assert got.ttft_s + now - shift >= bound, (v.id, got.ttft_s + now - shift, bound)
+                gaps.append(got.ttft_s + now - shift - bound)
+            return super().choose(req, fleet)
+
+    run_checked(sc, stream, router=Check(objective="ttft"))
+    assert len(gaps) > 400 and min(gaps) < 0.01  # the bound is tight somewhere, not a trivial 0
+
+
+@pytest.mark.parametrize("objective", ["ttft", "e2e"])
+def test_forecasts_in_estimate_order_with_cut_offs_choose_as_without_them(objective):
+    """The estimates only reorder the forecasts and skip forks that cannot make the horizon: a forecaster
+    without them (as the live one) gives the same choices."""
+    sc, stream = api_loaded()
+
+    class Plain(Block):
+        def choose(self, req, fleet):
+            fc = fleet.forecaster
+            fleet.forecaster = type("NoEstimates", (), {"forecast": staticmethod(fc.forecast)})()
+            try:
+                return super().choose(req, fleet)
+            finally:
+                fleet.forecaster = fc
+
+    a = run_checked(sc, stream, router=Plain(objective=objective, seed=2)).log.instance
+    router = Block(objective=objective, seed=2)
+    cl = Cluster(sc, stream, router=router)
+    b = cl.run().log.instance
+    assert np.array_equal(a, b)
+    if objective == "ttft":
+        assert cl.dispatcher.fleet.forecaster.cut_short > 0  # some forks were skipped
+
+
+def test_max_forecasts_forecasts_at_most_k_and_all_of_them_at_the_fleet_size():
+    sc, stream = api_loaded(80)
+    per = []
+
+    class Count(Block):
+        def choose(self, req, fleet):
+            before = fleet.forecaster.calls
+            out = super().choose(req, fleet)
+            per.append(fleet.forecaster.calls - before)
+            return out
+
+    run_checked(sc, stream, router=Count(objective="ttft", max_forecasts=2))
+    assert max(per) == 2
+    full = run_checked(sc, stream, router=Block(objective="ttft", seed=1)).log.instance
+    same = run_checked(sc, stream, router=Block(objective="ttft", seed=1, max_forecasts=4)).log.instance
+    assert np.array_equal(full, same)  # k = the 4 instances: every candidate forecast
+    with pytest.raises(ValueError, match="max_forecasts"):
+        Block(max_forecasts=-1)

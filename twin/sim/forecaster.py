@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from typing import Callable, Mapping
 
 import numpy as np
@@ -18,7 +19,13 @@ import numpy as np
 from twin.sim.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
+from twin.perf.base import StepBatch
+from twin.perf.roofline import RooflineModel
 from twin.policy.views import Forecast, RequestView
+
+# a fork's clock adds durations to the time it resumed from, so it can land an ulp or so off the ends a lower
+# bound reads; a forecast is cut off only when the bound passes its horizon by more than this (relative)
+_BOUND_MARGIN = 1e-9
 
 
 def _predicted(view: RequestView | None, fallback: float) -> float:
@@ -75,7 +82,12 @@ class SimForecaster:
         self.default_output_tokens = default_output_tokens
         self.horizon_s = horizon_s
         self.calls = 0
+        self.cut_short = 0  # forecasts answered from the lower bound, without a fork
         self._fallback_at: tuple = (None, None, 0.0)  # (now, completions seen, the mean then)
+        self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
+        self._min_step: dict[int, float] = {}  # id(step model) -> the least time a step can take (0: unknown)
+        self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
+        self._entries: dict[str, float] = {}  # instance -> when the extra request would reach it, same key
 
     def _fallback(self) -> float:
         """The recent mean output length; kept while the clock and the completions are unchanged (a decision
@@ -94,16 +106,26 @@ class SimForecaster:
         """An exact fork with predicted lengths in place of true ones, and the requests still on their way
         to it (in the API server) as (engine time, request) to arrive in the fork."""
         inst = self._cluster.by_id[instance_id]
-        f = fork_instance(inst, self._cluster.env.now)
+        f = fork_instance(inst, self._cluster.env.now, finish_heap=False)  # rebuilt by apply_predicted_lengths
         transit = sorted(((t, _fork_request(r, {})) for r, t in self._cluster.in_transit.get(instance_id, {}).values()),
                          key=lambda x: x[0])
         fallback = self._fallback()
         get = self._cluster.dispatcher.inflight.get
 
         def predict(idx: int) -> float | None:
-            """This instance's requests only, looked up as the fork meets them (the fleet's map holds all)."""
+            """This instance's requests only, looked up as the fork meets them (the fleet's map holds all);
+            `_predicted` written out (a call per forked request)."""
             rec = get(idx)
-            return None if rec is None else _predicted(rec[0], fallback)
+            if rec is None:
+                return None
+            view = rec[0]
+            if view is None:
+                return fallback
+            x = view.predicted_output_tokens
+            if x is not None:
+                return x
+            x = view.max_tokens
+            return x if x is not None else fallback
 
         for _, r in transit:
             x = predict(r.idx)
@@ -112,6 +134,106 @@ class SimForecaster:
         apply_predicted_lengths(f, predict)
         return f, transit
 
+    def first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
+        """An engine time the extra request's first token cannot come before, read without forking: the later
+        of when it reaches the engine (`api_entry_s`) and the end of the work in progress that an arrival
+        cannot join (the step in flight; a decode run is cut as `EngineCore.add_request` cuts it at the first
+        arrival, the request's own or one still in the API server, so what is decided runs on first), plus
+        the shortest step the step model can take (`_min_step_s`). `estimates`
+        keeps what it read for the decision's forecasts (same clock, same request: nothing moves in between)."""
+        at, req, memo = self._bounds
+        if at == self._cluster.env.now and req is extra_request:
+            b = memo.get(instance_id)
+            if b is not None:
+                return b
+        return self._first_token_bound(instance_id, extra_request)
+
+    def _min_step_s(self, perf) -> float:
+        """A time no step with a token in it takes less than, or 0 where the step model does not say.
+
+        Only for the roofline (`RooflineModel.step_time`, read as written): a step's time is its GPU groups
+        plus the CPU term `host_time_s(requests)`, and async scheduling hides at most that CPU term
+        (`AsyncScheduler.step_duration`), so a step lasts at least its GPU groups; each group grows with the
+        batch, so no step's are below those of one decode token over an empty context (its KV read is one
+        token's; a prefill reads at least two)."""
+        v = self._min_step.get(id(perf))
+        if v is None:
+            v = 0.0
+            if type(perf) is RooflineModel:
+                v = perf.step_time(StepBatch(num_decode_tokens=1, decode_context_tokens=0)) - perf.host_time_s(1)
+                v = max(0.0, v * (1 - 1e-6))  # a hair under: the engine's sums round
+            self._min_step[id(perf)] = v
+        return v
+
+    def _entry_s(self, instance_id: str, extra_request: RequestView) -> float:
+        """`api_entry_s` for the extra request, as `estimates` read it for this decision when it did."""
+        at, req, _memo = self._bounds
+        if at == self._cluster.env.now and req is extra_request:
+            t = self._entries.get(instance_id)
+            if t is not None:
+                return t
+        return self._cluster.api_entry_s(instance_id, extra_request.num_prompt_tokens)
+
+    def _first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
+        cl = self._cluster
+        inst = cl.by_id[instance_id]
+        core = inst.core
+        t_in = self._entries[instance_id] = cl.api_entry_s(instance_id, extra_request.num_prompt_tokens)
+        t_first = t_in
+        for _r, t in cl.in_transit.get(instance_id, {}).values():
+            if t < t_first:
+                t_first = t
+        end = t_in
+        step = core.pending_step
+        if step is not None and step[1] > end:
+            end = step[1]
+        tail = core.pending_tail
+        if tail is not None and tail[2][tail[0] - 1] > end:
+            end = tail[2][tail[0] - 1]
+        run = core.pending_run
+        if run is not None:
+            k, _d, ends, _t0 = run
+            j = min(bisect_left(ends, t_first) + (2 if core.scheduler.async_scheduling else 1), k)
+            if ends[j - 1] > end:
+                end = ends[j - 1]
+        # the request's own step starts no earlier (a later decision) and produces its first token at its end
+        return end + self._min_step_s(inst.perf)
+
+    def _prefill_per_token(self, perf) -> float:
+        """Seconds per prompt token of a 2,048-token prefill step, from the instance's step model (0 if it
+        cannot say): the rate at which queued prompts hold a newcomer back."""
+        v = self._prefill_s.get(id(perf))
+        if v is None:
+            n = 2048
+            try:
+                v = float(perf.step_time(StepBatch(num_prefill_tokens=n, prefill_attn_tokens=n * (n + 1) / 2,
+                                                   prefill_kv_read_tokens=n, num_prefill_sampled=1,
+                                                   num_prefill_reqs=1))) / n
+            except Exception:  # noqa: BLE001 - a step model without prefill batches: no queue term
+                v = 0.0
+            self._prefill_s[id(perf)] = v
+        return v
+
+    def estimates(self, instance_ids, extra_request: RequestView) -> dict[str, float]:
+        """A cheap guess (seconds from now) at when the extra request's first token would come on each
+        instance, without forking: the lower bound (`first_token_bound`) plus the prompt tokens queued ahead
+        of it (waiting, part-prefilled, in the inbox or the API server) at the step model's prefill rate.
+        Block forecasts candidates in this order, so the best is found early and later forks stop sooner."""
+        cl = self._cluster
+        now = cl.env.now
+        out = {}
+        bounds = {}
+        self._entries = {}
+        for iid in instance_ids:
+            inst = cl.by_id[iid]
+            ahead = inst.scheduler.inflight_prefill_tokens()
+            for r, _t in cl.in_transit.get(iid, {}).values():
+                ahead += r.num_prompt_tokens
+            b = bounds[iid] = self._first_token_bound(iid, extra_request)
+            out[iid] = b - now + ahead * self._prefill_per_token(inst.perf)
+        self._bounds = (now, extra_request, bounds)
+        return out
+
     def _engine_request(self, view: RequestView) -> Request:
         out = max(1, int(math.ceil(_predicted(view, self._fallback()))))
         return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, out, list(view.prefix), -1)
@@ -119,6 +241,14 @@ class SimForecaster:
     def forecast(self, instance_id: str, extra_request: RequestView | None = None,
                  horizon_s: float | None = None, until: str = "finish") -> Forecast:
         self.calls += 1
+        if extra_request is not None and horizon_s is not None and until in ("first_token", "finish"):
+            # the first token (so the finish) cannot come before this: past the horizon, the fork would
+            # report it censored, so it is not made (no steps, no KV peak to report)
+            now = self._cluster.env.now
+            horizon = now + horizon_s
+            if self.first_token_bound(instance_id, extra_request) > horizon + _BOUND_MARGIN * max(1.0, abs(horizon)):
+                self.cut_short += 1
+                return Forecast(instance_id, censored=True)
         f, transit = self._fork(instance_id)
         now = f.now
         horizon = now + (self.horizon_s if horizon_s is None else horizon_s)
@@ -129,7 +259,7 @@ class SimForecaster:
         if extra_request is not None:
             # the engine sees the request after the API server's work, as in the cluster
             # (behind the requests queued in its API server: twin.sim.api_server)
-            arrivals.append((cl.api_entry_s(instance_id, extra_request.num_prompt_tokens),
+            arrivals.append((self._entry_s(instance_id, extra_request),
                              self._engine_request(extra_request)))
         arrivals.sort(key=lambda a: a[0])  # stable: the extra request after any in transit at the same time
         for t_in, r in arrivals:
