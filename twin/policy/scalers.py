@@ -351,13 +351,18 @@ class ThroughputScaler(ScalerBase):
 @register_scaler("twin")
 class TwinScaler(ScalerBase):
     """Ours: look ahead with the twin. At each decision, run the fleet forward over `horizon_s` with
-    N-1, N, N+1, ... instances (new ones paying the start-up delay) and choose the smallest N whose forecast
-    SLO attainment reaches `target`.
+    N-1, N, N+1, ... N+`max_step` instances (new ones paying the start-up delay) and choose the smallest whose
+    forecast SLO attainment reaches `target`; when none does, the largest (attainment grows with the fleet: the
+    earlier rule, the best attainment with ties to the smallest, could drain the fleet when every size
+    scored the same, e.g. 0 behind a backlog). Sizes outside `min_instances`..`max_instances` (the world's
+    limits, given by the simulator's fleet) are not forecast: the fleet would clamp them anyway.
 
-    The world supplies `forecast`, an object with `attainment(n_instances, horizon_s, rate, slo, oracle)`
-    (the simulator's `twin.sim.forecaster.FleetForecaster`, or the live shadow twin). The arrival rate comes from
-    a load predictor over recent per-interval rates, or, with `oracle: true`, from the workload's own
-    future (a known schedule; reports name it oracle). `slo` is the scenario's unless given here.
+    The world supplies `forecast`, an object with `attainment(n_instances, horizon_s, rate, slo, oracle,
+    target)` (the simulator's `twin.sim.forecaster.FleetForecaster`, or the live shadow twin). With
+    `early_stop` (default) a size's run stops once its verdict against `target` is known, and its attainment
+    is a bound on that side (`last["attainment"]`, the reasons); `early_stop: false` runs every size to the end.
+    The arrival rate comes from a load predictor over recent per-interval rates, or, with `oracle: true`, from
+    the workload's own future (a known schedule; reports name it oracle). `slo` is the scenario's unless given.
     """
 
     name = "twin"
@@ -365,7 +370,9 @@ class TwinScaler(ScalerBase):
 
     def __init__(self, horizon_s: float = 300.0, target: float = 0.95, max_step: int = 2,
                  predictor: str = "moving-average", predictor_params: dict | None = None,
-                 interval_s: float = 30.0, history: int = 10, oracle: bool = False, slo: Any = None) -> None:
+                 interval_s: float = 30.0, history: int = 10, oracle: bool = False, slo: Any = None,
+                 early_stop: bool = True, min_instances: int | None = None,
+                 max_instances: int | None = None) -> None:
         if not 0 < target <= 1:
             raise ValueError("target must be in (0, 1]")
         self.horizon_s = horizon_s
@@ -376,7 +383,17 @@ class TwinScaler(ScalerBase):
         self.history = history
         self.oracle = oracle
         self.slo = slo
+        self.early_stop = early_stop
+        self.min_instances = min_instances
+        self.max_instances = max_instances
         self.last: dict = {}
+
+    def candidates(self, n: int) -> range:
+        """The fleet sizes a decision may forecast with `n` active, within the world's limits."""
+        lo, hi = max(1, n - 1, self.min_instances or 1), n + self.max_step
+        if self.max_instances is not None:
+            hi = min(hi, self.max_instances)
+        return range(min(lo, hi), hi + 1)
 
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
         if forecast is None or fleet.signals is None or self.slo is None:
@@ -386,20 +403,23 @@ class TwinScaler(ScalerBase):
             return NO_CHANGE  # no arrival observed yet: nothing to forecast from
         rate = self.predictor.predict(series)
         n = active_count(fleet)
-        lo = max(1, n - 1)
         tried = {}
         choice = None
-        for cand in range(lo, n + self.max_step + 1):
-            att = forecast.attainment(cand, self.horizon_s, rate, self.slo, self.oracle)
+        kw = {"target": self.target} if self.early_stop else {}
+        sizes = self.candidates(n)
+        for cand in sizes:
+            att = forecast.attainment(cand, self.horizon_s, rate, self.slo, self.oracle, **kw)
             tried[cand] = att
             if att >= self.target:
                 choice = cand
                 break
         if choice is None:
-            choice = max(tried, key=lambda c: (tried[c], -c))
+            choice = sizes[-1]
         self.last = {"t": now, "rate": rate, "attainment": tried, "choice": choice}
         if choice == n:
             return NO_CHANGE
+        met = tried[choice] >= self.target
         return ScaleAction(choice, f"twin forecast over {self.horizon_s:.0f} s: attainment "
-                                   f"{tried[choice]:.2f} with {choice} (rate {rate:.2f} req/s"
-                                   f"{', oracle' if self.oracle else ''})")
+                                   f"{'>= ' if met and self.early_stop else ''}{tried[choice]:.2f} with {choice}"
+                                   f"{'' if met else f' (none of {sizes[0]}-{sizes[-1]} reaches {self.target:g})'}"
+                                   f" (rate {rate:.2f} req/s{', oracle' if self.oracle else ''})")
