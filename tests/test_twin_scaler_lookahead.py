@@ -115,3 +115,66 @@ def test_the_sizes_tried_stay_within_the_fleets_limits():
     cl = Cluster(sc, steady(100, 5.0, 100, 10))
     cl.run()
     assert (cl.fleet.scaler.min_instances, cl.fleet.scaler.max_instances) == (2, 3)
+
+
+def test_a_stabilisation_window_holds_the_fleet_at_its_first_decisions():
+    s = TwinScaler(horizon_s=30.0, interval_s=10.0, slo=make_scenario().slo, stabilization_s=60.0)
+    fleet = fleet_of(*({"id": f"i{k}"} for k in range(3)), now=30.0)
+    fleet.signals = window_at(10.0, 30.0)
+    fc = Scores(1.0)  # every size meets the SLO: the scaler would drain one
+    assert s.decide(30.0, fleet, fc).target is None  # the window starts out holding the current count
+    assert s.decide(60.0, fleet, fc).target is None
+    assert s.decide(100.0, fleet, fc).target == 2  # a full window of choices of 2
+    assert TwinScaler(slo=make_scenario().slo).decide(30.0, fleet, Scores(1.0)).target == 2  # off by default
+
+
+def bursty():
+    # a light first 10 s, quiet, then a burst one instance cannot serve within the TTFT bound
+    calm = np.arange(0.0, 10.0, 0.5)
+    burst = 50.0 + np.arange(0.0, 30.0, 1 / 20)  # two instances serve it (fixed 1: 7 % within the bound)
+    arr = np.concatenate([calm, burst])
+    return stream_of(arr, [4000] * len(arr), [20] * len(arr))
+
+
+def test_held_at_its_first_decisions_the_twin_scaler_serves_the_next_burst():
+    def run(params):
+        sc = make_scenario(**{"cluster.num_instances": 2, "cluster.max_instances": 4, "cluster.startup_delay_s": 20.0,
+                              "scaler.interval_s": 10.0, "slo.ttft_s": 1.0, "scaler.name": "twin",
+                              "scaler.params": {"horizon_s": 30.0, "interval_s": 10.0, **params}})
+        cl = Cluster(sc, bursty())
+        from twin.sim.metrics import summarize
+
+        att = summarize(cl.run())["slo_attainment"]
+        drains = [e.t for e in cl.fleet.events if e.action == "drain"]
+        return att, drains
+
+    att0, drains0 = run({})
+    att1, drains1 = run({"stabilization_s": 90.0})
+    assert drains0 and drains0[0] == 10.0  # the first decision, on 10 s of light load, drained to one
+    assert all(t > 80.0 for t in drains1)  # held through the burst
+    assert att1 > att0 + 0.2, (att0, att1)
+
+
+def test_pattern_arrivals_keep_the_observed_bursts():
+    from twin.sim.forecaster import FleetForecaster
+
+    slo = make_scenario(**{"slo.ttft_s": 1.0}).slo
+    # bursts of 20 requests within 0.2 s every 10 s: 2 req/s on average
+    arr = np.concatenate([10.0 * b + np.arange(20) * 0.01 for b in range(6)])
+    sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 2, "scaler.interval_s": 30.0,
+                          "slo.ttft_s": 1.0, "scaler.name": "twin"})
+    s = Probe(lambda fc: None, horizon_s=30.0, interval_s=10.0)
+    s.slo = sc.slo
+    cl = Cluster(sc, stream_of(arr, [3000] * len(arr), [20] * len(arr)), scaler=s)
+    seen = []
+    s.ask = lambda fc: seen.append((FleetForecaster(cl)._arrivals(cl.env.now, 30.0, 2.0, False)[0],
+                                    FleetForecaster(cl, arrivals="pattern")._arrivals(cl.env.now, 30.0, 2.0, False)[0],
+                                    FleetForecaster(cl).attainment(1, 30.0, 2.0, slo),
+                                    FleetForecaster(cl, arrivals="pattern").attainment(1, 30.0, 2.0, slo)))
+    cl.run()
+    assert seen
+    poisson, pattern, att_poisson, att_pattern = seen[0]
+    assert abs(len(pattern) - 60) <= 1 and abs(len(poisson) - 60) < 30  # both at the rate
+    busiest = lambda t: max(np.sum((t >= x) & (t < x + 0.5)) for x in t)  # noqa: E731
+    assert busiest(pattern) >= 20 > busiest(poisson)  # the bursts stay bursts
+    assert att_pattern < att_poisson  # and one instance serves them worse than it serves Poisson arrivals

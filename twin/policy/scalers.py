@@ -362,7 +362,12 @@ class TwinScaler(ScalerBase):
     `early_stop` (default) a size's run stops once its verdict against `target` is known, and its attainment
     is a bound on that side (`last["attainment"]`, the reasons); `early_stop: false` runs every size to the end.
     The arrival rate comes from a load predictor over recent per-interval rates, or, with `oracle: true`, from
-    the workload's own future (a known schedule; reports name it oracle). `slo` is the scenario's unless given.
+    the workload's own future (a known schedule; reports name it oracle). In the simulator the forecast's
+    arrivals are `arrivals: poisson` at that rate, or `pattern`: the last horizon's arrivals stretched to the
+    rate and repeated (what the live shadow twin does), which keeps a bursty trace's bursts. `slo` is the
+    scenario's unless given. With `stabilization_s > 0` a scale-down goes no lower than the largest choice over
+    that window, which starts out holding the current count (the HPA's rule, as the queue scaler's): the first
+    decisions, made on one or two bins of history, cannot drain the fleet.
     """
 
     name = "twin"
@@ -372,9 +377,17 @@ class TwinScaler(ScalerBase):
                  predictor: str = "moving-average", predictor_params: dict | None = None,
                  interval_s: float = 30.0, history: int = 10, oracle: bool = False, slo: Any = None,
                  early_stop: bool = True, min_instances: int | None = None,
-                 max_instances: int | None = None) -> None:
+                 max_instances: int | None = None, arrivals: str = "poisson",
+                 stabilization_s: float = 0.0) -> None:
         if not 0 < target <= 1:
             raise ValueError("target must be in (0, 1]")
+        if arrivals not in ("poisson", "pattern"):
+            raise ValueError(f"arrivals must be poisson or pattern, got {arrivals!r}")
+        self.arrivals = arrivals
+        if stabilization_s < 0:
+            raise ValueError("stabilization_s must be >= 0")
+        self.stabilization_s = stabilization_s
+        self._recs: deque[tuple[float, int]] = deque()
         self.horizon_s = horizon_s
         self.target = target
         self.max_step = max_step
@@ -415,9 +428,21 @@ class TwinScaler(ScalerBase):
                 break
         if choice is None:
             choice = sizes[-1]
+        chosen = choice
+        if self.stabilization_s > 0:  # the HPA's scale-down stabilisation, as the queue scaler's
+            if not self._recs:
+                self._recs.append((now, n))  # the initial recommendation: the current count
+            self._recs.append((now, choice))
+            while self._recs[0][0] < now - self.stabilization_s:
+                self._recs.popleft()
+            if choice < n:
+                choice = min(n, max(r for _, r in self._recs))
         self.last = {"t": now, "rate": rate, "attainment": tried, "choice": choice}
         if choice == n:
             return NO_CHANGE
+        if choice != chosen:
+            return ScaleAction(choice, f"twin forecast: {chosen} would do; held at {choice} by the "
+                                       f"{self.stabilization_s:g} s stabilisation window")
         met = tried[choice] >= self.target
         return ScaleAction(choice, f"twin forecast over {self.horizon_s:.0f} s: attainment "
                                    f"{'>= ' if met and self.early_stop else ''}{tried[choice]:.2f} with {choice}"
