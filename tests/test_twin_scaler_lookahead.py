@@ -100,7 +100,31 @@ def test_when_no_size_reaches_the_target_the_largest_is_chosen():
     fleet.signals = window_at(10.0, 30.0)
     fc = Scores(0.0)  # hopeless behind a backlog: every size scores 0
     assert s.decide(30.0, fleet, fc).target == 5  # was 2: the best score, ties to the smallest, drained
-    assert fc.asked == [2, 3, 4, 5]
+    assert fc.asked == [3, 4, 5]  # from the current size outward: 2 cannot meet what 3 does not
+
+
+class Grows:
+    """A forecast whose attainment grows with the fleet: sizes from `enough` on meet the target."""
+
+    def __init__(self, enough):
+        self.enough, self.asked = enough, []
+
+    def attainment(self, n, horizon_s, rate, slo, oracle=False, target=None):
+        self.asked.append(n)
+        return 1.0 if n >= self.enough else 0.5
+
+
+def test_searching_outward_chooses_as_the_upward_scan_does_with_fewer_forecasts():
+    fleet = fleet_of(*({"id": f"i{k}"} for k in range(4)), now=30.0)
+    fleet.signals = window_at(10.0, 30.0)
+    for enough in range(1, 9):
+        out, up = Grows(enough), Grows(enough)
+        a = TwinScaler(slo=make_scenario().slo).decide(30.0, fleet, out)
+        b = TwinScaler(slo=make_scenario().slo, search="upward").decide(30.0, fleet, up)
+        assert a.target == b.target, enough
+        assert len(out.asked) <= 3 and len(up.asked) <= 4
+        if enough > 4:  # a scale-up: N-1 is not forecast
+            assert 3 not in out.asked and 3 in up.asked
 
 
 def test_the_sizes_tried_stay_within_the_fleets_limits():

@@ -354,7 +354,10 @@ class TwinScaler(ScalerBase):
     N-1, N, N+1, ... N+`max_step` instances (new ones paying the start-up delay) and choose the smallest whose
     forecast SLO attainment reaches `target`; when none does, the largest (attainment grows with the fleet: the
     earlier rule, the best attainment with ties to the smallest, could drain the fleet when every size
-    scored the same, e.g. 0 behind a backlog). Sizes outside `min_instances`..`max_instances` (the world's
+    scored the same, e.g. 0 behind a backlog). `search: outward` (default) forecasts N first, then goes down
+    while sizes meet the target or up until one does: with attainment growing with the fleet that is the
+    same choice for fewer forecasts (at most 3, not 4; a scale-up skips N-1); `upward` forecasts N-1, N, ...
+    in turn, as before, and is exact without that assumption. Sizes outside `min_instances`..`max_instances` (the world's
     limits, given by the simulator's fleet) are not forecast: the fleet would clamp them anyway.
 
     The world supplies `forecast`, an object with `attainment(n_instances, horizon_s, rate, slo, oracle,
@@ -378,7 +381,7 @@ class TwinScaler(ScalerBase):
                  interval_s: float = 30.0, history: int = 10, oracle: bool = False, slo: Any = None,
                  early_stop: bool = True, min_instances: int | None = None,
                  max_instances: int | None = None, arrivals: str = "poisson",
-                 stabilization_s: float = 0.0) -> None:
+                 stabilization_s: float = 0.0, search: str = "outward") -> None:
         if not 0 < target <= 1:
             raise ValueError("target must be in (0, 1]")
         if arrivals not in ("poisson", "pattern"):
@@ -387,6 +390,9 @@ class TwinScaler(ScalerBase):
         if stabilization_s < 0:
             raise ValueError("stabilization_s must be >= 0")
         self.stabilization_s = stabilization_s
+        if search not in ("outward", "upward"):
+            raise ValueError(f"search must be outward or upward, got {search!r}")
+        self.search = search
         self._recs: deque[tuple[float, int]] = deque()
         self.horizon_s = horizon_s
         self.target = target
@@ -416,16 +422,25 @@ class TwinScaler(ScalerBase):
             return NO_CHANGE  # no arrival observed yet: nothing to forecast from
         rate = self.predictor.predict(series)
         n = active_count(fleet)
-        tried = {}
-        choice = None
+        tried: dict[int, float] = {}
         kw = {"target": self.target} if self.early_stop else {}
         sizes = self.candidates(n)
-        for cand in sizes:
-            att = forecast.attainment(cand, self.horizon_s, rate, self.slo, self.oracle, **kw)
-            tried[cand] = att
-            if att >= self.target:
-                choice = cand
-                break
+
+        def meets(cand: int) -> bool:
+            tried[cand] = forecast.attainment(cand, self.horizon_s, rate, self.slo, self.oracle, **kw)
+            return tried[cand] >= self.target
+
+        choice = None
+        if self.search == "upward":  # every size from the smallest up to the first that meets the target
+            choice = next((c for c in sizes if meets(c)), None)
+        else:  # from the current size outward: down while sizes meet it, else up to the first that does
+            start = min(max(n, sizes[0]), sizes[-1])
+            if meets(start):
+                choice = start
+                while choice - 1 >= sizes[0] and meets(choice - 1):
+                    choice -= 1
+            else:
+                choice = next((c for c in range(start + 1, sizes[-1] + 1) if meets(c)), None)
         if choice is None:
             choice = sizes[-1]
         chosen = choice
