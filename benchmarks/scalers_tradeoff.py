@@ -5,7 +5,9 @@ Replays `traces/azure_code.sample.csv` (the Azure 2023 code trace's first 1,000 
 12.7, bursts of ~11 req/s between idle gaps) on H100s serving Llama-3-8B under: fixed fleets of N instances
 (`none`), `threshold`, `queue`, `throughput` (capacity measured by the twin) and `twin` (look-ahead, measured
 rate, no oracle), each with its defaults except where a flag says otherwise; `/last` runs forecast the next
-interval's rate as the last one's (`constant` predictor) instead of a 5-interval moving average. Every run starts from the same
+interval's rate as the last one's (`constant` predictor) instead of a 5-interval moving average; `twin/hold` scales
+down no lower than its largest choice over `--hold` seconds (`stabilization_s`, the HPA's rule); `twin/pattern`
+forecasts the last horizon's arrivals stretched to the rate instead of Poisson ones. Every run starts from the same
 fleet (`--start`). Prints a table and writes it as CSV plus a GPU-seconds vs attainment PNG. No assertions.
 
 ASSUMPTIONS (flags): `--startup-delay 30` s for a new instance (the scenario default of 90 s is longer than most
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--max-instances", type=int, default=8)
     ap.add_argument("--fixed", default="1,2,3,4", help="fixed fleet sizes to compare")
     ap.add_argument("--horizon", type=float, default=120.0, help="the twin scaler's look-ahead")
+    ap.add_argument("--hold", type=float, default=120.0,
+                    help="the twin/hold run's scale-down stabilisation window (stabilization_s)")
     ap.add_argument("--out", default="benchmarks/results/scalers_tradeoff")
     args = ap.parse_args()
 
@@ -69,7 +73,11 @@ def main() -> None:
              ("throughput/last", "throughput", {"interval_s": args.interval, "predictor": "constant"}, args.start),
              ("twin", "twin", {"horizon_s": args.horizon, "interval_s": args.interval}, args.start),
              ("twin/last", "twin", {"horizon_s": args.horizon, "interval_s": args.interval,
-                                    "predictor": "constant"}, args.start)]
+                                    "predictor": "constant"}, args.start),
+             (f"twin/hold {args.hold:g}s", "twin", {"horizon_s": args.horizon, "interval_s": args.interval,
+                                                   "stabilization_s": args.hold}, args.start),
+             ("twin/pattern", "twin", {"horizon_s": args.horizon, "interval_s": args.interval,
+                                       "arrivals": "pattern"}, args.start)]
     stream = build_stream(scenario(args, "none", {}, 1))
     print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}; "
           f"trace {args.trace} x{args.rate_scale:g}: {len(stream)} requests over {stream.arrival_s.max():.0f} s; "

@@ -666,7 +666,9 @@ class ShadowFleetForecaster:
         self.calls = 0
         self._cache: dict[tuple, float] = {}
 
-    def attainment(self, n_instances: int, horizon_s: float, rate: float, slo: Any, oracle: bool = False) -> float:
+    def attainment(self, n_instances: int, horizon_s: float, rate: float, slo: Any, oracle: bool = False,
+                   target: float | None = None) -> float:
+        """The window's SLO attainment with `n_instances` (exact: it is on the right side of any `target`)."""
         if oracle:
             raise TwinInputError("scaler.params.oracle: the live controller cannot see the future; drop oracle")
         if n_instances <= 0:

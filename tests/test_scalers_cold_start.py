@@ -122,3 +122,17 @@ def test_the_live_controller_and_the_simulation_watch_from_their_start():
     ctl = Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}]}))
     assert ctl.signals.observed_since is not None
     assert Dispatcher(simpy.Environment(), ctl.router, []).signals.observed_since == 0.0
+
+
+def test_the_rate_is_over_the_part_of_its_window_observed():
+    w = window_of(10.0, 10.0)  # 10 req/s for the first 10 s
+    assert w.rate(10.0, 60.0) == 10.0  # was 100 / 60 = 1.7: the 50 s before the first arrival were never seen
+    assert w.rate(10.0, 5.0) == 10.0  # a full window: over the window
+    assert RecentWindow().rate(10.0, 60.0) == 0.0  # nothing observed yet
+    watched = RecentWindow(observed_since=0.0)
+    for k in range(50):
+        watched.arrived(50.0 + k * 0.2, 100)  # watched from t = 0, the first arrival at 50 s
+    assert watched.rate(60.0, 60.0) == 50 / 60.0  # the quiet 50 s were observed: real zeros
+    assert watched.rate(60.0, 120.0) == 50 / 60.0  # but not the minute before the world began watching
+    idle = window_of(10.0, 10.0)
+    assert idle.rate(70.0, 60.0) == 0.0  # real idle time after the first arrival still counts

@@ -351,13 +351,26 @@ class ThroughputScaler(ScalerBase):
 @register_scaler("twin")
 class TwinScaler(ScalerBase):
     """Ours: look ahead with the twin. At each decision, run the fleet forward over `horizon_s` with
-    N-1, N, N+1, ... instances (new ones paying the start-up delay) and choose the smallest N whose forecast
-    SLO attainment reaches `target`.
+    N-1, N, N+1, ... N+`max_step` instances (new ones paying the start-up delay) and choose the smallest whose
+    forecast SLO attainment reaches `target`; when none does, the largest (attainment grows with the fleet: the
+    earlier rule, the best attainment with ties to the smallest, could drain the fleet when every size
+    scored the same, e.g. 0 behind a backlog). `search: outward` (default) forecasts N first, then goes down
+    while sizes meet the target or up until one does: with attainment growing with the fleet that is the
+    same choice for fewer forecasts (at most 3, not 4; a scale-up skips N-1); `upward` forecasts N-1, N, ...
+    in turn, as before, and is exact without that assumption. Sizes outside `min_instances`..`max_instances` (the world's
+    limits, given by the simulator's fleet) are not forecast: the fleet would clamp them anyway.
 
-    The world supplies `forecast`, an object with `attainment(n_instances, horizon_s, rate, slo, oracle)`
-    (the simulator's `twin.sim.forecaster.FleetForecaster`, or the live shadow twin). The arrival rate comes from
-    a load predictor over recent per-interval rates, or, with `oracle: true`, from the workload's own
-    future (a known schedule; reports name it oracle). `slo` is the scenario's unless given here.
+    The world supplies `forecast`, an object with `attainment(n_instances, horizon_s, rate, slo, oracle,
+    target)` (the simulator's `twin.sim.forecaster.FleetForecaster`, or the live shadow twin). With
+    `early_stop` (default) a size's run stops once its verdict against `target` is known, and its attainment
+    is a bound on that side (`last["attainment"]`, the reasons); `early_stop: false` runs every size to the end.
+    The arrival rate comes from a load predictor over recent per-interval rates, or, with `oracle: true`, from
+    the workload's own future (a known schedule; reports name it oracle). In the simulator the forecast's
+    arrivals are `arrivals: poisson` at that rate, or `pattern`: the last horizon's arrivals stretched to the
+    rate and repeated (what the live shadow twin does), which keeps a bursty trace's bursts. `slo` is the
+    scenario's unless given. With `stabilization_s > 0` a scale-down goes no lower than the largest choice over
+    that window, which starts out holding the current count (the HPA's rule, as the queue scaler's): the first
+    decisions, made on one or two bins of history, cannot drain the fleet.
     """
 
     name = "twin"
@@ -365,9 +378,22 @@ class TwinScaler(ScalerBase):
 
     def __init__(self, horizon_s: float = 300.0, target: float = 0.95, max_step: int = 2,
                  predictor: str = "moving-average", predictor_params: dict | None = None,
-                 interval_s: float = 30.0, history: int = 10, oracle: bool = False, slo: Any = None) -> None:
+                 interval_s: float = 30.0, history: int = 10, oracle: bool = False, slo: Any = None,
+                 early_stop: bool = True, min_instances: int | None = None,
+                 max_instances: int | None = None, arrivals: str = "poisson",
+                 stabilization_s: float = 0.0, search: str = "outward") -> None:
         if not 0 < target <= 1:
             raise ValueError("target must be in (0, 1]")
+        if arrivals not in ("poisson", "pattern"):
+            raise ValueError(f"arrivals must be poisson or pattern, got {arrivals!r}")
+        self.arrivals = arrivals
+        if stabilization_s < 0:
+            raise ValueError("stabilization_s must be >= 0")
+        self.stabilization_s = stabilization_s
+        if search not in ("outward", "upward"):
+            raise ValueError(f"search must be outward or upward, got {search!r}")
+        self.search = search
+        self._recs: deque[tuple[float, int]] = deque()
         self.horizon_s = horizon_s
         self.target = target
         self.max_step = max_step
@@ -376,7 +402,17 @@ class TwinScaler(ScalerBase):
         self.history = history
         self.oracle = oracle
         self.slo = slo
+        self.early_stop = early_stop
+        self.min_instances = min_instances
+        self.max_instances = max_instances
         self.last: dict = {}
+
+    def candidates(self, n: int) -> range:
+        """The fleet sizes a decision may forecast with `n` active, within the world's limits."""
+        lo, hi = max(1, n - 1, self.min_instances or 1), n + self.max_step
+        if self.max_instances is not None:
+            hi = min(hi, self.max_instances)
+        return range(min(lo, hi), hi + 1)
 
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
         if forecast is None or fleet.signals is None or self.slo is None:
@@ -386,20 +422,44 @@ class TwinScaler(ScalerBase):
             return NO_CHANGE  # no arrival observed yet: nothing to forecast from
         rate = self.predictor.predict(series)
         n = active_count(fleet)
-        lo = max(1, n - 1)
-        tried = {}
+        tried: dict[int, float] = {}
+        kw = {"target": self.target} if self.early_stop else {}
+        sizes = self.candidates(n)
+
+        def meets(cand: int) -> bool:
+            tried[cand] = forecast.attainment(cand, self.horizon_s, rate, self.slo, self.oracle, **kw)
+            return tried[cand] >= self.target
+
         choice = None
-        for cand in range(lo, n + self.max_step + 1):
-            att = forecast.attainment(cand, self.horizon_s, rate, self.slo, self.oracle)
-            tried[cand] = att
-            if att >= self.target:
-                choice = cand
-                break
+        if self.search == "upward":  # every size from the smallest up to the first that meets the target
+            choice = next((c for c in sizes if meets(c)), None)
+        else:  # from the current size outward: down while sizes meet it, else up to the first that does
+            start = min(max(n, sizes[0]), sizes[-1])
+            if meets(start):
+                choice = start
+                while choice - 1 >= sizes[0] and meets(choice - 1):
+                    choice -= 1
+            else:
+                choice = next((c for c in range(start + 1, sizes[-1] + 1) if meets(c)), None)
         if choice is None:
-            choice = max(tried, key=lambda c: (tried[c], -c))
+            choice = sizes[-1]
+        chosen = choice
+        if self.stabilization_s > 0:  # the HPA's scale-down stabilisation, as the queue scaler's
+            if not self._recs:
+                self._recs.append((now, n))  # the initial recommendation: the current count
+            self._recs.append((now, choice))
+            while self._recs[0][0] < now - self.stabilization_s:
+                self._recs.popleft()
+            if choice < n:
+                choice = min(n, max(r for _, r in self._recs))
         self.last = {"t": now, "rate": rate, "attainment": tried, "choice": choice}
         if choice == n:
             return NO_CHANGE
+        if choice != chosen:
+            return ScaleAction(choice, f"twin forecast: {chosen} would do; held at {choice} by the "
+                                       f"{self.stabilization_s:g} s stabilisation window")
+        met = tried[choice] >= self.target
         return ScaleAction(choice, f"twin forecast over {self.horizon_s:.0f} s: attainment "
-                                   f"{tried[choice]:.2f} with {choice} (rate {rate:.2f} req/s"
-                                   f"{', oracle' if self.oracle else ''})")
+                                   f"{'>= ' if met and self.early_stop else ''}{tried[choice]:.2f} with {choice}"
+                                   f"{'' if met else f' (none of {sizes[0]}-{sizes[-1]} reaches {self.target:g})'}"
+                                   f" (rate {rate:.2f} req/s{', oracle' if self.oracle else ''})")

@@ -87,15 +87,33 @@ class RecentWindow:
             return None
         return vals[min(len(vals) - 1, max(0, math.ceil(q * len(vals)) - 1))]
 
+    def observed_from(self) -> float | None:
+        """When observing began: `observed_since` (the world's start) or, when earlier or not given, the first
+        arrival; None before anything was observed (no start given, no arrival yet)."""
+        first = self.first_arrival_s
+        if self.observed_since is not None:
+            first = self.observed_since if first is None else min(first, self.observed_since)
+        return first
+
     def rate(self, now: float, window_s: float) -> float:
-        """Arrivals per second over the last `window_s`."""
+        """Arrivals per second over the last `window_s`, or over the part of it observed (as `arrival_series`).
+
+        Before the window has filled, dividing by the whole window made the first readings too low (10 req/s
+        seen for 10 s of a 60 s window read as 1.7 req/s). 0.0 when nothing has been observed yet."""
+        first = self.observed_from()
+        if first is None or window_s <= 0:
+            return 0.0
         cut = now - window_s
+        span = now - max(cut, first)
+        if span <= 0:
+            return 0.0
         n = 0
         for t, _ in reversed(self.arrivals):
             if t < cut:
                 break
-            n += 1
-        return n / window_s if window_s > 0 else 0.0
+            if t <= now:
+                n += 1
+        return n / span
 
     def mean_lengths(self, now: float, window_s: float) -> tuple[float | None, float | None]:
         """Mean prompt and output tokens of the requests completed in the window."""

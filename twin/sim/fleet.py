@@ -131,9 +131,13 @@ class Fleet:
         if getattr(self.scaler, "needs_forecaster", False):
             from twin.sim.forecaster import FleetForecaster
 
-            forecast = FleetForecaster(self.cluster, seed=self.cluster.scenario.seed)
+            forecast = FleetForecaster(self.cluster, seed=self.cluster.scenario.seed,
+                                       arrivals=getattr(self.scaler, "arrivals", "poisson"))
         if getattr(self.scaler, "slo", 0) is None:  # a scaler object handed to the cluster
             setattr(self.scaler, "slo", self.cluster.scenario.slo)
+        for limit in ("min_instances", "max_instances"):  # the twin scaler forecasts no size the fleet clamps
+            if getattr(self.scaler, limit, 0) is None:
+                setattr(self.scaler, limit, getattr(self, limit))
         while True:
             yield self.env.timeout(self.interval_s)
             d.scrape()

@@ -292,90 +292,271 @@ class FleetForecaster:
     forked exactly, and a fresh one that serves after the start-up delay when the fleet would grow), each
     receiving an equal share of the forecast arrivals (a balanced-router ASSUMPTION that keeps the decision
     cheap: the cost grows with the representatives' share of arrivals, not the fleet). Forecast arrivals are
-    Poisson at the given rate with (prompt, output) pairs resampled from recent completions, or, with
-    `oracle=True`, the workload's own future arrivals (an oracle: reports say so).
+    Poisson at the given rate with (prompt, output) pairs resampled from recent completions, or (`arrivals=
+    "pattern"`) the last horizon's observed arrivals stretched to the rate and repeated, as the live shadow twin
+    forecasts; or, with `oracle=True`, the workload's own future arrivals (an oracle: reports say so).
+
+    Every candidate of one decision sees the same forecast arrivals (common random numbers: drawn once per
+    decision time, horizon and rate), so candidates differ by their fleet size only, not by their draw; each
+    used to draw its own. With `target`, a candidate's run stops once its verdict against the target is known.
     """
 
-    def __init__(self, cluster, representatives: int = 2, seed: int = 0) -> None:
+    CHECK_EVERY = 32  # arrivals (or engine steps while draining) between two looks at the verdict
+
+    ARRIVALS = ("poisson", "pattern")
+
+    def __init__(self, cluster, representatives: int = 2, seed: int = 0, arrivals: str = "poisson") -> None:
+        if arrivals not in self.ARRIVALS:
+            raise ValueError(f"arrivals must be poisson or pattern, got {arrivals!r}")
         self._cluster = cluster
         self.representatives = representatives
+        self.arrivals = arrivals
         self.rng = np.random.default_rng(seed)
         self.calls = 0
+        self.stopped_early = 0  # candidates whose run stopped once the verdict was known
+        self._drawn: tuple | None = None  # (key, arrivals): this decision's forecast arrivals
 
     def _arrivals(self, now: float, horizon_s: float, rate: float, oracle: bool):
+        """The forecast arrivals (times, prompts, outputs) over the horizon: drawn once for every candidate
+        of a decision (common random numbers)."""
+        key = (now, horizon_s, rate, oracle, self._cluster.dispatcher.signals.total_completions)
+        if self._drawn is not None and self._drawn[0] == key:
+            return self._drawn[1]
+        out = self._draw(now, horizon_s, rate, oracle)
+        self._drawn = (key, out)
+        return out
+
+    def _draw(self, now: float, horizon_s: float, rate: float, oracle: bool):
         cl = self._cluster
         if oracle:
             s = cl.stream
             lo, hi = np.searchsorted(s.arrival_s, [now, now + horizon_s])
             return s.arrival_s[lo:hi], s.prompt_tokens[lo:hi], s.output_tokens[lo:hi]
-        recent = cl.dispatcher.signals.recent(now, 600.0)
+        sig = cl.dispatcher.signals
+        recent = sig.recent(now, 600.0)
         if not recent or rate <= 0:
             return np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64)
+        if self.arrivals == "pattern":
+            return self._pattern(sig, recent, now, horizon_s, rate)
         n = self.rng.poisson(rate * horizon_s)
         t = np.sort(self.rng.uniform(now, now + horizon_s, n))
         pick = self.rng.integers(0, len(recent), n)
         return (t, np.array([recent[k].prompt_tokens for k in pick], dtype=np.int64),
                 np.array([max(1, recent[k].output_tokens) for k in pick], dtype=np.int64))
 
-    def attainment(self, n_instances: int, horizon_s: float, rate: float, slo, oracle: bool = False) -> float:
-        """Share of forecast requests meeting every SLO bound if the fleet had `n_instances` active."""
+    def _pattern(self, sig, recent, now: float, horizon_s: float, rate: float):
+        """The last horizon's observed arrivals (their times and prompts; the part observed, at the start),
+        stretched to `rate` and repeated over the next horizon, outputs resampled from recent completions: the
+        live shadow twin's `reshape`. Bursts stay bursts: Poisson arrivals at a bursty trace's mean rate
+        forecast a queue it never has (a 15 s mean of 2.9 req/s hid 30 requests within 0.3 s)."""
+        first = sig.observed_from()
+        lo = max(now - horizon_s, first if first is not None else now)
+        obs = []
+        for t, p in reversed(sig.arrivals):
+            if t < lo:
+                break
+            if t <= now:
+                obs.append((t, p))
+        span = now - lo
+        if not obs or span <= 0:
+            return np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64)
+        obs.reverse()
+        offs = np.array([t - lo for t, _ in obs])
+        prompts = np.array([p for _, p in obs], dtype=np.int64)
+        scale = (len(obs) / span) / rate  # times stretched: the pattern's mean rate becomes `rate`
+        period = span * scale
+        reps = max(1, math.ceil(horizon_s / period))
+        t = np.concatenate([offs * scale + k * period for k in range(reps)])
+        keep = np.flatnonzero(t < horizon_s)
+        t, p = now + t[keep], np.tile(prompts, reps)[keep]
+        pick = self.rng.integers(0, len(recent), len(t))
+        return t, p, np.array([max(1, recent[k].output_tokens) for k in pick], dtype=np.int64)
+
+    def attainment(self, n_instances: int, horizon_s: float, rate: float, slo, oracle: bool = False,
+                   target: float | None = None) -> float:
+        """Share of forecast requests meeting every SLO bound if the fleet had `n_instances` active.
+
+        With `target`, the run stops as soon as the answer's side of `target` is known, and the value is a
+        bound on that side: at least `target` (the share already met) once enough requests met the SLO, or
+        under it (the share not yet missed) once too many missed it (a first token later than the TTFT
+        bound, or a finished request over a bound). `value >= target` is then the exact verdict."""
         self.calls += 1
         cl = self._cluster
         now = cl.env.now
         t, p, o = self._arrivals(now, horizon_s, rate, oracle)
         if len(t) == 0 or n_instances <= 0:
             return 1.0 if len(t) == 0 else 0.0
-        serving = [i for i in cl.instances if i.state in ("serving", "starting")]
+        # the candidate fleet in the order the planner keeps it: serving instances by load (the least loaded
+        # drain first), then starting ones by when they serve (cancelled first), then new ones
         books = cl.dispatcher.bookkeeping
-        serving.sort(key=lambda i: -books.load(i.id).requests)
+        delay = cl.fleet.startup_delay_s
+        lifetimes = cl.fleet.lifetimes
+        serving = sorted((i for i in cl.instances if i.state == "serving"), key=lambda i: -books.load(i.id).requests)
+        starting = sorted(((max(now, lifetimes[i.id].created_s + delay) if i.id in lifetimes else now + delay, i)
+                           for i in cl.instances if i.state == "starting"), key=lambda x: x[0])
+        existing = [(now, i) for i in serving] + starting
+        ready = [r for r, _ in existing[:n_instances]] + [now + delay] * max(0, n_instances - len(existing))
         reps: list[tuple[EngineFork, list, float]] = []  # fork, its transit, when it can take requests
+        rep_pos: list[int] = []  # each rep's place in the fleet's order
         sim = SimForecaster(cl)
         # each rep's API server as a FIFO queue from its backlog now (an approximation of processor sharing
         # for the forecast's arrivals), and its token rate now
         queues: list[tuple[ApiServer | None, float]] = []
-        for inst in serving[:min(self.representatives, n_instances)]:
+        for pos, (at, inst) in enumerate(existing[:min(self.representatives, n_instances)]):
             f, transit = sim._fork(inst.id)
-            ready = now if inst.state == "serving" else now + cl.fleet.startup_delay_s
-            reps.append((f, transit, ready))
+            reps.append((f, transit, at))
+            rep_pos.append(pos)
             srv = cl.api_servers.get(inst.id)
             queues.append((ApiServer(srv.rho_cap, "fifo", free_at=srv.backlog_end()[0]) if srv is not None else None,
                            inst.token_rate()))
-        if n_instances > len(serving):  # a new instance: empty, serving after the start-up delay
+        if n_instances > len(existing):  # a new instance: empty, serving after the start-up delay
             proto = cl.instances[0]
             fresh = EngineFork(_empty_like(proto.scheduler), proto.perf, now, proto.fast_forward,
                                proto.max_run_steps)
-            reps.append((fresh, [], now + cl.fleet.startup_delay_s))
+            reps.append((fresh, [], now + delay))
+            rep_pos.append(len(existing))
             queues.append((None, 0.0))
-        share = [k for k in range(len(t)) if k % n_instances < len(reps)]  # round-robin share of the reps
-        ok = total = 0
+        nr = len(reps)
+        # round-robin over the instances serving when a request arrives: none goes to one still starting (the
+        # router sees only serving ones) unless none serves yet (then all wait for their instance)
+        k_all = np.arange(len(t))
+        avail = np.searchsorted(np.asarray(ready), t, side="right")
+        where = np.where(avail > 0, k_all % np.maximum(avail, 1), k_all % n_instances)
+        shares = [np.flatnonzero(where == pos).tolist() for pos in rep_pos]
+        total = sum(len(m) for m in shares)
         api_tok = cl.api_token_s()
+        ttft_b, e2e_b, tpot_b = slo.ttft_s, slo.e2e_s, slo.tpot_s
+        tt, oo = t.tolist(), o.tolist()
+
+        def meets(k: int, ft: float, fin: float) -> bool:
+            ttft, e2e = ft + api_tok - tt[k], fin + api_tok - tt[k]
+            tpot = (fin - ft) / (oo[k] - 1) if oo[k] > 1 else 0.0
+            return ((ttft_b is None or ttft <= ttft_b) and (e2e_b is None or e2e <= e2e_b)
+                    and (tpot_b is None or tpot <= tpot_b))
+
+        ok = missed = 0  # judged so far, over the reps run so far
         for j, (f, transit, ready) in enumerate(reps):
-            mine = [k for k in share if k % n_instances == j]
-            arrivals = [(tt, r) for tt, r in transit]
-            srv, rate = queues[j]
+            mine = shares[j]
+            arrivals = [(tt_, r) for tt_, r in transit]
+            srv, tok_rate = queues[j]
             if srv is None and cl.api_cap is not None:
                 srv = ApiServer(cl.api_cap, "fifo")
             for k in mine:  # in arrival order: FIFO through the rep's API server (at today's token rate)
-                t_send, raw = max(float(t[k]), ready), cl._api_request_s(int(p[k]))
+                t_send, raw = max(tt[k], ready), cl._api_request_s(int(p[k]))
                 t_in = cl.api_handoff_s + (t_send + raw if srv is None or raw <= 0
-                                           else srv.preprocess(t_send, raw, int(p[k]), api_tok, rate))
-                arrivals.append((t_in, Request(-1 - k, float(t[k]), int(p[k]), int(o[k]), [], -1)))
+                                           else srv.preprocess(t_send, raw, int(p[k]), api_tok, tok_rate))
+                arrivals.append((t_in, Request(-1 - k, tt[k], int(p[k]), int(o[k]), [], -1)))
             arrivals.sort(key=lambda a: a[0])
-            for t_in, r in arrivals:
+            if target is None:
+                for t_in, r in arrivals:
+                    f.arrive(r, t_in)
+                f.advance(until=now + 4 * horizon_s)
+                for k in mine:
+                    ft, fin = f.sink.first_token_s.get(-1 - k), f.sink.finish_s.get(-1 - k)
+                    if ft is not None and fin is not None and meets(k, ft, fin):
+                        ok += 1
+                continue
+            verdict = _Verdict(f, mine, tt, meets, ttft_b, api_tok, ok, missed, total, target)
+            for m, (t_in, r) in enumerate(arrivals):
                 f.arrive(r, t_in)
-            f.advance(until=now + 4 * horizon_s)
-            for k in mine:
-                idx = -1 - k
-                total += 1
-                ft, fin = f.sink.first_token_s.get(idx), f.sink.finish_s.get(idx)
-                if ft is None or fin is None:
-                    continue
-                ttft, e2e = ft + api_tok - t[k], fin + api_tok - t[k]
-                tpot = (fin - ft) / (o[k] - 1) if o[k] > 1 else 0.0
-                if ((slo.ttft_s is None or ttft <= slo.ttft_s) and (slo.e2e_s is None or e2e <= slo.e2e_s)
-                        and (slo.tpot_s is None or tpot <= slo.tpot_s)):
-                    ok += 1
+                if m % self.CHECK_EVERY == self.CHECK_EVERY - 1 and verdict.decided():
+                    break
+            if not verdict.known:
+                f.advance(until=now + 4 * horizon_s, stop=verdict.every(self.CHECK_EVERY))
+            stopped = verdict.known  # before the rep's run ended
+            ok, missed = verdict.finish()
+            if verdict.known:
+                if stopped or j < nr - 1:
+                    self.stopped_early += 1
+                return verdict.value()
         return ok / total if total else 1.0
+
+
+class _Verdict:
+    """A rep's forecast requests judged while its fork runs: met (finished within every bound) or missed (a
+    first token after the TTFT bound, a finished request over a bound), and whether the candidate's answer
+    against the target is already known from the counts over all reps."""
+
+    def __init__(self, f: EngineFork, mine: list[int], tt: list[float], meets, ttft_b: float | None,
+                 api_tok: float, ok: int, missed: int, total: int, target: float) -> None:
+        self.f = f
+        self.mine = mine  # this rep's requests, in arrival order
+        self.next = 0  # mine[:next] have arrived at the API server (judged or pending)
+        self.pending: list[int] = []  # arrived, not judged yet
+        self.tt = tt
+        self.meets = meets
+        self.ttft_b, self.api_tok = ttft_b, api_tok
+        self.ok, self.missed, self.total, self.target = ok, missed, total, target
+        self.known = False
+
+    def _judge(self) -> None:
+        f = self.f
+        fts, fins = f.sink.first_token_s, f.sink.finish_s
+        # first tokens still to come are recorded at the clock or later, unless a decode run or its cut tail
+        # is pending (its tokens are committed later, at their earlier times): only then is `now` a bound
+        clock = f.now if f.pending_run is None and f.pending_tail is None else None
+        bound, api_tok, tt, meets = self.ttft_b, self.api_tok, self.tt, self.meets
+        mine, j, now = self.mine, self.next, f.now
+        while j < len(mine) and tt[mine[j]] <= now:  # none later has a record yet (nor a late first token)
+            j += 1
+        todo = self.pending + mine[self.next:j]
+        self.next = j
+        keep = []
+        ok = missed = 0
+        for k in todo:
+            idx = -1 - k
+            fin = fins.get(idx)
+            ft = fts.get(idx)
+            if fin is not None:
+                if ft is not None and meets(k, ft, fin):
+                    ok += 1
+                else:
+                    missed += 1
+                continue
+            # the TTFT as `meets` computes it; a first token still to come is at `clock` or later
+            if bound is not None and ((ft is not None and ft + api_tok - tt[k] > bound)
+                                      or (ft is None and clock is not None and clock + api_tok - tt[k] > bound)):
+                missed += 1
+                continue
+            keep.append(k)
+        self.pending = keep
+        self.ok += ok
+        self.missed += missed
+
+    def _side(self) -> bool:
+        target, total = self.target, self.total
+        self.known = self.ok >= target * total or total - self.missed < target * total
+        return self.known
+
+    def decided(self) -> bool:
+        self._judge()
+        return self._side()
+
+    def every(self, n: int):
+        """A stop test for `advance` that looks every `n` steps."""
+        count = [0]
+
+        def stop() -> bool:
+            count[0] += 1
+            return count[0] % n == 0 and self.decided()
+
+        return stop
+
+    def finish(self) -> tuple[int, int]:
+        """The counts with this rep done: at the end of its run every pending request is judged (unfinished
+        ones miss)."""
+        if not self.known:
+            self._judge()
+            self.missed += len(self.pending) + len(self.mine) - self.next
+            self.pending, self.next = [], len(self.mine)
+            self._side()
+        return self.ok, self.missed
+
+    def value(self) -> float:
+        """A bound on the side of the target the answer is on (see FleetForecaster.attainment)."""
+        if self.ok >= self.target * self.total:
+            return self.ok / self.total
+        return (self.total - self.missed) / self.total
 
 
 def _empty_like(sched):
