@@ -15,8 +15,6 @@ revision's code runs on this tree's engine, so it must fork this tree's schedule
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,30 +24,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def load_rev(rev: str, path: str, name: str, tmp: Path, replace: dict | None = None):
-    """A module of the revision, loaded under another name; `replace` maps module names it imports to stand-ins."""
-    try:
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
-                             text=True).stdout
-    except subprocess.CalledProcessError as e:
-        raise SystemExit(f"ab_block: cannot read {path} at {rev!r}: {e.stderr.strip()}") from None
-    f = tmp / f"{name}.py"
-    f.write_text(src)
-    spec = importlib.util.spec_from_file_location(name, f)
-    mod = importlib.util.module_from_spec(spec)
-    saved = {k: sys.modules.get(k) for k in (replace or {})}
-    sys.modules.update(replace or {})
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-    return mod
+from revision import load_rev  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def main() -> None:

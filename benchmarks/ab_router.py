@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,24 +27,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_router as B  # noqa: E402
+from revision import load_rev  # noqa: E402
 import twin.policy.prefix_routers as NEW  # noqa: E402
 
 CLASSES = {"lmetric": "LMetric", "weighted": "Weighted", "kv-cost": "KVCost", "cache-aware": "CacheAware"}
-
-
-def load_rev(rev: str, path: str, name: str, tmp: Path):
-    """A module of the revision, loaded under another name."""
-    try:
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
-                             text=True).stdout
-    except subprocess.CalledProcessError as e:
-        raise SystemExit(f"ab_router: cannot read {path} at {rev!r}: {e.stderr.strip()}") from None
-    f = tmp / f"{name}.py"
-    f.write_text(src)
-    spec = importlib.util.spec_from_file_location(name, f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class RevIndex:
