@@ -7,7 +7,9 @@
    and V1 async.
 3. The linear layers of the roofline against Vidur's measured H100 operators (Llama-2-7B, TP 1). Gives the
    measured / roofline ratio per token count, and the elementwise kernels (norms, RoPE, activation, residual
-   adds) the roofline has no group for.
+   adds) the roofline has no group for; then the GEMMs' last wave (`perf.gemm_tail_tokens`) fitted across
+   Llama-2-7B and -70B at TP 1-8: what makes a step of T compute-bound tokens cost T + ~150 tokens' FLOPs, and so
+   many small prefill chunks more than few large ones.
 4. TTFT P99/mean under each candidate tail mechanism, one at a time, on a closed-loop multi-turn load
    (32 clients, shared prefixes), the kind of load the issue's real H100 runs used. The mechanisms: arrival
    jitter (think time), batch interference (length spread, mnbt), the API server (off, FIFO) and async
@@ -169,6 +171,32 @@ def vidur(path: Path) -> None:
         r = (roof._linear(t) - roof._act_s * t) / m.num_layers
         print(f"  {t:5d} tokens: measured {meas * 1e3:.3f} ms/layer, roofline {r * 1e3:.3f} (x{meas / r:.2f});"
               f" elementwise kernels {el * 1e3:.3f} ms/layer (+{el / r:.0%} of the roofline)")
+    gemm_tail(path)
+
+
+def gemm_tail(path: Path) -> None:
+    """The GEMMs' last wave (perf.gemm_tail_tokens): each model and TP degree's 4 GEMMs a layer at 512-4096 tokens
+    fit as a x T + b; across them b = fixed + tail x a (the tail in tokens of compute)."""
+    import pandas as pd
+
+    lin = ["attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj"]
+    ab = []
+    for csv in (path, path.with_name("llama-2-70b.mlp.csv")):
+        if not csv.exists():
+            continue
+        d = pd.read_csv(csv)
+        for tp in sorted(d.num_tensor_parallel_workers.unique()):
+            x = d[(d.num_tensor_parallel_workers == tp) & (d.num_tokens >= 512)]
+            t = x[[f"time_stats.{k}.median" for k in lin]].sum(axis=1).to_numpy() * 1e-3
+            (a, b), *_ = np.linalg.lstsq(np.c_[x.num_tokens.to_numpy(), np.ones(len(t))], t, rcond=None)
+            ab.append((a, b))
+            print(f"  {csv.name.split('.')[0]} TP {tp}: {a * 1e9:.1f} ns/token + {b * 1e6:.1f} us a layer "
+                  f"(= {b / a:.0f} tokens of compute)")
+    if len(ab) >= 3:
+        a, b = np.array(ab).T
+        (fixed, tail), *_ = np.linalg.lstsq(np.c_[np.ones(len(a)), a], b, rcond=None)
+        print(f"  across them: b = {fixed * 1e6:.1f} us + {tail:.0f} tokens x a (max residual "
+              f"{np.max(np.abs(fixed + tail * a - b)) * 1e6:.1f} us): perf.gemm_tail_tokens defaults to 150")
 
 
 def closed_loop(clients: int, rounds: int, turns: int, msg, out, think_s, rng, block: int = 16,
