@@ -17,7 +17,8 @@
 5. The kernels' fixed time per layer (`perf.layer_overhead_s`, default 0) as fitted on Vidur's profile, and
    what setting it does to ITL (async and sync; an 8B and a 34B model) and to the mnbt effect.
 
-Run from the repository root: `.venv/bin/python benchmarks/bench_chunk_tails.py [--vidur PATH] [--n N]`.
+Run from the repository root: `.venv/bin/python benchmarks/bench_chunk_tails.py [--vidur PATH] [--n N]
+[--profile h100-vllm]` (section 1 with the shipped fitted profile instead of the roofline's defaults).
 """
 
 from __future__ import annotations
@@ -112,21 +113,25 @@ def run(sc, arr, prompts, outputs, record=False):
     return out
 
 
-def chunk_sizes(n: int) -> None:
-    print("## 1. max_num_batched_tokens on prefill-heavy loads (Llama-3-8B, 1x H100, async, Poisson)")
+def chunk_sizes(n: int, profile: str | None = None) -> None:
+    perf = {"cluster.perf": {"kind": "fitted", "profile": profile}} if profile else {}
+    print("## 1. max_num_batched_tokens on prefill-heavy loads (Llama-3-8B, 1x H100, async, Poisson; step model: "
+          f"{'profile ' + profile if profile else 'roofline defaults'})")
     rng = np.random.default_rng(0)
     for prompt, out, rate in [(4096, 128, 6.0), (2048, 256, 10.0), (1024, 1024, 8.0)]:
         arr = arrivals("poisson", n, rate, rng)
         base = None
         for mnbt in (8192, 2048, 1024):
-            r = run(scenario(**{"cluster.engine.max_num_batched_tokens": mnbt}), arr, [prompt] * n, [out] * n, True)
+            r = run(scenario(**{"cluster.engine.max_num_batched_tokens": mnbt, **perf}), arr, [prompt] * n, [out] * n,
+                    not profile)
             base = base or r
             rel = {k: f"{r[k] / base[k] - 1:+.1%}" for k in ("itl_ms", "e2e_s", "ttft_ms", "p99_ttft_ms")}
             print(f"  in {prompt} out {out} at {rate}/s, mnbt {mnbt:5d}: ITL {r['itl_ms']:.2f} ms, "
                   f"E2E {r['e2e_s']:.3f} s,"
                   f" TTFT {r['ttft_ms']:.1f} ms (P99 {r['p99_ttft_ms']:.1f}), steps {r['steps']}; vs 8192 {rel}")
-            print(f"      time by group summed over steps (s; `cpu` is hidden under async up to the GPU time): "
-                  f"{r['groups_s']}")
+            if "groups_s" in r:
+                print(f"      time by group summed over steps (s; `cpu` is hidden under async up to the GPU time): "
+                      f"{r['groups_s']}")
 
 
 def generations(n: int) -> None:
@@ -317,9 +322,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=400, help="requests per run")
     ap.add_argument("--vidur", type=Path, default=Path("../shared/profiles/vidur-h100/llama-2-7b.mlp.csv"))
     ap.add_argument("--only", default="12345")
+    ap.add_argument("--profile", default=None, help="section 1 with a shipped fitted profile (e.g. h100-vllm)")
     a = ap.parse_args()
     if "1" in a.only:
-        chunk_sizes(a.n)
+        chunk_sizes(a.n, a.profile)
     if "2" in a.only:
         generations(min(a.n, 200))
     if "3" in a.only:
