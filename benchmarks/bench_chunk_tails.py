@@ -7,7 +7,9 @@
    and V1 async.
 3. The linear layers of the roofline against Vidur's measured H100 operators (Llama-2-7B, TP 1). Gives the
    measured / roofline ratio per token count, and the elementwise kernels (norms, RoPE, activation, residual
-   adds) the roofline has no group for.
+   adds) the roofline has no group for; then the GEMMs' last wave (`perf.gemm_tail_tokens`) fitted across
+   Llama-2-7B and -70B at TP 1-8: what makes a step of T compute-bound tokens cost T + ~150 tokens' FLOPs, and so
+   many small prefill chunks more than few large ones.
 4. TTFT P99/mean under each candidate tail mechanism, one at a time, on a closed-loop multi-turn load
    (32 clients, shared prefixes), the kind of load the issue's real H100 runs used. The mechanisms: arrival
    jitter (think time), batch interference (length spread, mnbt), the API server (off, FIFO) and async
@@ -15,7 +17,8 @@
 5. The kernels' fixed time per layer (`perf.layer_overhead_s`, default 0) as fitted on Vidur's profile, and
    what setting it does to ITL (async and sync; an 8B and a 34B model) and to the mnbt effect.
 
-Run from the repository root: `.venv/bin/python benchmarks/bench_chunk_tails.py [--vidur PATH] [--n N]`.
+Run from the repository root: `.venv/bin/python benchmarks/bench_chunk_tails.py [--vidur PATH] [--n N]
+[--profile h100-vllm]` (section 1 with the shipped fitted profile instead of the roofline's defaults).
 """
 
 from __future__ import annotations
@@ -110,21 +113,25 @@ def run(sc, arr, prompts, outputs, record=False):
     return out
 
 
-def chunk_sizes(n: int) -> None:
-    print("## 1. max_num_batched_tokens on prefill-heavy loads (Llama-3-8B, 1x H100, async, Poisson)")
+def chunk_sizes(n: int, profile: str | None = None) -> None:
+    perf = {"cluster.perf": {"kind": "fitted", "profile": profile}} if profile else {}
+    print("## 1. max_num_batched_tokens on prefill-heavy loads (Llama-3-8B, 1x H100, async, Poisson; step model: "
+          f"{'profile ' + profile if profile else 'roofline defaults'})")
     rng = np.random.default_rng(0)
     for prompt, out, rate in [(4096, 128, 6.0), (2048, 256, 10.0), (1024, 1024, 8.0)]:
         arr = arrivals("poisson", n, rate, rng)
         base = None
         for mnbt in (8192, 2048, 1024):
-            r = run(scenario(**{"cluster.engine.max_num_batched_tokens": mnbt}), arr, [prompt] * n, [out] * n, True)
+            r = run(scenario(**{"cluster.engine.max_num_batched_tokens": mnbt, **perf}), arr, [prompt] * n, [out] * n,
+                    not profile)
             base = base or r
             rel = {k: f"{r[k] / base[k] - 1:+.1%}" for k in ("itl_ms", "e2e_s", "ttft_ms", "p99_ttft_ms")}
             print(f"  in {prompt} out {out} at {rate}/s, mnbt {mnbt:5d}: ITL {r['itl_ms']:.2f} ms, "
                   f"E2E {r['e2e_s']:.3f} s,"
                   f" TTFT {r['ttft_ms']:.1f} ms (P99 {r['p99_ttft_ms']:.1f}), steps {r['steps']}; vs 8192 {rel}")
-            print(f"      time by group summed over steps (s; `cpu` is hidden under async up to the GPU time): "
-                  f"{r['groups_s']}")
+            if "groups_s" in r:
+                print(f"      time by group summed over steps (s; `cpu` is hidden under async up to the GPU time): "
+                      f"{r['groups_s']}")
 
 
 def generations(n: int) -> None:
@@ -169,6 +176,32 @@ def vidur(path: Path) -> None:
         r = (roof._linear(t) - roof._act_s * t) / m.num_layers
         print(f"  {t:5d} tokens: measured {meas * 1e3:.3f} ms/layer, roofline {r * 1e3:.3f} (x{meas / r:.2f});"
               f" elementwise kernels {el * 1e3:.3f} ms/layer (+{el / r:.0%} of the roofline)")
+    gemm_tail(path)
+
+
+def gemm_tail(path: Path) -> None:
+    """The GEMMs' last wave (perf.gemm_tail_tokens): each model and TP degree's 4 GEMMs a layer at 512-4096 tokens
+    fit as a x T + b; across them b = fixed + tail x a (the tail in tokens of compute)."""
+    import pandas as pd
+
+    lin = ["attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj"]
+    ab = []
+    for csv in (path, path.with_name("llama-2-70b.mlp.csv")):
+        if not csv.exists():
+            continue
+        d = pd.read_csv(csv)
+        for tp in sorted(d.num_tensor_parallel_workers.unique()):
+            x = d[(d.num_tensor_parallel_workers == tp) & (d.num_tokens >= 512)]
+            t = x[[f"time_stats.{k}.median" for k in lin]].sum(axis=1).to_numpy() * 1e-3
+            (a, b), *_ = np.linalg.lstsq(np.c_[x.num_tokens.to_numpy(), np.ones(len(t))], t, rcond=None)
+            ab.append((a, b))
+            print(f"  {csv.name.split('.')[0]} TP {tp}: {a * 1e9:.1f} ns/token + {b * 1e6:.1f} us a layer "
+                  f"(= {b / a:.0f} tokens of compute)")
+    if len(ab) >= 3:
+        a, b = np.array(ab).T
+        (fixed, tail), *_ = np.linalg.lstsq(np.c_[np.ones(len(a)), a], b, rcond=None)
+        print(f"  across them: b = {fixed * 1e6:.1f} us + {tail:.0f} tokens x a (max residual "
+              f"{np.max(np.abs(fixed + tail * a - b)) * 1e6:.1f} us): perf.gemm_tail_tokens defaults to 150")
 
 
 def closed_loop(clients: int, rounds: int, turns: int, msg, out, think_s, rng, block: int = 16,
@@ -289,9 +322,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=400, help="requests per run")
     ap.add_argument("--vidur", type=Path, default=Path("../shared/profiles/vidur-h100/llama-2-7b.mlp.csv"))
     ap.add_argument("--only", default="12345")
+    ap.add_argument("--profile", default=None, help="section 1 with a shipped fitted profile (e.g. h100-vllm)")
     a = ap.parse_args()
     if "1" in a.only:
-        chunk_sizes(a.n)
+        chunk_sizes(a.n, a.profile)
     if "2" in a.only:
         generations(min(a.n, 200))
     if "3" in a.only:

@@ -148,9 +148,11 @@ def test_cli_plan_chunk_prints_choice_and_writes_table_and_figure(tmp_path):
     out = tmp_path / "plan"
     r = runner.invoke(app, ["plan-chunk", str(sc), "--candidates", "512,2048,8192", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    assert "chosen: max_num_batched_tokens=2048" in r.output
     t = pd.read_csv(out / "chunk_plan.csv")
     assert list(t.max_num_batched_tokens) == [512, 2048, 8192] and t.chosen.sum() == 1
+    # a TTFT SLO picks a large chunk (8192 since the GEMMs' last wave is priced, 2048 before: within 1.1 %)
+    chosen = int(t.max_num_batched_tokens[t.chosen.astype(bool)].iloc[0])
+    assert chosen >= 2048 and f"chosen: max_num_batched_tokens={chosen}" in r.output
     assert (out / "chunk_plan.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -82,3 +82,57 @@ def test_the_kernels_fixed_time_is_paid_per_layer_per_step_and_never_hidden():
     assert p1.decode_run_times(8, 800, 3) == steps
     assert p1.host_time_s(8) == p0.host_time_s(8)  # GPU time: async scheduling hides none of it
     assert "layer_overhead_s" in p1.describe()["assumptions"]
+
+
+def test_each_compute_bound_step_pays_the_gemms_last_wave_and_decodes_do_not():
+    """perf.gemm_tail_tokens (twin.perf.roofline): a compute-bound step's linear group costs the FLOPs of T + tail
+    tokens; a memory-bound decode step and the ideal floor pay no tail."""
+    perf = build_perf(make_scenario())
+    none = build_perf(make_scenario(**{"cluster.perf.gemm_tail_tokens": 0.0}))
+    tail = perf.gemm_tail_tokens
+    assert tail == 150.0 and none.gemm_tail_tokens == 0.0 and perf.ideal().gemm_tail_tokens == 0.0
+    big = chunk(4096, 0, 0, 0)
+    assert perf.group_times(big)["linear"] == pytest.approx(perf._lin_s * (4096 + tail))
+    assert none.group_times(big)["linear"] == pytest.approx(perf._lin_s * 4096)
+    # four 1024-token chunks pay it four times, one 4096-token prompt once
+    four = sum(perf.group_times(chunk(1024, 1024 * i, 0, 0))["linear"] for i in range(4))
+    assert four - perf.group_times(big)["linear"] == pytest.approx(3 * tail * perf._lin_s)
+    dec = StepBatch(num_decode_tokens=16, decode_context_tokens=16 * 1000)
+    assert perf.step_time(dec) == none.step_time(dec)  # the weights read bounds it
+    for b in (big, dec, chunk(1024, 2048, 32, 1500)):
+        assert perf.ideal().step_time(b) <= none.step_time(b) <= perf.step_time(b)
+
+
+def test_small_chunks_take_longer_when_prefill_bounds_the_run():
+    """16 prompts of 4096 tokens at once, one output token each (nothing decoding for a chunk to carry): 1024-token
+    chunks run 64 compute-bound steps against 8 of two prompts each, so they pay the GEMMs' last wave 8x as often
+    and finish later. Under async scheduling (the host time hidden) and without the tail, the two budgets come within
+    two per cent of each other."""
+    n = 16
+
+    def last_finish(mnbt, tail):
+        sc = make_scenario(**{"cluster.engine.max_num_batched_tokens": mnbt, "cluster.perf.gemm_tail_tokens": tail,
+                              "cluster.engine.async_scheduling": True})
+        return float(np.max(run_checked(sc, stream_of([0.0] * n, [4096] * n, [1] * n)).log.finish_s))
+    with_tail = last_finish(1024, 150.0) / last_finish(8192, 150.0)
+    without = last_finish(1024, 0.0) / last_finish(8192, 0.0)
+    assert with_tail > 1.05 and abs(without - 1) < 0.02, (with_tail, without)
+
+
+def test_the_fitted_model_prices_the_tail_it_names_over_the_ideal_floor(tmp_path):
+    """A profile's optional gemm_tail_tokens adds its FLOPs to the linear group's compute side (0 when absent)."""
+    import yaml
+
+    coef = {"linear": 1.2, "prefill_attn": 1.4, "decode_attn": 1.5, "lm_head": 1.0, "allreduce": 1.0,
+            "step_s": 0.001, "per_request_s": 2e-6}
+    models = {}
+    for name, extra in (("no", {}), ("yes", {"gemm_tail_tokens": 150.0})):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"basis": "roofline-groups/1", "coefficients": {**coef, **extra}}))
+        models[name] = build_perf(make_scenario(**{"cluster.perf.kind": "fitted", "cluster.perf.fit_path": str(path),
+                                                   "cluster.perf.api_request_overhead_s": 0.0}))
+    g = models["no"].ideal()
+    big = chunk(4096, 0, 0, 0)
+    assert models["yes"].step_time(big) - models["no"].step_time(big) == pytest.approx(1.2 * 150.0 * g._lin_s)
+    dec = StepBatch(num_decode_tokens=16, decode_context_tokens=16 * 1000)
+    assert models["yes"].step_time(dec) == models["no"].step_time(dec)

@@ -19,9 +19,11 @@ from twin.workload import build_stream
 
 DATA = Path(__file__).resolve().parent / "data" / "inferencex-h100-vllm.csv"
 # MAPE (%) of the whole table at 2 requests per client with today's defaults (roofline, async scheduling): TTFT
-# 60.7, TPOT 38.8, E2E 37.7, throughput 66.3. A change that makes any of them worse by more than the margin fails;
-# one that improves them should lower these bounds.
-MAPE_BOUNDS = {"ttft_ms": 60.7, "tpot_ms": 38.8, "e2e_ms": 37.7, "throughput_tok_s": 66.3}
+# 60.3, TPOT 38.9, E2E 37.7, throughput 66.5. A change that makes any of them worse by more than the margin fails;
+# one that improves them should lower these bounds. (Moved with the GEMMs' last wave, perf.gemm_tail_tokens 150, and
+# compute_efficiency 0.75 -> 0.78: from 60.7, 38.8, 37.7, 66.3; the roofline's decodes, memory-bound, are
+# untouched, so TPOT barely moves.)
+MAPE_BOUNDS = {"ttft_ms": 60.3, "tpot_ms": 38.9, "e2e_ms": 37.7, "throughput_tok_s": 66.5}
 MARGIN = 2.0
 
 

@@ -31,7 +31,7 @@ class _Spec(BaseModel):
 
 
 ROOFLINE_CORRECTIONS = ("compute_efficiency", "memory_efficiency", "step_overhead_s", "per_request_overhead_s",
-                        "allreduce_latency_s", "layer_overhead_s")
+                        "allreduce_latency_s", "layer_overhead_s", "gemm_tail_tokens")
 
 
 class PerfSpec(_Spec):
@@ -44,12 +44,13 @@ class PerfSpec(_Spec):
     kind: Literal["roofline", "fitted"] = "roofline"
     fit_path: Optional[str] = None  # kind fitted: the coefficients file (YAML or JSON), relative to the scenario
     profile: Optional[str] = None  # kind fitted: or a shipped profile by name (twin/perf/profiles, e.g. h100-vllm)
-    compute_efficiency: float = Field(0.75, gt=0, le=1)
+    compute_efficiency: float = Field(0.78, gt=0, le=1)  # measured with gemm_tail_tokens (twin.perf.roofline)
     memory_efficiency: float = Field(0.9, gt=0, le=1)
     step_overhead_s: float = Field(0.002, ge=0)
     per_request_overhead_s: float = Field(4e-6, ge=0)
     allreduce_latency_s: float = Field(10e-6, ge=0)
     layer_overhead_s: float = Field(0.0, ge=0)  # ASSUMPTION: kernels' fixed GPU time per layer per step (roofline)
+    gemm_tail_tokens: float = Field(150.0, ge=0)  # measured: the GEMMs' partial last wave, in tokens (roofline)
     api_request_overhead_s: float = Field(0.003, ge=0)
     api_prompt_token_s: float = Field(1e-6, ge=0)
     api_output_token_s: float = Field(46e-6, ge=0)

@@ -27,6 +27,8 @@ File format (YAML or JSON; `perf.kind: fitted`, `perf.fit_path: FILE`, relative 
       per_request_s: 4.0e-6
       per_layer_s: 2.0e-5           # optional (0): GPU time per layer per step, not hidden by async scheduling
       allreduce_call_s: 1.0e-5      # optional (0): GPU time per TP all-reduce, two per layer when TP > 1
+      gemm_tail_tokens: 150         # optional (0): the GEMMs' partial last wave, in tokens of compute per step
+                                    # (twin.perf.roofline; the linear group's compute side is T + tail tokens)
     fit: {data: ..., date: ..., mape: ...}   # optional, free-form provenance, shown in describe()
 
 Shipped profiles (`perf.profile: NAME`, twin/perf/profiles/NAME.yaml) name no model, dtype or TP: their basis
@@ -56,9 +58,14 @@ COEFFICIENTS = (*GROUPS, "step_s", "per_request_s")
 # optional GPU-side fixed costs (0 when absent), which async scheduling does not hide: `per_layer_s` per layer per
 # step (small-kernel and launch latency inside the CUDA graph: norms, rope, activation, MoE routing), and
 # `allreduce_call_s` per tensor-parallel all-reduce (two per layer when TP > 1)
-OPTIONAL = ("per_layer_s", "allreduce_call_s", "moe_linear")
+OPTIONAL = ("per_layer_s", "allreduce_call_s", "moe_linear", "moe_compute", "gemm_tail_tokens")
 # `moe_linear` (optional, default `linear`): the linear group's coefficient for MoE models, whose grouped expert
-# kernels (and MXFP4 weight-only dequantisation) run further from the floor than dense GEMMs
+# kernels (and MXFP4 weight-only dequantisation) run further from the floor than dense GEMMs. `moe_compute`
+# (optional, default `moe_linear`): the same group's compute side alone, so an MoE step is
+# max(moe_compute x FLOP time, moe_linear x weight-read time). One coefficient cannot price both: a decode reads the
+# touched experts' 4.25-bit weights near the bandwidth, while a prefill's grouped expert GEMMs dequantise MXFP4 to
+# BF16 in the kernel (Hopper has no FP4 tensor cores) and split the tokens over many experts (small GEMMs each), far
+# from the 16-bit peak. A dense model's group is linear x max(FLOP time, weight-read time), as before.
 
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -121,12 +128,14 @@ class FittedModel:
         self._c_lin, self._c_pre, self._c_dec = c["linear"], c["prefill_attn"], c["decode_attn"]
         if roofline.model.is_moe and "moe_linear" in c:
             self._c_lin = c["moe_linear"]
+        self._c_lin_c = c["moe_compute"] if roofline.model.is_moe and "moe_compute" in c else self._c_lin
         self._c_lm, self._c_ar = c["lm_head"], c["allreduce"]
         self._step_s, self._req_s = c["step_s"], c["per_request_s"]
         m, tp = roofline.model, roofline.tensor_parallel
         # fixed GPU time of any step with work: per layer, and per all-reduce (twin.perf.roofline's two per layer)
         layer_s, call_s = c.get("per_layer_s", 0.0), c.get("allreduce_call_s", 0.0)
         self._fixed_gpu = m.num_layers * layer_s + (2 * m.num_layers * call_s if tp > 1 else 0.0)
+        self._tail = c.get("gemm_tail_tokens", 0.0)  # the GEMMs' last wave (twin.perf.roofline), on the compute side
 
     @classmethod
     def from_file(cls, roofline: RooflineModel, path: str | Path) -> "FittedModel":
@@ -169,7 +178,10 @@ class FittedModel:
 
     def _rest(self, t: int, sampled: int, reqs: int) -> float:
         g = self.basis
-        x = self._c_lin * g._linear(t)
+        comp, mem = g.linear_sides(t, self._tail)
+        comp *= self._c_lin_c
+        mem *= self._c_lin
+        x = comp if comp > mem else mem  # = linear x max(compute, memory) when the two coefficients are equal
         if sampled > 0:
             c = g._lm_s * sampled
             x += self._c_lm * (c if c > g._lm_w else g._lm_w)
@@ -205,7 +217,7 @@ class FittedModel:
         if t == 0:
             return (0.0, 0.0, 0.0, 0.0), 0.0
         sampled = nd + b.num_prefill_sampled
-        lin = g._linear(t) + ((max(g._lm_s * sampled, g._lm_w)) if sampled > 0 else 0.0)
+        lin = g.linear_time(t, self._tail) + ((max(g._lm_s * sampled, g._lm_w)) if sampled > 0 else 0.0)
         attn = 0.0
         if b.num_prefill_tokens > 0:
             attn += max(g._attn_s * b.prefill_attn_tokens, g._kv_s * (b.prefill_kv_read_tokens + b.num_prefill_tokens))

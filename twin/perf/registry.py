@@ -22,7 +22,7 @@ def roofline(sc: "Scenario") -> RooflineModel:
         tensor_parallel=c.tensor_parallel, compute_efficiency=p.compute_efficiency,
         memory_efficiency=p.memory_efficiency, step_overhead_s=p.step_overhead_s,
         per_request_overhead_s=p.per_request_overhead_s, allreduce_latency_s=p.allreduce_latency_s,
-        layer_overhead_s=p.layer_overhead_s,
+        layer_overhead_s=p.layer_overhead_s, gemm_tail_tokens=p.gemm_tail_tokens,
         api_request_overhead_s=p.api_request_overhead_s, api_prompt_token_s=p.api_prompt_token_s,
         api_output_token_s=p.api_output_token_s, api_queue=p.api_queue, api_rho_cap=p.api_rho_cap,
         api_handoff_s=p.api_handoff_s,

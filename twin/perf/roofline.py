@@ -17,6 +17,15 @@ its own roofline, on one GPU's share of the work (tensor parallel degree `tp`):
   latency each.
 - CPU: `step_overhead_s` per step plus `per_request_overhead_s` per scheduled request (input preparation,
   sampling and output handling grow with the batch).
+- The GEMMs' last wave: `gemm_tail_tokens` (default 150, measured). A compute-bound GEMM runs its output tiles in
+  waves over the SMs, and its last wave is partial, so its time is not FLOPs / peak but about (T + tail) rows' worth:
+  Vidur's H100 operators (`../shared/profiles/vidur-h100`, Llama-2-7B and -70B at TP 1, 2, 4 and 8, 512-4096 tokens)
+  fit per layer as `a x T + b` with `b` ~ 47 us + the compute time of ~150 tokens (residuals within 31 us). So the
+  linear group's compute side is `(T + gemm_tail_tokens)` tokens' FLOPs (an MoE model's experts excepted: only its
+  dense projections pay it); the memory side (the weights read) is
+  unchanged, so a decode step, memory-bound, pays nothing more. This is what makes many small prefill chunks cost more
+  than few large ones (`max_num_batched_tokens` 1024 against 8192): each compute-bound step pays the tail once, so
+  a 4096-token prompt in 1024-token chunks pays it four times, against once. `ideal()` keeps 0: a floor.
 - Kernels' fixed time: `layer_overhead_s` per layer per step, on the GPU, priced with the linear group.
   A kernel has a cost that does not scale with its bytes or FLOPs (grid launch, ramp-up, the last partial
   wave, the dependency on the kernel before). A step pays it once per layer, however few tokens the step
@@ -73,12 +82,14 @@ class RooflineModel:
     dtype: str = "bf16"
     kv_cache_dtype: str = "auto"
     tensor_parallel: int = 1
-    compute_efficiency: float = 0.75  # measured: Vidur's H100 MLP profile reaches ~75 % of peak at 4k tokens
+    # measured: Vidur's H100 Llama-2-7B TP 1 GEMMs at 512-4096 tokens fit as 78 % of peak plus the last wave below
+    compute_efficiency: float = 0.78
     memory_efficiency: float = 0.9  # measured: an H200 device copy moved ~4.3 of 4.8 TB/s
     step_overhead_s: float = 0.002  # ASSUMPTION: scheduler + launch + sampling per step; calibrate it
     per_request_overhead_s: float = 4e-6  # ASSUMPTION: CPU work per scheduled request per step
     allreduce_latency_s: float = 10e-6  # ASSUMPTION: fixed cost of one NVLink all-reduce
     layer_overhead_s: float = 0.0  # ASSUMPTION: kernels' fixed GPU time per layer per step (see the docstring)
+    gemm_tail_tokens: float = 150.0  # measured (Vidur H100): the GEMMs' partial last wave, in tokens (docstring)
     api_request_overhead_s: float = 0.003  # ASSUMPTION: API server per request before the engine
     api_prompt_token_s: float = 1e-6  # ASSUMPTION: tokenization per prompt token
     api_output_token_s: float = 46e-6  # ASSUMPTION: detokenize + stream per output token
@@ -99,6 +110,8 @@ class RooflineModel:
             v = getattr(self, name)
             if not 0 < v <= 1:
                 raise TwinInputError(f"perf.{name} must be in (0, 1], got {v}")
+        if not self.gemm_tail_tokens >= 0:
+            raise TwinInputError(f"perf.gemm_tail_tokens must be >= 0, got {self.gemm_tail_tokens}")
         if self.tensor_parallel < 1:
             raise TwinInputError("tensor_parallel must be >= 1")
         if self.api_queue not in ("ps", "fifo", "off"):
@@ -122,6 +135,12 @@ class RooflineModel:
         self._flops_per_token = 2.0 * m.active_linear_params / tp  # linear layers
         # seconds per unit, per group (compute side, memory side)
         self._lin_s = self._flops_per_token / peak  # per token
+        # the share of those FLOPs the GEMMs' last-wave tail applies to: all of a dense model's; an MoE model's
+        # attention projections and router only (its experts run as one grouped GEMM over many small per-expert
+        # GEMMs, whose tiling the dense operators' measured tail does not describe: the fitted `moe_compute` prices it)
+        dense_flops = 2.0 * m.num_layers * (m.layer_attn_params + m.router_params) / tp if m.is_moe \
+            else self._flops_per_token
+        self._tail_s = dense_flops / peak  # per tail token
         self._act_s = 2.0 * m.hidden_size / bw  # embedding row gathered, per token
         self._moe = m.is_moe
         if m.is_moe:
@@ -161,8 +180,8 @@ class RooflineModel:
         return RooflineModel(
             self.gpu, self.model, self.dtype, self.kv_cache_dtype, self.tensor_parallel,
             compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_s=0.0, per_request_overhead_s=0.0,
-            allreduce_latency_s=0.0, layer_overhead_s=0.0, api_request_overhead_s=0.0, api_prompt_token_s=0.0,
-            api_output_token_s=0.0,
+            allreduce_latency_s=0.0, layer_overhead_s=0.0, gemm_tail_tokens=0.0, api_request_overhead_s=0.0,
+            api_prompt_token_s=0.0, api_output_token_s=0.0,
             api_queue=self.api_queue, api_rho_cap=self.api_rho_cap, api_handoff_s=0.0,
         )
 
@@ -190,13 +209,22 @@ class RooflineModel:
         return self.step_overhead_s + self.per_request_overhead_s * num_requests
 
     def _linear(self, t: int) -> float:
-        """Linear-layer group time for t tokens."""
-        c = self._lin_s * t
+        """Linear-layer group time for t tokens (t > 0), the GEMMs' last wave included."""
+        return self.linear_time(t, self.gemm_tail_tokens)
+
+    def linear_time(self, t: int, tail: float) -> float:
+        """Linear-layer group time for t tokens (t > 0) when the GEMMs' partial last wave is worth `tail` tokens of
+        compute (the fitted model prices it over the ideal floor with its own tail)."""
+        c, m = self.linear_sides(t, tail)
+        return c if c > m else m
+
+    def linear_sides(self, t: int, tail: float) -> tuple[float, float]:
+        """The linear group's (compute, memory) times for t tokens: FLOPs of t + `tail` tokens at the peak, and the
+        weights the step touches plus the embedding rows, at the bandwidth."""
         w = self._lin_w
         if self._moe:
             w += self._expert_w * (1.0 - self._keep ** t)  # expected fraction of experts touched
-        m = w + self._act_s * t
-        return c if c > m else m
+        return self._lin_s * t + self._tail_s * tail, w + self._act_s * t
 
     def _rest(self, t: int, sampled: int, reqs: int) -> float:
         """Everything but attention: linear (+ the kernels' fixed time) + LM head + all-reduce + CPU, in one
@@ -285,6 +313,7 @@ class RooflineModel:
             "per_request_overhead_s": self.per_request_overhead_s,
             "allreduce_latency_s": self.allreduce_latency_s,
             "layer_overhead_s": self.layer_overhead_s,
+            "gemm_tail_tokens": self.gemm_tail_tokens,
             "api_request_overhead_s": self.api_request_overhead_s,
             "api_prompt_token_s": self.api_prompt_token_s,
             "api_output_token_s": self.api_output_token_s,

@@ -62,7 +62,8 @@ def _roofline_like(r: RooflineModel, dtype: str, kv_cache_dtype: str) -> Rooflin
         r.gpu, r.model, dtype, kv_cache_dtype, r.tensor_parallel, compute_efficiency=r.compute_efficiency,
         memory_efficiency=r.memory_efficiency, step_overhead_s=r.step_overhead_s,
         per_request_overhead_s=r.per_request_overhead_s, allreduce_latency_s=r.allreduce_latency_s,
-        layer_overhead_s=r.layer_overhead_s, api_request_overhead_s=r.api_request_overhead_s, api_prompt_token_s=r.api_prompt_token_s,
+        layer_overhead_s=r.layer_overhead_s, gemm_tail_tokens=r.gemm_tail_tokens,
+        api_request_overhead_s=r.api_request_overhead_s, api_prompt_token_s=r.api_prompt_token_s,
         api_output_token_s=r.api_output_token_s, api_queue=r.api_queue, api_rho_cap=r.api_rho_cap,
         api_handoff_s=r.api_handoff_s)
 
@@ -96,6 +97,8 @@ class WhatIfModel:
         self.model = m
         self._c = {g: float(coef[g]) for g in GROUPS}
         self._layer_fixed = getattr(base, "layer_overhead_s", 0.0) * m.num_layers  # the roofline's kernels' fixed time
+        # the GEMMs' last wave in tokens of compute (twin.perf.roofline gemm_tail_tokens; a fitted model's own)
+        self._tail = base.gemm_tail_tokens if isinstance(base, RooflineModel) else base._tail
         pr, pk, ee = whatif.precision, whatif.partial_kv, whatif.early_exit
         kv_dtype = "fp8" if pr.enabled and pr.kv_cache_fp8 else basis.kv_cache_dtype
         L = m.num_layers
@@ -212,7 +215,7 @@ class WhatIfModel:
                 n = t_pre + nd * (1.0 - self._exit_share)
                 if t_pre == 0:
                     read = 1.0 - self._exit_share ** nd  # skipped only when every token of the step exits
-            comp = c.share * r._lin_s * n
+            comp = c.share * (r._lin_s * n + r._tail_s * self._tail)
             mem = c.share * (r._lin_w * read + (r._expert_w * (1.0 - r._keep ** n) if r._moe else 0.0)
                              + r._act_s * (t_pre + nd))
             x += comp if comp > mem else mem
