@@ -35,8 +35,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "h100-profile")
     ap.add_argument("--requests-per-client", type=int, default=10)
+    ap.add_argument("--cross-model", action="store_true",
+                    help="instead: fit on Llama alone, score gpt-oss (written under --out, the shipped profile untouched)")
     args = ap.parse_args()
     points = read_points(DATA)
+    if args.cross_model:
+        return cross_model(points, args.out, args.requests_per_client)
     fit_on, held_out = split(points, train)
     result = fit(fit_on)
     doc = profile_document(result["coefficients"], "TP 2 and TP 8, both models (Llama-3.1-70B FP8, gpt-oss-120b "
@@ -59,6 +63,22 @@ def main() -> None:
     doc["fit"]["held_out_error_pct"] = {"requests_per_client": rpc, **figures}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     print(f"wrote {path}")
+
+
+def cross_model(points, out: Path, rpc: int) -> None:
+    """Fit on the dense model alone and score the MoE one: how far the basis transfers to a model never fitted on."""
+    fit_on, held_out = split(points, lambda p: "llama" in p.model.lower())
+    result = fit(fit_on)
+    doc = profile_document(result["coefficients"], f"Llama alone: {result['points_fitted']} points",
+                           f"gpt-oss: {len(held_out)} points", str(DATA.relative_to(ROOT)), HOST)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "llama-only.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rows = score(held_out, rpc, ["cluster.perf.kind=fitted", f"cluster.perf.fit_path={path}"])
+    write_csv(rows, out / "cross_model.csv")
+    agg = aggregate(rows)[0]
+    print("fit on Llama, scored on gpt-oss:",
+          {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)} for m in METRICS})
 
 
 if __name__ == "__main__":
