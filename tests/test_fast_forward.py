@@ -132,3 +132,15 @@ def test_kv_gauges_while_a_cut_run_plays_out_equal_the_step_by_step_ones(async_o
     a, b = fast.timeline.to_frame(), step.timeline.to_frame()
     assert len(a) == len(b) > 100
     np.testing.assert_array_equal(a["kv_usage"].to_numpy(), b["kv_usage"].to_numpy())
+
+
+@pytest.mark.parametrize("path", ["scenarios/quickstart.yaml", "scenarios/sharegpt-sessions.yaml"])
+def test_modes_agree_to_the_last_bit_with_the_api_server_on(path):
+    """The API server's output work reads the running step's token rate (`Instance.token_rate`); a decode
+    run's step must last the same floats as the stepped clock's `t_end - t_start`, or finishes drift."""
+    from twin.scenario import load_scenario
+    sc = load_scenario(path, overrides=["workload.num_requests=1500"])
+    assert sc.cluster.perf.api_queue == "ps" and sc.cluster.perf.api_output_token_s > 0
+    fast, step = both_modes(sc, build_stream(sc))
+    for col in COLUMNS:
+        np.testing.assert_array_equal(getattr(fast.log, col), getattr(step.log, col))

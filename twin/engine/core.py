@@ -37,7 +37,7 @@ class EngineCore:
         # work in progress at `now`, each finished as the loop would finish it
         self.pending_step: tuple | None = None  # (SchedulerOutput, t_end): one scheduled step
         self.pending_run: tuple | None = None  # (k, durations, ends, t0): a fast-forwarded decode run
-        self.pending_tail: tuple | None = None  # (j, durations, ends, t_resume): a run cut at an arrival
+        self.pending_tail: tuple | None = None  # (j, durations, ends, t_resume, t0): a run cut at an arrival
         self.wait_s = 0.0  # from the time the pending work was started or cut to its end: what a timer waits
         self.steps = 0  # steps run by `advance`
         self.drained_at: float | None = None  # when the engine last ran out of work
@@ -59,10 +59,10 @@ class EngineCore:
         self.now = now
         run = self.pending_run
         if run is not None:
-            k, durations, ends, _t0 = run
+            k, durations, ends, t0 = run
             j = min(bisect_left(ends, now) + (2 if self.scheduler.async_scheduling else 1), k)
             self.pending_run = None
-            self.pending_tail = (j, durations, ends, now)
+            self.pending_tail = (j, durations, ends, now, t0)
             self.wait_s = ends[j - 1] - now
 
     def arrive(self, r: Request, at: float) -> None:
@@ -83,7 +83,7 @@ class EngineCore:
             self.now = t_end
             sched.update_from_output(out, t_end)
         if self.pending_tail is not None:
-            j, durations, ends, t_resume = self.pending_tail
+            j, durations, ends, t_resume, _t0 = self.pending_tail
             t = t_resume + (ends[j - 1] - t_resume)
             if t > until:
                 return False

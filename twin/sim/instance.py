@@ -187,18 +187,23 @@ class Instance:
 
     def token_rate(self) -> float:
         """Tokens per second the step in progress emits (its batch's sampled tokens over its duration): the
-        per-step account of the output work the API server streams (twin.sim.api_server). 0 when idle."""
+        per-step account of the output work the API server streams (twin.sim.api_server). 0 when idle.
+
+        A decode run's step lasts `ends[j] - ends[j-1]` (from the run's start for its first), the same floats
+        the clock sees when it runs the steps one by one (`t_end - out.t_start`), so a fast-forwarded and a
+        stepped engine hand the API server the same rate to the last bit."""
         now = self.env._now
         run = self.pending_run
         if run is not None:  # a fast-forwarded decode run: every step emits one token per member
-            k, durations, ends, _t0 = run
+            k, _durations, ends, t0 = run
             j = min(bisect_left(ends, now), k - 1)
-            d = durations[j]
+            d = ends[j] - (ends[j - 1] if j else t0)
             return self.scheduler.num_decode / d if d > 0 else 0.0
         tail = self.pending_tail
-        if tail is not None:
-            jt, tdur, _ends, _t = tail
-            d = tdur[jt - 1]
+        if tail is not None:  # a run cut at an arrival: the rate of its last step still to run
+            jt, _tdur, ends, _t, t0 = tail
+            j = jt - 1
+            d = ends[j] - (ends[j - 1] if j else t0)
             return self.scheduler.num_decode / d if d > 0 else 0.0
         step = self.pending_step
         if step is not None:
