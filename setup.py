@@ -24,6 +24,7 @@ HOT_MODULES = [
     "twin/sim/instance.py",
     "twin/perf/base.py",
     "twin/perf/roofline.py",
+    "twin/perf/fitted.py",
     "twin/sim/cluster.py",
     "twin/sim/dispatcher.py",
     "twin/sim/api_server.py",

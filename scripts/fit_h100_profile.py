@@ -24,6 +24,9 @@ from twin.analysis.profile_fit import fit, profile_document, split  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "inferencex-h100-vllm.csv"
 NAME = "h100-vllm"
+# the GPUs whose scenarios take this profile by default (perf.kind auto): the SXM Hoppers, whose NVLink the fitted
+# all-reduce terms saw; H200 through its own datasheet numbers in the basis (no H200 vLLM data here to check it)
+DEFAULT_FOR = ("H100-SXM-80GB", "H200-SXM-141GB")
 HOST = {"step_s": 0.002, "per_request_s": 4.0e-6}  # the roofline's host terms (hidden under async scheduling)
 
 
@@ -46,13 +49,13 @@ def main() -> None:
     doc = profile_document(result["coefficients"], "TP 2 and TP 8, both models (Llama-3.1-70B FP8, gpt-oss-120b "
                            f"MXFP4): {result['points_fitted']} points whose load fits the KV cache",
                            f"TP 4, both models: {len(held_out)} points", "tests/data/inferencex-h100-vllm.csv "
-                           "(SemiAnalysis InferenceX, real vLLM on H100 SXM)", HOST)
+                           "(SemiAnalysis InferenceX, real vLLM on H100 SXM)", HOST, DEFAULT_FOR)
     path = PROFILES / f"{NAME}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     rpc = args.requests_per_client
     figures = {}
     for label, overrides in (("profile", ["cluster.perf.kind=fitted", f"cluster.perf.profile={NAME}"]),
-                             ("roofline", [])):
+                             ("roofline", ["cluster.perf.kind=roofline"])):
         rows = score(held_out, rpc, overrides)
         write_csv(rows, args.out / f"held_out_{label}.csv")
         plot(rows, args.out / f"held_out_{label}.png", f"{label} on the held-out TP 4 points ({rpc} requests/client)")

@@ -19,8 +19,9 @@ BASE = {
                 # async scheduling, vLLM's GPU default)
                 "engine": {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64,
                            "async_scheduling": False},
-                # engine-level tests: no API-server time (tests/test_api_time.py covers it)
-                "perf": {"api_request_overhead_s": 0.0, "api_prompt_token_s": 0.0, "api_output_token_s": 0.0}},
+                # engine-level tests: no API-server time (tests/test_api_time.py covers it), and the roofline,
+                # whose step times they derive by hand (the H100 default is the fitted profile: test_h100_profile.py)
+                "perf": {"kind": "roofline", "api_request_overhead_s": 0.0, "api_prompt_token_s": 0.0, "api_output_token_s": 0.0}},
     "workload": {"num_requests": 10, "arrival": {"process": "poisson", "rate": 5},
                  "lengths": {"kind": "fixed", "prompt_tokens": 100, "output_tokens": 20}},
 }

@@ -18,22 +18,27 @@ from twin.perf.roofline import RooflineModel
 from twin.workload import build_stream
 
 DATA = Path(__file__).resolve().parent / "data" / "inferencex-h100-vllm.csv"
-# MAPE (%) of the whole table at 2 requests per client with today's defaults (roofline, async scheduling): TTFT
-# 60.3, TPOT 38.9, E2E 37.7, throughput 66.5. A change that makes any of them worse by more than the margin fails;
-# one that improves them should lower these bounds. (Moved with the GEMMs' last wave, perf.gemm_tail_tokens 150, and
-# compute_efficiency 0.75 -> 0.78: from 60.7, 38.8, 37.7, 66.3; the roofline's decodes, memory-bound, are
-# untouched, so TPOT barely moves.)
-MAPE_BOUNDS = {"ttft_ms": 60.3, "tpot_ms": 38.9, "e2e_ms": 37.7, "throughput_tok_s": 66.5}
+# MAPE (%) of the whole table at 2 requests per client, with today's default on H100 (the shipped h100-vllm profile,
+# async scheduling): TTFT 126.0 (the first wave of N simultaneous prompts dominates at 2 per client; 17.7 on the
+# held-out TP 4 points at 10, test_h100_profile.py), TPOT 6.1, E2E 5.8, throughput 6.2; and with `perf.kind:
+# roofline`: 60.3, 38.9, 37.7, 66.5 (its TTFT is lower only because it is too fast everywhere: signed +41 against the
+# profile's +124 at 2 per client, while its TPOT is -39 %). A change that makes any of them worse by more than the
+# margin fails; one that improves them should lower these bounds. (The roofline's moved with the GEMMs' last wave,
+# perf.gemm_tail_tokens 150, and compute_efficiency 0.75 -> 0.78: from 60.7, 38.8, 37.7, 66.3.)
+MAPE_BOUNDS = {"default": {"ttft_ms": 126.0, "tpot_ms": 6.1, "e2e_ms": 5.8, "throughput_tok_s": 6.2},
+               "roofline": {"ttft_ms": 60.3, "tpot_ms": 38.9, "e2e_ms": 37.7, "throughput_tok_s": 66.5}}
 MARGIN = 2.0
 
 
-def test_the_inferencex_h100_table_scores_no_worse_than_today(tmp_path):
-    result = run_score(DATA, tmp_path, requests_per_client=2)
+@pytest.mark.parametrize("model", ["default", "roofline"])
+def test_the_inferencex_h100_table_scores_no_worse_than_today(tmp_path, model):
+    overrides = ["cluster.perf.kind=roofline"] if model == "roofline" else None
+    result = run_score(DATA, tmp_path, requests_per_client=2, overrides=overrides)
     rows = result["rows"]
     assert len(rows) == 88 and {r["model"] for r in rows} == {"gpt-oss-120b", "Llama-3.1-70B"}
     assert all(r["finished"] == r["requests"] == 2 * r["concurrency"] for r in rows)
     for m in METRICS:
-        assert result["overall"][f"{m}_mape"] <= MAPE_BOUNDS[m] + MARGIN, (m, result["overall"])
+        assert result["overall"][f"{m}_mape"] <= MAPE_BOUNDS[model][m] + MARGIN, (m, result["overall"])
     for name in ("score_points.csv", "score_summary.csv", "score.png"):
         assert (tmp_path / name).stat().st_size > 0
     with (tmp_path / "score_summary.csv").open() as f:

@@ -45,6 +45,30 @@ def test_a_scenario_names_the_shipped_profile_and_bad_names_are_one_line():
         make_scenario(**{"cluster.perf": {"kind": "fitted"}})
 
 
+def _auto(**kw):
+    """A scenario that leaves `perf.kind` at its default (the tests' base pins the roofline)."""
+    perf = {k: v for k, v in make_scenario().cluster.perf.model_dump(exclude_unset=True).items() if k != "kind"}
+    return make_scenario(**{"cluster.perf": {**perf, **kw.pop("perf", {})}, **kw})
+
+
+def test_h100_and_h200_default_to_the_shipped_profile_and_other_gpus_or_a_roofline_correction_to_the_roofline():
+    for gpu in ("H100", "H200"):
+        p = _auto(**{"cluster.hardware": gpu}).cluster.perf
+        assert (p.kind, p.profile) == ("fitted", "h100-vllm")
+        assert isinstance(build_perf(_auto(**{"cluster.hardware": gpu})), FittedModel)
+    for gpu in ("A100", "H100-PCIe-80GB"):  # no NVLink on a PCIe H100: the profile's all-reduce terms saw NVLink
+        assert _auto(**{"cluster.hardware": gpu}).cluster.perf.kind == "roofline"
+    p = _auto(perf={"compute_efficiency": 0.7}).cluster.perf  # a roofline correction says which model is meant
+    assert (p.kind, p.profile, p.compute_efficiency) == ("roofline", None, 0.7)
+    assert _auto(perf={"kind": "roofline"}).cluster.perf.profile is None
+    with pytest.raises(TwinInputError, match="roofline corrections, which kind 'fitted' does not read"):
+        _auto(perf={"kind": "fitted", "profile": "h100-vllm", "compute_efficiency": 0.7})
+    # the resolved scenario, dumped in full and read back (a sweep's or the chunk planner's candidates), is the same
+    sc = _auto()
+    again = type(sc).model_validate(sc.model_dump())
+    assert again.cluster.perf == sc.cluster.perf
+
+
 def test_refitting_on_tp_2_and_8_reproduces_the_shipped_coefficients():
     shipped = yaml.safe_load(profile_path("h100-vllm").read_text())
     fit_on, held_out = split(read_points(DATA), lambda p: p.tp != 4)

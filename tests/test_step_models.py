@@ -39,8 +39,8 @@ def fitted_scenario(path, **kw):
 
 def test_registry_covers_every_perf_kind():
     kinds = typing.get_args(PerfSpec.model_fields["kind"].annotation)
-    assert set(STEP_MODELS) == set(kinds) == {"roofline", "fitted"}
-    assert isinstance(build_perf(make_scenario()), RooflineModel)
+    assert set(STEP_MODELS) == set(kinds) - {"auto"} == {"roofline", "fitted"}  # auto: resolved by the cluster
+    assert isinstance(build_perf(make_scenario()), RooflineModel)  # the tests' base pins the roofline
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -38,10 +38,12 @@ class PerfSpec(_Spec):
     """Step-time model and its corrections (twin.perf.roofline says which values are assumptions).
 
     `kind: roofline` prices a step per operator group from the specs; `kind: fitted` reads coefficients
-    over the same groups from `fit_path` (format in twin.perf.fitted). The `api_*` times are the API
+    over the same groups from `fit_path` or a shipped `profile` (format in twin.perf.fitted). `kind: auto`
+    (the default) is resolved by the cluster (`ClusterSpec._default_step_model`): the shipped profile fitted
+    for the scenario's GPU (h100-vllm on H100/H200 SXM), else the roofline. The `api_*` times are the API
     server's, outside the engine step (ASSUMPTIONS until calibrated)."""
 
-    kind: Literal["roofline", "fitted"] = "roofline"
+    kind: Literal["auto", "roofline", "fitted"] = "auto"
     fit_path: Optional[str] = None  # kind fitted: the coefficients file (YAML or JSON), relative to the scenario
     profile: Optional[str] = None  # kind fitted: or a shipped profile by name (twin/perf/profiles, e.g. h100-vllm)
     compute_efficiency: float = Field(0.78, gt=0, le=1)  # measured with gemm_tail_tokens (twin.perf.roofline)
@@ -77,7 +79,10 @@ class PerfSpec(_Spec):
             # the fitted model prices steps with its own terms over the ideal roofline (twin.perf.fitted: step_s,
             # per_request_s, per_layer_s, allreduce_call_s, the groups' coefficients): a roofline correction set
             # beside it would be silently ignored, and layer_overhead_s is the same GPU fixed cost as per_layer_s
-            ignored = [k for k in ROOFLINE_CORRECTIONS if k in self.model_fields_set]
+            # a value equal to the roofline's default changes nothing, so a resolved scenario dumped and read
+            # back (a sweep's or a planner's candidate) passes
+            ignored = [k for k in ROOFLINE_CORRECTIONS if k in self.model_fields_set
+                       and getattr(self, k) != type(self).model_fields[k].default]
             if ignored:
                 raise ValueError(f"{', '.join(ignored)}: roofline corrections, which kind 'fitted' does not read "
                                  "(its profile fits its own terms: step_s, per_request_s, per_layer_s, ...); "
@@ -175,6 +180,30 @@ class ClusterSpec(_Spec):
     @classmethod
     def _known_model(cls, v: str) -> str:
         return get_model(v).name
+
+    @model_validator(mode="after")
+    def _default_step_model(self) -> "ClusterSpec":
+        """`perf.kind: auto` made concrete, so every later reader sees the step model that runs.
+
+        A `fit_path` or `profile` means fitted; a roofline correction set by the user (`compute_efficiency`, ...)
+        means the roofline; otherwise the shipped profile that is the default for this GPU (twin.perf.fitted:
+        `default_for`, measured closer to real vLLM than the roofline on held-out H100 points), else the
+        roofline."""
+        p = self.perf
+        if p.kind != "auto":
+            return self
+        from twin.perf.fitted import default_profile
+
+        update: dict[str, Any] = {"kind": "roofline"}
+        if p.fit_path or p.profile:
+            update = {"kind": "fitted"}
+        elif not any(k in p.model_fields_set for k in ROOFLINE_CORRECTIONS):
+            name = default_profile(self.hardware)
+            if name is not None:
+                update = {"kind": "fitted", "profile": name}
+        # set around validate_assignment: the new PerfSpec is validated here, once, and this validator not rerun
+        object.__setattr__(self, "perf", PerfSpec.model_validate({**p.model_dump(exclude_unset=True), **update}))
+        return self
 
     @model_validator(mode="after")
     def _vllm_would_start(self) -> "ClusterSpec":

@@ -122,10 +122,11 @@ def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: 
     return {"coefficients": coef, "points_fitted": used}
 
 
-def profile_document(coef: dict, fitted_on: str, held_out: str, data: str, host: dict) -> dict:
+def profile_document(coef: dict, fitted_on: str, held_out: str, data: str, host: dict,
+                     default_for: Sequence[str] = ()) -> dict:
     """The profile file: the fitted GPU terms, the measured GEMM tail, the roofline's host terms, and where they came
-    from."""
-    return {"basis": BASIS,
+    from; `default_for` the GPUs whose scenarios take it when `perf.kind` is `auto` (twin.perf.fitted)."""
+    return {"basis": BASIS, **({"default_for": list(default_for)} if default_for else {}),
             "coefficients": {**{k: float(f"{v:.6g}") for k, v in coef.items()}, "gemm_tail_tokens": GEMM_TAIL_TOKENS,
                              **host},
             "fit": {"data": data, "fitted_on": fitted_on, "held_out": held_out,

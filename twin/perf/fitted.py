@@ -33,7 +33,8 @@ File format (YAML or JSON; `perf.kind: fitted`, `perf.fit_path: FILE`, relative 
 
 Shipped profiles (`perf.profile: NAME`, twin/perf/profiles/NAME.yaml) name no model, dtype or TP: their basis
 terms are roofline times of the scenario's own model and GPU, so one profile prices every model on that GPU
-generation, and another GPU through its own datasheet numbers.
+generation, and another GPU through its own datasheet numbers. A shipped profile's `default_for: [GPU, ...]`
+makes it the step model of every scenario on those GPUs that leaves `perf.kind` at `auto` (twin.scenario).
 
 The API-server times (`api_request_s`, `api_token_s`, and the queue's `api_queue_settings`, twin.sim.api_server) are not
 part of the step model; they come from `perf:` in the scenario as for the roofline.
@@ -42,6 +43,7 @@ part of the step model; they come from `perf:` in the scenario as for the roofli
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,16 @@ PROFILES = Path(__file__).resolve().parent / "profiles"
 def known_profiles() -> list[str]:
     """The shipped profiles' names (twin/perf/profiles/*.yaml)."""
     return sorted(p.stem for p in PROFILES.glob("*.yaml"))
+
+
+@lru_cache(maxsize=None)
+def default_profile(gpu_name: str) -> str | None:
+    """The shipped profile whose `default_for` lists this GPU (its canonical name), or None: `perf.kind: auto`."""
+    for name in known_profiles():
+        raw = yaml.safe_load((PROFILES / f"{name}.yaml").read_text()) or {}
+        if gpu_name in (raw.get("default_for") or ()):
+            return name
+    return None
 
 
 def profile_path(name: str) -> Path:
