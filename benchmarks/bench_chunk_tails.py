@@ -114,7 +114,8 @@ def run(sc, arr, prompts, outputs, record=False):
 
 
 def chunk_sizes(n: int, profile: str | None = None) -> None:
-    perf = {"cluster.perf": {"kind": "fitted", "profile": profile}} if profile else {}
+    # the roofline explicitly (its groups are what the breakdown prints); H100's default is the fitted profile
+    perf = {"cluster.perf": {"kind": "fitted", "profile": profile}} if profile else {"cluster.perf.kind": "roofline"}
     print("## 1. max_num_batched_tokens on prefill-heavy loads (Llama-3-8B, 1x H100, async, Poisson; step model: "
           f"{'profile ' + profile if profile else 'roofline defaults'})")
     rng = np.random.default_rng(0)
