@@ -135,20 +135,44 @@ def test_a_fork_under_async_scheduling_hides_the_true_length_of_requests_in_its_
     assert [r.stop_at_tokens for r in held] == [7] * len(held)
 
 
-def api_loaded(n=160, seed=5, async_on=True):
+def api_loaded(n=160, seed=5, async_on=True, **overrides):
     """`loaded` with async scheduling and API-server time: requests in transit cut decode runs early."""
     rng = np.random.default_rng(seed)
     arr = np.sort(rng.uniform(0, 2.0, n))
     sc = make_scenario(**{"cluster.num_instances": 4, "cluster.engine.max_num_batched_tokens": 1024,
                           "cluster.engine.async_scheduling": async_on, "workload.max_tokens": 300,
                           "cluster.perf.api_request_overhead_s": 0.004, "cluster.perf.api_prompt_token_s": 2e-6,
-                          "router.scrape_interval_s": 0.0})
+                          "router.scrape_interval_s": 0.0, **overrides})
     return sc, stream_of(arr, rng.integers(50, 3000, n), rng.integers(5, 300, n))
 
 
-@pytest.mark.parametrize("async_on", [False, True])
-def test_the_first_token_bound_never_passes_the_forecast_first_token(async_on):
-    sc, stream = api_loaded(async_on=async_on)
+def prefixed_loaded(n=160, seed=7, **overrides):
+    """`api_loaded` with prompts that share prefixes (8 documents, each prompt one of them plus its own tail), on
+    the step model `overrides` name: forecasts meet cache hits, so the bound must allow for them."""
+    rng = np.random.default_rng(seed)
+    arr = np.sort(rng.uniform(0, 2.0, n))
+    doc_blocks = rng.integers(4, 120, 8)
+    prompts, hashes = [], []
+    for i in range(n):
+        d = int(rng.integers(0, 8))
+        own = int(rng.integers(0, 60))
+        prompts.append(int(doc_blocks[d] + own) * 16 + int(rng.integers(1, 16)))
+        hashes.append([1000 * d + j for j in range(int(doc_blocks[d]))] + [10**6 + 1000 * i + j for j in range(own)])
+    sc = make_scenario(**{"cluster.num_instances": 4, "cluster.engine.max_num_batched_tokens": 1024,
+                          "cluster.engine.async_scheduling": True, "workload.max_tokens": 300,
+                          "cluster.perf.api_request_overhead_s": 0.004, "cluster.perf.api_prompt_token_s": 2e-6,
+                          "router.scrape_interval_s": 0.0, **overrides})
+    return sc, stream_of(arr, prompts, rng.integers(5, 300, n), hashes, hash_block_size=16)
+
+
+FITTED = {"cluster.perf.kind": "fitted", "cluster.perf.profile": "h100-vllm"}
+
+
+@pytest.mark.parametrize("loads", ["sync", "async", "fitted", "prefix-roofline", "prefix-fitted"])
+def test_the_first_token_bound_never_passes_the_forecast_first_token(loads):
+    sc, stream = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
+                  "fitted": lambda: api_loaded(**FITTED), "prefix-roofline": lambda: prefixed_loaded(),
+                  "prefix-fitted": lambda: prefixed_loaded(**FITTED)}[loads]()
     gaps = []
 
     class Check(Block):
@@ -210,3 +234,37 @@ def test_max_forecasts_forecasts_at_most_k_and_all_of_them_at_the_fleet_size():
     assert np.array_equal(full, same)  # k = the 4 instances: every candidate forecast
     with pytest.raises(ValueError, match="max_forecasts"):
         Block(max_forecasts=-1)
+
+
+@pytest.mark.parametrize("kind", ["roofline", "fitted"])
+@pytest.mark.parametrize("model", ["Llama-3-8B", "gpt-oss-120b"])
+def test_the_prefill_floor_is_below_every_chunking_of_the_prompt_mixed_with_decodes(kind, model):
+    """`prefill_floor_s` bounds the GPU time of the steps that compute a prompt, however chunked and whatever
+    shares the steps (decodes, other prompts' chunks): what the forecaster's first-token bound stands on."""
+    from twin.perf.base import StepBatch
+    from twin.perf.registry import build_perf
+
+    sc = make_scenario(**{"cluster.model": model, "cluster.tensor_parallel": 2, "cluster.perf.kind": kind,
+                          **({"cluster.perf.profile": "h100-vllm"} if kind == "fitted" else {})})
+    perf = build_perf(sc)
+    assert type(perf).__name__ == {"roofline": "RooflineModel", "fitted": "FittedModel"}[kind]
+    rng = np.random.default_rng(11)
+    tight = []
+    for _ in range(300):
+        n = int(rng.integers(1, 9000))
+        hit = int(rng.integers(0, n)) if rng.random() < 0.5 else 0
+        floor = perf.prefill_floor_s(n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
+        c, total = hit, 0.0
+        while c < n:
+            k = int(min(n - c, rng.integers(1, 2048)))
+            nd = int(rng.integers(0, 64)) if rng.random() < 0.7 else 0
+            other = int(rng.integers(0, 512)) if rng.random() < 0.3 else 0
+            b = StepBatch(num_prefill_tokens=k + other, prefill_attn_tokens=k * c + k * (k + 1) / 2 + other * (other + 1) / 2,
+                          prefill_kv_read_tokens=c + k, num_prefill_sampled=int(c + k == n),
+                          num_decode_tokens=nd, decode_context_tokens=nd * int(rng.integers(1, 4000)),
+                          num_prefill_reqs=1 + (other > 0))
+            total += perf.step_time(b) - perf.host_time_s(nd + 1 + (other > 0))
+            c += k
+        assert total >= floor * (1 - 1e-12), (n, hit, total, floor)
+        tight.append(floor / total)
+    assert max(tight) > 0.95  # one step of the whole prompt alone comes close: the floor is not a trivial 0

@@ -20,6 +20,7 @@ from twin.sim.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.perf.base import StepBatch
+from twin.perf.fitted import FittedModel
 from twin.perf.roofline import RooflineModel
 from twin.policy.views import Forecast, RequestView
 
@@ -85,7 +86,6 @@ class SimForecaster:
         self.cut_short = 0  # forecasts answered from the lower bound, without a fork
         self._fallback_at: tuple = (None, None, 0.0)  # (now, completions seen, the mean then)
         self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
-        self._min_step: dict[int, float] = {}  # id(step model) -> the least time a step can take (0: unknown)
         self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
         self._entries: dict[str, float] = {}  # instance -> when the extra request would reach it, same key
 
@@ -139,7 +139,7 @@ class SimForecaster:
         of when it reaches the engine (`api_entry_s`) and the end of the work in progress that an arrival
         cannot join (the step in flight; a decode run is cut as `EngineCore.add_request` cuts it at the first
         arrival, the request's own or one still in the API server, so what is decided runs on first), plus
-        the shortest step the step model can take (`_min_step_s`). `estimates`
+        the least time the steps computing its prompt can take (`_prefill_floor_s`). `estimates`
         keeps what it read for the decision's forecasts (same clock, same request: nothing moves in between)."""
         at, req, memo = self._bounds
         if at == self._cluster.env.now and req is extra_request:
@@ -148,22 +148,28 @@ class SimForecaster:
                 return b
         return self._first_token_bound(instance_id, extra_request)
 
-    def _min_step_s(self, perf) -> float:
-        """A time no step with a token in it takes less than, or 0 where the step model does not say.
+    def _prefill_floor_s(self, perf, extra_request: RequestView) -> float:
+        """A time the extra request's own steps take at least, from when the first of them starts to its first
+        token, or 0 where the step model does not say.
 
-        Only for the roofline (`RooflineModel.step_time`, read as written): a step's time is its GPU groups
-        plus the CPU term `host_time_s(requests)`, and async scheduling hides at most that CPU term
-        (`AsyncScheduler.step_duration`), so a step lasts at least its GPU groups; each group grows with the
-        batch, so no step's are below those of one decode token over an empty context (its KV read is one
-        token's; a prefill reads at least two)."""
-        v = self._min_step.get(id(perf))
-        if v is None:
-            v = 0.0
-            if type(perf) is RooflineModel:
-                v = perf.step_time(StepBatch(num_decode_tokens=1, decode_context_tokens=0)) - perf.host_time_s(1)
-                v = max(0.0, v * (1 - 1e-6))  # a hair under: the engine's sums round
-            self._min_step[id(perf)] = v
-        return v
+        Only for the roofline and the fitted model, read as written (a subclass may price steps otherwise, so
+        the types are matched exactly): a step's time is its GPU terms plus the CPU term `host_time_s(requests)`,
+        and async scheduling hides at most that CPU term (`AsyncScheduler.step_duration`), so the steps that
+        compute the request's prompt last at least their GPU terms, and those are at least one step of all the
+        uncached prompt tokens (`prefill_floor_s`: each term is subadditive). The prefix cache can spare at most
+        the blocks the request's keys cover, and never the last token (vLLM recomputes it:
+        `KVCacheManager.get_computed_blocks`), so at least `prompt - hit` tokens are computed, with the
+        (query, key) pairs from `hit` on (twin.engine.output: n x c + n (n + 1) / 2 a chunk)."""
+        if type(perf) is not RooflineModel and type(perf) is not FittedModel:
+            return 0.0
+        n = extra_request.num_prompt_tokens
+        hit = 0
+        if extra_request.prefix:
+            hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size)
+            if hit < 0:
+                hit = 0
+        v = perf.prefill_floor_s(n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
+        return v * (1 - 1e-6) if v > 0.0 else 0.0  # a hair under: the engine's sums round
 
     def _entry_s(self, instance_id: str, extra_request: RequestView) -> float:
         """`api_entry_s` for the extra request, as `estimates` read it for this decision when it did."""
@@ -196,8 +202,8 @@ class SimForecaster:
             j = min(bisect_left(ends, t_first) + (2 if core.scheduler.async_scheduling else 1), k)
             if ends[j - 1] > end:
                 end = ends[j - 1]
-        # the request's own step starts no earlier (a later decision) and produces its first token at its end
-        return end + self._min_step_s(inst.perf)
+        # the request's own steps start no earlier (a later decision); its first token comes at the last one's end
+        return end + self._prefill_floor_s(inst.perf, extra_request)
 
     def _prefill_per_token(self, perf) -> float:
         """Seconds per prompt token of a 2,048-token prefill step, from the instance's step model (0 if it
