@@ -96,9 +96,9 @@ def twin_step_table() -> dict:
         b = StepBatch(num_decode_tokens=nd, decode_context_tokens=nd * ctx, num_prefill_tokens=npf * plen,
                       prefill_attn_tokens=npf * plen * (plen + 1) / 2, prefill_kv_read_tokens=npf * plen,
                       num_prefill_sampled=npf)
-        reqs = nd + npf
-        out[label] = perf.step_time(b) * 1e3
-        out[label + " (GPU)"] = (perf.step_time(b) - perf.host_time_s(reqs)) * 1e3
+        step = perf.step_time(b)
+        out[label] = step * 1e3
+        out[label + " (GPU)"] = (step - perf.host_time_s(nd + npf)) * 1e3
     return out
 
 

@@ -243,6 +243,7 @@ def test_the_prefill_floor_is_below_every_chunking_of_the_prompt_mixed_with_deco
     shares the steps (decodes, other prompts' chunks): what the forecaster's first-token bound stands on."""
     from twin.perf.base import StepBatch
     from twin.perf.registry import build_perf
+    from twin.sim.forecaster import prefill_floor_s
 
     sc = make_scenario(**{"cluster.model": model, "cluster.tensor_parallel": 2, "cluster.perf.kind": kind,
                           **({"cluster.perf.profile": "h100-vllm"} if kind == "fitted" else {})})
@@ -253,7 +254,7 @@ def test_the_prefill_floor_is_below_every_chunking_of_the_prompt_mixed_with_deco
     for _ in range(300):
         n = int(rng.integers(1, 9000))
         hit = int(rng.integers(0, n)) if rng.random() < 0.5 else 0
-        floor = perf.prefill_floor_s(n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
+        floor = prefill_floor_s(perf, n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
         c, total = hit, 0.0
         while c < n:
             k = int(min(n - c, rng.integers(1, 2048)))

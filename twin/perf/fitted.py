@@ -220,20 +220,6 @@ class FittedModel:
         dec = self._dec(b.decode_context_tokens, nd) if nd > 0 else 0.0
         return (pre + dec) + self._rest(t, nd + b.num_prefill_sampled, nd + b.num_prefill_reqs)
 
-    def prefill_floor_s(self, new_tokens: int, attn_pairs: float) -> float:
-        """The least GPU time of the steps that compute a prompt's `new_tokens` uncached tokens (`attn_pairs`
-        attention pairs in all) and sample its first token, however chunked (`RooflineModel.prefill_floor_s`;
-        every term here is the ideal floor's group times a coefficient >= 0, so it stays subadditive)."""
-        g = self.basis
-        n = new_tokens if new_tokens > 1 else 1
-        comp, mem = g.linear_sides(n, self._tail)
-        comp *= self._c_lin_c
-        mem *= self._c_lin
-        a, c = g._attn_s * attn_pairs, g._kv_s * n
-        x = (comp if comp > mem else mem) + self._c_pre * (a if a > c else c)
-        x += self._c_lm * (g._lm_s if g._lm_s > g._lm_w else g._lm_w)
-        return x + self._c_ar * (g._ar_s * n) + self._fixed_gpu
-
     def basis_terms(self, b: StepBatch) -> tuple[tuple[float, float, float, float], float]:
         """A step's terms as calibration fits them (linear + lm_head, attention, per step, per request) and its
         constant part (all-reduce): `step_time` is linear in the fitted coefficients on these (twin.lab.calibrate)."""

@@ -278,19 +278,6 @@ class RooflineModel:
             dec = a if a > c else c
         return (pre + dec) + self._rest(t, nd + b.num_prefill_sampled, nd + b.num_prefill_reqs)
 
-    def prefill_floor_s(self, new_tokens: int, attn_pairs: float) -> float:
-        """The least GPU time the steps that compute a prompt's `new_tokens` uncached tokens (`attn_pairs`
-        (query, key) pairs of attention in all) and sample its first token can take together, however the
-        scheduler chunks them and whatever shares their steps: each group is subadditive in its tokens (an
-        affine or concave cost with a fixed part >= 0), so the chunks' sum is at least one step of them all;
-        the fixed terms are paid at least once, the LM head for one sampled token. Async scheduling hides only
-        the CPU term, so this bounds the time to a first token (twin.sim.forecaster, Block's cut-offs)."""
-        n = new_tokens if new_tokens > 1 else 1
-        a, c = self._attn_s * attn_pairs, self._kv_s * n
-        x = self._linear(n) + self._layer_fixed + (a if a > c else c)
-        x += self._lm_s if self._lm_s > self._lm_w else self._lm_w
-        return x + self._ar_fixed + self._ar_s * n
-
     def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
         """k decode-only steps: the constant groups once, then decode attention per step, as `step_time`
         computes it (same operations in the same order, so the results are equal to the bit).

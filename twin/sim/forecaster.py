@@ -73,6 +73,25 @@ def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callab
     g.finish_heap = heap
 
 
+def prefill_floor_s(perf, new_tokens: int, attn_pairs: float) -> float:
+    """The least time the steps computing `new_tokens` prompt tokens (`attn_pairs` (query, key) pairs of
+    attention in all) and sampling the first token can take together, however the scheduler chunks them and
+    whatever shares their steps; 0 where the step model does not say.
+
+    Only for the roofline and the fitted model, read as written (a subclass may price steps otherwise, so the
+    types are matched exactly): a step's time is its GPU terms plus the CPU term `host_time_s(requests)`, and
+    async scheduling hides at most that CPU term (`AsyncScheduler.step_duration`), so the steps last at least
+    their GPU terms. Each term is subadditive in its tokens (affine or concave with a fixed part >= 0, times a
+    coefficient >= 0), so the chunks' sum is at least that of one step holding all the tokens, alone, sampling
+    one token: its `step_time` less its CPU term."""
+    if type(perf) is not RooflineModel and type(perf) is not FittedModel:
+        return 0.0
+    b = StepBatch(num_prefill_tokens=new_tokens, prefill_attn_tokens=attn_pairs, num_prefill_sampled=1,
+                  num_prefill_reqs=1)
+    v = perf.step_time(b) - perf.host_time_s(1)
+    return v * (1 - 1e-6) if v > 0.0 else 0.0  # a hair under: the engine's sums round
+
+
 class SimForecaster:
     """Per-candidate look-ahead over the cluster's instances, for routers and scalers."""
 
@@ -150,26 +169,13 @@ class SimForecaster:
 
     def _prefill_floor_s(self, perf, extra_request: RequestView) -> float:
         """A time the extra request's own steps take at least, from when the first of them starts to its first
-        token, or 0 where the step model does not say.
-
-        Only for the roofline and the fitted model, read as written (a subclass may price steps otherwise, so
-        the types are matched exactly): a step's time is its GPU terms plus the CPU term `host_time_s(requests)`,
-        and async scheduling hides at most that CPU term (`AsyncScheduler.step_duration`), so the steps that
-        compute the request's prompt last at least their GPU terms, and those are at least one step of all the
-        uncached prompt tokens (`prefill_floor_s`: each term is subadditive). The prefix cache can spare at most
-        the blocks the request's keys cover, and never the last token (vLLM recomputes it:
+        token, or 0 where the step model does not say (`prefill_floor_s`). The prefix cache can spare at most the
+        blocks the request's keys cover, and never the last token (vLLM recomputes it:
         `KVCacheManager.get_computed_blocks`), so at least `prompt - hit` tokens are computed, with the
         (query, key) pairs from `hit` on (twin.engine.output: n x c + n (n + 1) / 2 a chunk)."""
-        if type(perf) is not RooflineModel and type(perf) is not FittedModel:
-            return 0.0
         n = extra_request.num_prompt_tokens
-        hit = 0
-        if extra_request.prefix:
-            hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size)
-            if hit < 0:
-                hit = 0
-        v = perf.prefill_floor_s(n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
-        return v * (1 - 1e-6) if v > 0.0 else 0.0  # a hair under: the engine's sums round
+        hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size) if extra_request.prefix else 0
+        return prefill_floor_s(perf, n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
 
     def _entry_s(self, instance_id: str, extra_request: RequestView) -> float:
         """`api_entry_s` for the extra request, as `estimates` read it for this decision when it did."""
