@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from typing import Callable, Mapping
 
 import numpy as np
@@ -92,6 +92,45 @@ def prefill_floor_s(perf, new_tokens: int, attn_pairs: float) -> float:
     return v * (1 - 1e-6) if v > 0.0 else 0.0  # a hair under: the engine's sums round
 
 
+def _exact_model(perf) -> bool:
+    """The step models whose terms the bounds below are proved on, matched exactly (a subclass may price
+    steps otherwise)."""
+    return type(perf) is RooflineModel or type(perf) is FittedModel
+
+
+def decode_gpu_s(perf, num_decode: int, context: int, host: bool = False) -> float:
+    """The GPU time of one decode-only step of `num_decode` requests attending `context` tokens in all: its
+    `step_time` less its CPU term, which is all that async scheduling can hide (`prefill_floor_s`); with
+    `host`, the whole step, as a synchronous engine runs it."""
+    x = perf.step_time(StepBatch(num_decode_tokens=num_decode, decode_context_tokens=context))
+    return x if host else x - perf.host_time_s(num_decode)
+
+
+def least_step_gpu_s(perf) -> float:
+    """A time no step of the engine's can take less than: the GPU time of its smallest batch (one decode
+    token, or one prompt token that samples nothing)."""
+    one = perf.step_time(StepBatch(num_prefill_tokens=1, prefill_attn_tokens=1.0, prefill_kv_read_tokens=1,
+                                   num_prefill_reqs=1)) - perf.host_time_s(1)
+    return min(one, decode_gpu_s(perf, 1, 1))
+
+
+def decode_steps_floor_s(perf, steps: int, decode_tokens: int, context_tokens: float, dense: bool,
+                         host: bool = False) -> float:
+    """A floor under the GPU time of `steps` decode-only steps holding `decode_tokens` decodes and attending
+    `context_tokens` tokens over all of them (each step at least one decode).
+
+    On the roofline and the fitted model a decode step's GPU time is increasing in its decodes and its context,
+    convex in its context (decode attention is the larger of two affine terms), and, for a dense model, jointly
+    convex in both (every other term is affine or the larger of affine ones; an MoE model's touched experts are
+    concave in the tokens). So by Jensen's inequality the steps take at least `steps` times the time of their
+    mean step, the means rounded down; for an MoE model, with one decode a step. `host` adds each step's CPU
+    term (affine in its decodes), which a synchronous engine runs in series."""
+    if steps <= 0:
+        return 0.0
+    n = decode_tokens // steps if dense else 1
+    return steps * decode_gpu_s(perf, max(1, n), int(context_tokens / steps), host) * (1 - 1e-6)  # sums round
+
+
 class SimForecaster:
     """Per-candidate look-ahead over the cluster's instances, for routers and scalers."""
 
@@ -107,6 +146,8 @@ class SimForecaster:
         self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
         self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
         self._entries: dict[str, float] = {}  # instance -> when the extra request would reach it, same key
+        self._fbounds: tuple = (None, None, {})  # (now, the extra request, instance -> finish bound)
+        self._least_step_s: dict[int, float] = {}  # id(step model) -> least_step_gpu_s
 
     def _fallback(self) -> float:
         """The recent mean output length; kept while the clock and the completions are unchanged (a decision
@@ -128,6 +169,17 @@ class SimForecaster:
         f = fork_instance(inst, self._cluster.env.now, finish_heap=False)  # rebuilt by apply_predicted_lengths
         transit = sorted(((t, _fork_request(r, {})) for r, t in self._cluster.in_transit.get(instance_id, {}).values()),
                          key=lambda x: x[0])
+        predict = self._predictor()
+        for _, r in transit:
+            x = predict(r.idx)
+            if x is not None:
+                r.stop_at_tokens = max(1, int(math.ceil(x)))
+        apply_predicted_lengths(f, predict)
+        return f, transit
+
+    def _predictor(self) -> Callable[[int], float | None]:
+        """The predicted output length of a request in flight, by index, as forks give it (None: no record,
+        the request keeps its own length)."""
         fallback = self._fallback()
         get = self._cluster.dispatcher.inflight.get
 
@@ -146,12 +198,7 @@ class SimForecaster:
             x = view.max_tokens
             return x if x is not None else fallback
 
-        for _, r in transit:
-            x = predict(r.idx)
-            if x is not None:
-                r.stop_at_tokens = max(1, int(math.ceil(x)))
-        apply_predicted_lengths(f, predict)
-        return f, transit
+        return predict
 
     def first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
         """An engine time the extra request's first token cannot come before, read without forking: the later
@@ -166,6 +213,238 @@ class SimForecaster:
             if b is not None:
                 return b
         return self._first_token_bound(instance_id, extra_request)
+
+    def finish_bound(self, instance_id: str, extra_request: RequestView) -> float:
+        """An engine time the extra request's last token cannot come before, read without forking (see
+        `_finish_bound`); `estimates(..., until="finish")` keeps what it read for the decision's forecasts."""
+        at, req, memo = self._fbounds
+        if at == self._cluster.env.now and req is extra_request:
+            b = memo.get(instance_id)
+            if b is not None:
+                return b
+        return self._finish_bound(instance_id, extra_request)
+
+    def _finish_bound(self, instance_id: str, extra_request: RequestView) -> float:
+        """The later of two floors under the extra request's finish in the fork (its predicted length L, the
+        instance's requests at their predicted lengths, as `_fork` gives them):
+
+        - its first-token bound, then L - 1 decode steps of its own, each at least a lone decode's GPU time;
+        - from the end of the work it cannot join (`_work_end`), the first L steps that start after it, each at
+          least the GPU time of the decodes it must hold. That needs the schedule to keep every running decode
+          in every step until it finishes, which holds when nothing can be preempted (the free blocks cover every
+          request's growth to its predicted end, the queued, in-transit and extra ones whole) and the token
+          budget covers the running decodes and the rest of the partial prefills (vLLM schedules the running
+          list first, in order, and admits newcomers behind it: `Scheduler.schedule`). A decode with r tokens
+          to go holds at least the first r - s of those steps, s counting the steps that may start before the
+          end (the pending work's, and what the least step time leaves room for after it); its context grows
+          by one a step. When the extra request and the requests queued ahead of it have seats, the prompt work
+          ahead of it and its own is done within P steps (each step computes at least the budget the decodes
+          leave, or one request's long-prefill share); it decodes in every later one, and those P steps add at
+          least the prompts' least time (`prefill_floor_s`) less what the decodes in them can take (a step
+          lasts at least as long as its prompt chunks alone and as its decodes alone).
+
+        Only on the roofline and the fitted model (`decode_steps_floor_s`); elsewhere the first-token bound."""
+        cl = self._cluster
+        inst = cl.by_id[instance_id]
+        perf = inst.perf
+        first = self.first_token_bound(instance_id, extra_request)
+        if not _exact_model(perf):
+            return first
+        n = extra_request.num_prompt_tokens
+        out = max(1, int(math.ceil(_predicted(extra_request, self._fallback()))))
+        if out == 1:
+            return first
+        dense = not perf.roofline.model.is_moe if type(perf) is FittedModel else not perf.model.is_moe
+        s = inst.scheduler
+        sync = not s.async_scheduling  # a step lasts its whole step_time (Scheduler.step_duration)
+        # its own decodes alone: contexts n + 1 .. n + out - 1
+        own = first + decode_steps_floor_s(perf, out - 1, out - 1, (out - 1) * n + out * (out - 1) / 2, dense, sync)
+        cfg = s.config
+        bs = s.block_size
+        running = s.running
+        budget = cfg.max_num_batched_tokens
+        work = pairs = 0.0  # prompt tokens (least, with the most prefix hits) and their attention pairs ahead
+        most_work = 0  # prompt tokens ahead, at most
+        for r in s.prefilling:
+            c0, t = r.num_computed_tokens, r.num_tokens
+            most_work += t - c0
+            work += t - c0
+            pairs += (t * (t + 1) - c0 * (c0 + 1)) / 2
+        if len(running) + most_work > budget:
+            return own  # a partial prefill may leave a decode without budget for a step
+        predict = self._predictor()
+        member_output = s.group.member_output
+        t_in = self._entry_s(instance_id, extra_request)
+        end = self._work_end(instance_id, extra_request)
+        # blocks the requests may still take, at most: each running decode's growth, the rest whole; and the
+        # most context all of them (the extra one too) can attend to in one step, each at its predicted end
+        demand = (n + out) // bs + 2
+        most = n + out
+        left: list[tuple[int, int]] = []  # (tokens to go, context now) of each running decode
+        partial: list[tuple[int, int, int]] = []  # (prompt to go, tokens, decodes after it) of each partial prefill
+        for r in running:
+            x = predict(r.idx)
+            if r.in_decode:
+                done = member_output(r)
+                stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), done + 1)
+                go = stop - done
+                demand += go // bs + 2
+                left.append((go, r.num_prompt_tokens + done))
+            else:
+                stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), r.num_output_tokens + 1)
+                demand += (r.num_prompt_tokens + stop) // bs + 2
+                partial.append((r.num_tokens - r.num_computed_tokens, r.num_tokens, stop - r.num_output_tokens - 1))
+            most += r.num_prompt_tokens + stop
+        ahead = 0  # requests queued ahead of the extra one
+        queued = [(r, False) for r in s.waiting] + [(r, False) for r, _t in s.inbox]
+        transit = cl.in_transit.get(instance_id, {})
+        queued += [(r, True) for r, t in sorted(transit.values(), key=lambda x: x[1]) if t <= t_in]  # ties: ahead
+        waits: list[tuple[int, int]] = []  # (tokens, decodes after its prompt) of each, in queue order
+        behind = [r for r, t in transit.values() if t > t_in]
+        for r, in_transit in queued:
+            x = predict(r.idx)
+            if in_transit:
+                stop = r.stop_at_tokens if x is None else max(1, int(math.ceil(x)))
+            else:
+                stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), r.num_output_tokens + 1)
+            demand += (r.num_prompt_tokens + stop) // bs + 2
+            most += r.num_prompt_tokens + stop
+            t = r.num_tokens
+            waits.append((t, stop - r.num_output_tokens - 1))
+            h = min(t - 1, len(r.block_keys) * bs)
+            ahead += 1
+            most_work += t
+            work += t - h
+            pairs += (t * (t + 1) - h * (h + 1)) / 2
+        for r in behind:
+            x = predict(r.idx)
+            stop = r.stop_at_tokens if x is None else max(1, int(math.ceil(x)))
+            demand += (r.num_prompt_tokens + stop) // bs + 2
+            most += r.num_prompt_tokens + stop
+        if demand > s.pool.get_num_free_blocks() - s._watermark_blocks:
+            return own  # something might be preempted
+        # steps that may start before `end`, at most, and the decode steps done by then, at least. A decode run
+        # in progress runs on to where the first arrival cuts it (`EngineCore.add_request`, as `_work_end` reads
+        # it), every one of its steps holding every decode (its members are the group's, none finishes before its
+        # end); steps off its plan (after it, or after the step in flight) start later, each lasting at least the
+        # least step time.
+        core = inst.core
+        now = cl.env.now
+        started = done_by_end = 0
+        t_ref = now
+        if core.pending_step is not None:
+            started += 1
+            t_ref = max(t_ref, core.pending_step[1])
+        tail = core.pending_tail
+        if tail is not None:
+            started += tail[0]
+            t_ref = max(t_ref, tail[2][tail[0] - 1])
+        run = core.pending_run
+        if run is not None:
+            k, _d, ends, _t0 = run
+            t_first = t_in
+            for _r, t in transit.values():
+                if t < t_first:
+                    t_first = t
+            j = min(bisect_left(ends, t_first) + (2 if s.async_scheduling else 1), k)
+            started += j
+            done_by_end = j
+            t_ref = max(t_ref, ends[j - 1])
+        # Steps off the plan may start before the end; when prompts are queued or part-computed they may compute
+        # some of them, so the steps are then counted from `t_ref` instead, the extra request seen `lead` later.
+        origin, lead = end, 0
+        if end > t_ref:
+            least = self._least_step_s.get(id(perf))
+            if least is None:
+                least = self._least_step_s[id(perf)] = least_step_gpu_s(perf)
+            if least <= 0.0:
+                return own
+            gap = math.ceil((end - t_ref) / least)
+            if most_work:
+                origin, lead = t_ref, gap
+            else:
+                started += gap
+        # the first `out` steps after the origin: the running decodes' share (steps 1 .. k of each)
+        head = tokens = 0
+        ctx = 0.0
+        for go, c in left:
+            k = go - started
+            if k <= 0:
+                continue
+            if k > out:
+                k = out
+            tokens += k
+            ctx += k * (c + done_by_end) + k * (k - 1) / 2
+            if k > head:
+                head = k
+        spans = [(1, head)] if head else []
+        prefill = 0.0
+        thr = cfg.long_prefill_token_threshold
+        late = 3 if s.async_scheduling else 2  # a request seen, or its prompt done, by step i decodes by i + late
+        if cfg.enable_chunked_prefill:
+            # a partial prefill's prompt is done within the steps its share of the budget (what the running
+            # decodes leave, the partials before it taken first) needs, then it decodes every step
+            room = budget - len(running)
+            w = 0
+            for i, (rest, t, d) in enumerate(partial):
+                w += rest
+                p_i = 0 if not rest else (-(-w // room) if thr <= 0 or thr >= room else -(-w // thr) + i + 1)
+                a, b = p_i + late, min(d, out)
+                if b >= a:
+                    k = b - a + 1
+                    tokens += k
+                    ctx += k * (t + 1) + k * (k - 1) / 2
+                    spans.append((a, b))
+            # so does a queued one, seen by step `lead` + `late`, once it has a seat (those before it in the queue
+            # decode then too, and leave less budget)
+            for q, (t, d) in enumerate(waits):
+                if len(running) + q >= cfg.max_num_seqs or room - q < 1:
+                    break
+                w += t
+                p_q = -(-w // (room - q)) if thr <= 0 or thr >= room - q else -(-w // thr) + len(partial) + q + 1
+                a, b = lead + p_q + late, min(d, out)
+                if b >= a:
+                    k = b - a + 1
+                    tokens += k
+                    ctx += k * (t + 1) + k * (k - 1) / 2
+                    spans.append((a, b))
+        if cfg.enable_chunked_prefill and len(running) + ahead < cfg.max_num_seqs:
+            chunk = budget - len(running) - ahead  # what the decodes ahead of the extra one leave, every step
+            if chunk >= 1:
+                total = most_work + n
+                if 0 < thr < chunk:  # a step finishes a request's prompt or computes at least `thr` tokens
+                    p_steps = -(-total // thr) + len(s.prefilling) + ahead + 1
+                else:
+                    p_steps = -(-total // chunk)
+                u = late + lead + p_steps - 1  # its prefill is done by step u
+                k = out - u
+                if k > 0:  # it decodes in steps u + 1 .. out, contexts n + 1 ..
+                    tokens += k
+                    ctx += k * n + k * (k + 1) / 2
+                    spans.append((u + 1, out))
+                    # its prompt's steps last at least its chunks alone, and hold at most the others' decodes;
+                    # without a long-prefill share a step gives it budget only once the prompts ahead are done, so
+                    # it has at most one step more than its chunks (the first, shared); and the prompts ahead and
+                    # its own are all in steps 1 .. u (none is computed before the origin)
+                    hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size) \
+                        if extra_request.prefix else 0
+                    w, pp = n - hit, (n * (n + 1) - hit * (hit + 1)) / 2
+                    others = len(running) + len(queued) + len(behind)
+                    if thr <= 0 or most_work == 0:
+                        x_steps = -(-n // (chunk if thr <= 0 or thr >= chunk else thr)) + (1 if most_work else 0)
+                        top = decode_gpu_s(perf, others, most - n - out) if others else 0.0
+                        prefill = prefill_floor_s(perf, w, pp) - x_steps * top
+                    if most_work:
+                        top = decode_gpu_s(perf, others + 1, most)
+                        prefill = max(prefill, prefill_floor_s(perf, w + int(work), pp + pairs) - u * top)
+        # the steps holding at least one of those decodes
+        steps = 0
+        reach = 0
+        for a, b in sorted(spans):
+            if b > reach:
+                steps += b - max(a - 1, reach)
+                reach = b
+        return max(own, origin + decode_steps_floor_s(perf, steps, tokens, ctx, dense, sync) + max(0.0, prefill))
 
     def _prefill_floor_s(self, perf, extra_request: RequestView) -> float:
         """A time the extra request's own steps take at least, from when the first of them starts to its first
@@ -187,6 +466,12 @@ class SimForecaster:
         return self._cluster.api_entry_s(instance_id, extra_request.num_prompt_tokens)
 
     def _first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
+        inst = self._cluster.by_id[instance_id]
+        return self._work_end(instance_id, extra_request) + self._prefill_floor_s(inst.perf, extra_request)
+
+    def _work_end(self, instance_id: str, extra_request: RequestView) -> float:
+        """The end of the work in progress that the extra request cannot join, and not before it reaches the
+        engine: its own steps start no earlier (`first_token_bound`). Keeps its entry time in `_entries`."""
         cl = self._cluster
         inst = cl.by_id[instance_id]
         core = inst.core
@@ -209,7 +494,7 @@ class SimForecaster:
             if ends[j - 1] > end:
                 end = ends[j - 1]
         # the request's own steps start no earlier (a later decision); its first token comes at the last one's end
-        return end + self._prefill_floor_s(inst.perf, extra_request)
+        return end
 
     def _prefill_per_token(self, perf) -> float:
         """Seconds per prompt token of a 2,048-token prefill step, from the instance's step model (0 if it
@@ -226,24 +511,29 @@ class SimForecaster:
             self._prefill_s[id(perf)] = v
         return v
 
-    def estimates(self, instance_ids, extra_request: RequestView) -> dict[str, float]:
-        """A cheap guess (seconds from now) at when the extra request's first token would come on each
-        instance, without forking: the lower bound (`first_token_bound`) plus the prompt tokens queued ahead
-        of it (waiting, part-prefilled, in the inbox or the API server) at the step model's prefill rate.
-        Block forecasts candidates in this order, so the best is found early and later forks stop sooner."""
+    def estimates(self, instance_ids, extra_request: RequestView, until: str = "first_token") -> dict[str, float]:
+        """A cheap guess (seconds from now) at when the extra request's first token (`until="finish"`: its
+        last) would come on each instance, without forking: the lower bound (`first_token_bound`,
+        `finish_bound`) plus the prompt tokens queued ahead of it (waiting, part-prefilled, in the inbox or the
+        API server) at the step model's prefill rate. Block forecasts candidates in this order, so the best is
+        found early and later forks stop sooner."""
         cl = self._cluster
         now = cl.env.now
         out = {}
         bounds = {}
+        finish = {}
         self._entries = {}
+        self._bounds = (now, extra_request, bounds)
         for iid in instance_ids:
             inst = cl.by_id[iid]
             ahead = inst.scheduler.inflight_prefill_tokens()
             for r, _t in cl.in_transit.get(iid, {}).values():
                 ahead += r.num_prompt_tokens
             b = bounds[iid] = self._first_token_bound(iid, extra_request)
+            if until == "finish":
+                b = finish[iid] = self._finish_bound(iid, extra_request)
             out[iid] = b - now + ahead * self._prefill_per_token(inst.perf)
-        self._bounds = (now, extra_request, bounds)
+        self._fbounds = (now, extra_request, finish)
         return out
 
     def _engine_request(self, view: RequestView) -> Request:
@@ -258,7 +548,8 @@ class SimForecaster:
             # report it censored, so it is not made (no steps, no KV peak to report)
             now = self._cluster.env.now
             horizon = now + horizon_s
-            if self.first_token_bound(instance_id, extra_request) > horizon + _BOUND_MARGIN * max(1.0, abs(horizon)):
+            bound = (self.first_token_bound if until == "first_token" else self.finish_bound)(instance_id, extra_request)
+            if bound > horizon + _BOUND_MARGIN * max(1.0, abs(horizon)):
                 self.cut_short += 1
                 return Forecast(instance_id, censored=True)
         f, transit = self._fork(instance_id)
