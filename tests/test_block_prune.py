@@ -305,3 +305,27 @@ def test_the_finish_bound_never_passes_the_forecast_finish(loads):
     assert len(gaps) > 400
     if loads not in ("moe-fitted", "tight-kv"):  # a dense model with room: the co-scheduled decodes are counted
         assert np.median(rel) < 0.05 and min(rel) < 0.002  # the bound is tight, not a trivial floor
+
+
+@pytest.mark.parametrize("loads", ["async", "prefix-fitted", "sync"])
+def test_the_kept_instance_reading_equals_a_fresh_one_at_every_decision(loads):
+    """`_held` keeps what it read of an instance while its signature (clock, steps, queues, decode group, free
+    blocks, fallback length) is unchanged: at every decision it equals what a forecaster with nothing kept reads."""
+    sc, stream = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
+                  "prefix-fitted": lambda: prefixed_loaded(**FITTED)}[loads]()
+    kept = [0]
+
+    class Check(Block):
+        def choose(self, req, fleet):
+            fc = fleet.forecaster
+            fresh = SimForecaster(fc._cluster)
+            for v in fleet.instances:
+                inst = fc._cluster.by_id[v.id]
+                before = fc._held_memo.get(v.id)
+                got = fc._held(inst)
+                kept[0] += fc._held_memo[v.id] is before
+                assert got == fresh._held(inst)
+            return super().choose(req, fleet)
+
+    run_checked(sc, stream, router=Check(objective="e2e"))
+    assert kept[0] > 50  # the kept reading was used, not only recomputed

@@ -146,8 +146,11 @@ class SimForecaster:
         self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
         self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
         self._entries: dict[str, float] = {}  # instance -> when the extra request would reach it, same key
+        self._ends: dict[str, float] = {}  # instance -> `_work_end` for the extra request, same key
         self._fbounds: tuple = (None, None, {})  # (now, the extra request, instance -> finish bound)
         self._least_step_s: dict[int, float] = {}  # id(step model) -> least_step_gpu_s
+        self._held_memo: dict[str, tuple] = {}  # instance -> (its state's signature, `_held`)
+        self._request_memo: tuple = (None, None, {})  # (now, the extra request, `_per_request`)
 
     def _fallback(self) -> float:
         """The recent mean output length; kept while the clock and the completions are unchanged (a decision
@@ -258,55 +261,35 @@ class SimForecaster:
         s = inst.scheduler
         sync = not s.async_scheduling  # a step lasts its whole step_time (Scheduler.step_duration)
         # its own decodes alone: contexts n + 1 .. n + out - 1
-        own = first + decode_steps_floor_s(perf, out - 1, out - 1, (out - 1) * n + out * (out - 1) / 2, dense, sync)
+        key = (id(perf), sync)
+        alone = self._per_request(extra_request).get(key)
+        if alone is None:
+            alone = self._per_request(extra_request)[key] = decode_steps_floor_s(
+                perf, out - 1, out - 1, (out - 1) * n + out * (out - 1) / 2, dense, sync)
+        own = first + alone
         cfg = s.config
         bs = s.block_size
         running = s.running
         budget = cfg.max_num_batched_tokens
-        work = pairs = 0.0  # prompt tokens (least, with the most prefix hits) and their attention pairs ahead
-        most_work = 0  # prompt tokens ahead, at most
-        for r in s.prefilling:
-            c0, t = r.num_computed_tokens, r.num_tokens
-            most_work += t - c0
-            work += t - c0
-            pairs += (t * (t + 1) - c0 * (c0 + 1)) / 2
-        if len(running) + most_work > budget:
+        held = self._held(inst)
+        if held is None:
             return own  # a partial prefill may leave a decode without budget for a step
+        left, partial, demand, most, work, pairs, most_work, waits = held
+        waits = list(waits)
         predict = self._predictor()
-        member_output = s.group.member_output
+        end = self._end_s(instance_id, extra_request)
         t_in = self._entry_s(instance_id, extra_request)
-        end = self._work_end(instance_id, extra_request)
-        # blocks the requests may still take, at most: each running decode's growth, the rest whole; and the
-        # most context all of them (the extra one too) can attend to in one step, each at its predicted end
-        demand = (n + out) // bs + 2
-        most = n + out
-        left: list[tuple[int, int]] = []  # (tokens to go, context now) of each running decode
-        partial: list[tuple[int, int, int]] = []  # (prompt to go, tokens, decodes after it) of each partial prefill
-        for r in running:
-            x = predict(r.idx)
-            if r.in_decode:
-                done = member_output(r)
-                stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), done + 1)
-                go = stop - done
-                demand += go // bs + 2
-                left.append((go, r.num_prompt_tokens + done))
-            else:
-                stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), r.num_output_tokens + 1)
-                demand += (r.num_prompt_tokens + stop) // bs + 2
-                partial.append((r.num_tokens - r.num_computed_tokens, r.num_tokens, stop - r.num_output_tokens - 1))
-            most += r.num_prompt_tokens + stop
-        ahead = 0  # requests queued ahead of the extra one
-        queued = [(r, False) for r in s.waiting] + [(r, False) for r, _t in s.inbox]
+        # blocks the requests may still take, at most, and the most context all can attend to in one step (see
+        # `_held`), with the extra request's and those in transit
+        demand += (n + out) // bs + 2
+        most += n + out
+        ahead = len(waits)  # requests queued ahead of the extra one
         transit = cl.in_transit.get(instance_id, {})
-        queued += [(r, True) for r, t in sorted(transit.values(), key=lambda x: x[1]) if t <= t_in]  # ties: ahead
-        waits: list[tuple[int, int]] = []  # (tokens, decodes after its prompt) of each, in queue order
+        queued = [r for r, t in sorted(transit.values(), key=lambda x: x[1]) if t <= t_in]  # ties: ahead
         behind = [r for r, t in transit.values() if t > t_in]
-        for r, in_transit in queued:
+        for r in queued:
             x = predict(r.idx)
-            if in_transit:
-                stop = r.stop_at_tokens if x is None else max(1, int(math.ceil(x)))
-            else:
-                stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), r.num_output_tokens + 1)
+            stop = r.stop_at_tokens if x is None else max(1, int(math.ceil(x)))
             demand += (r.num_prompt_tokens + stop) // bs + 2
             most += r.num_prompt_tokens + stop
             t = r.num_tokens
@@ -429,11 +412,11 @@ class SimForecaster:
                     hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size) \
                         if extra_request.prefix else 0
                     w, pp = n - hit, (n * (n + 1) - hit * (hit + 1)) / 2
-                    others = len(running) + len(queued) + len(behind)
+                    others = len(running) + ahead + len(behind)
                     if thr <= 0 or most_work == 0:
                         x_steps = -(-n // (chunk if thr <= 0 or thr >= chunk else thr)) + (1 if most_work else 0)
                         top = decode_gpu_s(perf, others, most - n - out) if others else 0.0
-                        prefill = prefill_floor_s(perf, w, pp) - x_steps * top
+                        prefill = self._prefill_floor_s(perf, extra_request) - x_steps * top
                     if most_work:
                         top = decode_gpu_s(perf, others + 1, most)
                         prefill = max(prefill, prefill_floor_s(perf, w + int(work), pp + pairs) - u * top)
@@ -446,15 +429,95 @@ class SimForecaster:
                 reach = b
         return max(own, origin + decode_steps_floor_s(perf, steps, tokens, ctx, dense, sync) + max(0.0, prefill))
 
+    def _held(self, inst) -> tuple | None:
+        """What `_finish_bound` reads of an instance's own requests, whatever the extra one: each running decode's
+        (tokens to go, context now), each partial prefill's (prompt to go, tokens, decodes after it), each queued
+        request's (tokens, decodes after its prompt) in queue order, the blocks they may still take at most (each
+        decode's growth, the rest whole), the most context they can attend to in one step (each at its predicted
+        end), and the prompt tokens ahead (least, with the most prefix hits, with their attention pairs, and at
+        most); None when a partial prefill may leave a decode without budget for a step. Kept while the engine
+        and the predictions are unchanged (the engine's clock, steps, queues, decode group and free blocks, the
+        fallback length)."""
+        s = inst.scheduler
+        core = inst.core
+        g = s.group
+        fallback = self._fallback()
+        sig = (core.now, s.stats.num_steps, g.group_step, g.num_decode, len(s.running), len(s.waiting), len(s.inbox),
+               len(s.prefilling), s.pool.get_num_free_blocks(), fallback, core.pending_step, core.pending_run,
+               core.pending_tail)
+        hit = self._held_memo.get(inst.id)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        bs = s.block_size
+        running = s.running
+        work = pairs = 0.0
+        most_work = 0
+        for r in s.prefilling:
+            c0, t = r.num_computed_tokens, r.num_tokens
+            most_work += t - c0
+            work += t - c0
+            pairs += (t * (t + 1) - c0 * (c0 + 1)) / 2
+        out: tuple | None = None
+        if len(running) + most_work <= s.config.max_num_batched_tokens:
+            predict = self._predictor()
+            member_output = g.member_output
+            demand = most = 0
+            left: list[tuple[int, int]] = []
+            partial: list[tuple[int, int, int]] = []
+            for r in running:
+                x = predict(r.idx)
+                if r.in_decode:
+                    done = member_output(r)
+                    stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), done + 1)
+                    go = stop - done
+                    demand += go // bs + 2
+                    left.append((go, r.num_prompt_tokens + done))
+                else:
+                    stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), r.num_output_tokens + 1)
+                    demand += (r.num_prompt_tokens + stop) // bs + 2
+                    partial.append((r.num_tokens - r.num_computed_tokens, r.num_tokens,
+                                    stop - r.num_output_tokens - 1))
+                most += r.num_prompt_tokens + stop
+            waits: list[tuple[int, int]] = []
+            for q in (s.waiting, [r for r, _t in s.inbox]):
+                for r in q:
+                    x = predict(r.idx)
+                    stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), r.num_output_tokens + 1)
+                    demand += (r.num_prompt_tokens + stop) // bs + 2
+                    most += r.num_prompt_tokens + stop
+                    t = r.num_tokens
+                    waits.append((t, stop - r.num_output_tokens - 1))
+                    h = min(t - 1, len(r.block_keys) * bs)
+                    most_work += t
+                    work += t - h
+                    pairs += (t * (t + 1) - h * (h + 1)) / 2
+            out = (left, partial, demand, most, work, pairs, most_work, tuple(waits))
+        self._held_memo[inst.id] = (sig, out)
+        return out
+
     def _prefill_floor_s(self, perf, extra_request: RequestView) -> float:
         """A time the extra request's own steps take at least, from when the first of them starts to its first
         token, or 0 where the step model does not say (`prefill_floor_s`). The prefix cache can spare at most the
         blocks the request's keys cover, and never the last token (vLLM recomputes it:
         `KVCacheManager.get_computed_blocks`), so at least `prompt - hit` tokens are computed, with the
         (query, key) pairs from `hit` on (twin.engine.output: n x c + n (n + 1) / 2 a chunk)."""
-        n = extra_request.num_prompt_tokens
-        hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size) if extra_request.prefix else 0
-        return prefill_floor_s(perf, n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
+        key = (id(perf), "prefill")
+        v = self._per_request(extra_request).get(key)
+        if v is None:
+            n = extra_request.num_prompt_tokens
+            hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size) if extra_request.prefix else 0
+            v = self._per_request(extra_request)[key] = prefill_floor_s(perf, n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
+        return v
+
+    def _per_request(self, extra_request: RequestView) -> dict:
+        """Values that depend on the extra request and the step model only, kept for one decision (same clock,
+        same request): every candidate of one step model shares them."""
+        now = self._cluster.env.now
+        at, req, memo = self._request_memo
+        if at != now or req is not extra_request:
+            memo = {}
+            self._request_memo = (now, extra_request, memo)
+        return memo
 
     def _entry_s(self, instance_id: str, extra_request: RequestView) -> float:
         """`api_entry_s` for the extra request, as `estimates` read it for this decision when it did."""
@@ -467,7 +530,17 @@ class SimForecaster:
 
     def _first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
         inst = self._cluster.by_id[instance_id]
-        return self._work_end(instance_id, extra_request) + self._prefill_floor_s(inst.perf, extra_request)
+        end = self._ends[instance_id] = self._work_end(instance_id, extra_request)
+        return end + self._prefill_floor_s(inst.perf, extra_request)
+
+    def _end_s(self, instance_id: str, extra_request: RequestView) -> float:
+        """`_work_end` for the extra request, as `estimates` read it for this decision when it did."""
+        at, req, _memo = self._bounds
+        if at == self._cluster.env.now and req is extra_request:
+            t = self._ends.get(instance_id)
+            if t is not None:
+                return t
+        return self._work_end(instance_id, extra_request)
 
     def _work_end(self, instance_id: str, extra_request: RequestView) -> float:
         """The end of the work in progress that the extra request cannot join, and not before it reaches the
@@ -523,6 +596,7 @@ class SimForecaster:
         bounds = {}
         finish = {}
         self._entries = {}
+        self._ends = {}
         self._bounds = (now, extra_request, bounds)
         for iid in instance_ids:
             inst = cl.by_id[iid]
