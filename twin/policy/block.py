@@ -16,11 +16,12 @@ forecast gets as horizon the best score so far (a hair above it). Every objectiv
 the forecast reaches only by running its fork that far, so a candidate that hits that horizon would score
 strictly worse than the best: it cannot win or tie, and its fork stops there instead of running to its own
 finish. The choice (and the random tie-break's draws) is the same as with every forecast run out; only
-`last_scores` differs: a cut-off candidate reads inf. When the forecaster can guess cheaply (`estimates`: the
-simulator's reads each instance's work in progress and queued prompts, no fork), candidates are forecast in
-that order instead, so the best comes early and later forks stop sooner; and the forecaster skips the fork of
-a candidate whose first token cannot come before the horizon. Any order gives the same choice: a candidate
-tying the final best scores at most every horizon it was given.
+`last_scores` differs: a cut-off candidate reads inf. When the forecaster can guess cheaply (`estimates(ids,
+request, until)`: the simulator's reads each instance's work in progress, running decodes and queued prompts, no
+fork), candidates are forecast in that order instead, so the best comes early and later forks stop sooner; and
+the forecaster skips the fork of a candidate whose first token (`ttft`) or last token (`e2e`) cannot come
+before the horizon (`SimForecaster.first_token_bound`, `finish_bound`). Any order gives the same choice: a
+candidate tying the final best scores at most every horizon it was given.
 
 `max_forecasts: k` (0, the default: all) forecasts only the k candidates with the lowest estimate; the rest
 read inf. This one CHANGES decisions where the best candidate ranks below k by the estimate (on the
