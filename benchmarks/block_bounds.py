@@ -26,6 +26,7 @@ CONFIGS = {
     "bench-sync": ("bench-16xh100.yaml", ["workload.arrival.rate=120", "cluster.engine.async_scheduling=false"]),
     "bench-nochunk": ("bench-16xh100.yaml", ["workload.arrival.rate=120", "cluster.engine.enable_chunked_prefill=false"]),
     "bench-roofline": ("bench-16xh100.yaml", ["workload.arrival.rate=150", "cluster.perf.kind=roofline"]),
+    "bench-moe": ("bench-16xh100.yaml", ["workload.arrival.rate=60", "cluster.model=Qwen3-30B-A3B", "cluster.dtype=bf16"]),
     "quickstart": ("quickstart.yaml", ["workload.arrival.rate=60"]),
     "mooncake": ("mooncake-replay.yaml", []),  # a trace: --requests caps it
 }

@@ -303,7 +303,9 @@ def test_the_finish_bound_never_passes_the_forecast_finish(loads):
 
     run_checked(sc, stream, router=Check(objective="e2e"))
     assert len(gaps) > 400
-    if loads not in ("moe-fitted", "tight-kv"):  # a dense model with room: the co-scheduled decodes are counted
+    if loads == "moe-fitted":  # decodes counted a step, their touched experts level by level
+        assert np.median(rel) < 0.15
+    elif loads != "tight-kv":  # a dense model with room: the co-scheduled decodes are counted
         assert np.median(rel) < 0.05 and min(rel) < 0.002  # the bound is tight, not a trivial floor
 
 

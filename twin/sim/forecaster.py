@@ -115,20 +115,51 @@ def least_step_gpu_s(perf) -> float:
 
 
 def decode_steps_floor_s(perf, steps: int, decode_tokens: int, context_tokens: float, dense: bool,
-                         host: bool = False) -> float:
+                         host: bool = False, spans: list[tuple[int, int]] | None = None) -> float:
     """A floor under the GPU time of `steps` decode-only steps holding `decode_tokens` decodes and attending
     `context_tokens` tokens over all of them (each step at least one decode).
 
     On the roofline and the fitted model a decode step's GPU time is increasing in its decodes and its context,
     convex in its context (decode attention is the larger of two affine terms), and, for a dense model, jointly
-    convex in both (every other term is affine or the larger of affine ones; an MoE model's touched experts are
-    concave in the tokens). So by Jensen's inequality the steps take at least `steps` times the time of their
-    mean step, the means rounded down; for an MoE model, with one decode a step. `host` adds each step's CPU
-    term (affine in its decodes), which a synchronous engine runs in series."""
+    convex in both (every other term is affine or the larger of affine ones). So by Jensen's inequality the steps
+    take at least `steps` times the time of their mean step, the means rounded down. An MoE model's touched
+    experts are concave in the tokens, so there the step splits into its time at no context, increasing in the
+    decodes and summed over `spans` (each (first, last) step of a decode; a step holds as many decodes as spans
+    cover it) level by level (a step of N decodes takes at least that time at the largest power of two <= N),
+    and the rest, decode attention above its no-context value, which is
+    jointly convex (Jensen, decodes rounded up: it falls with them); without spans, one decode a step. `host` adds
+    each step's CPU term (affine in its decodes), which a synchronous engine runs in series."""
     if steps <= 0:
         return 0.0
-    n = decode_tokens // steps if dense else 1
-    return steps * decode_gpu_s(perf, max(1, n), int(context_tokens / steps), host) * (1 - 1e-6)  # sums round
+    if dense or not spans:
+        n = decode_tokens // steps if dense else 1
+        return steps * decode_gpu_s(perf, max(1, n), int(context_tokens / steps), host) * (1 - 1e-6)  # sums round
+    # steps holding at least q decodes, for q = 1, 2, 4, ...: a sweep over the spans' ends
+    events: dict[int, int] = {}
+    for a, b in spans:
+        events[a] = events.get(a, 0) + 1
+        events[b + 1] = events.get(b + 1, 0) - 1
+    levels: dict[int, int] = {}  # q -> steps with at least q decodes
+    cover = 0
+    last = 0
+    for m in sorted(events):
+        if cover > 0:
+            q = 1
+            while q <= cover:
+                levels[q] = levels.get(q, 0) + (m - last)
+                q *= 2
+        cover += events[m]
+        last = m
+    bare = 0.0  # the no-context part, layer by layer: R(N) >= R(1) + sum over q of [N >= 2q] (R(2q) - R(q))
+    prev = 0.0
+    for q in sorted(levels):
+        r = decode_gpu_s(perf, q, 0, host)
+        bare += levels[q] * (r - prev)
+        prev = r
+    n = -(-decode_tokens // steps)
+    c = int(context_tokens / steps)
+    attn = decode_gpu_s(perf, n, c, host) - decode_gpu_s(perf, n, 0, host)
+    return (bare + steps * attn) * (1 - 1e-6)
 
 
 class SimForecaster:
@@ -348,6 +379,7 @@ class SimForecaster:
             else:
                 started += gap
         # the first `out` steps after the origin: the running decodes' share (steps 1 .. k of each)
+        each: list[tuple[int, int]] = []  # every decode's span (an MoE model's floor counts decodes a step)
         head = tokens = 0
         ctx = 0.0
         for go, c in left:
@@ -360,6 +392,8 @@ class SimForecaster:
             ctx += k * (c + done_by_end) + k * (k - 1) / 2
             if k > head:
                 head = k
+            if not dense:
+                each.append((1, k))
         spans = [(1, head)] if head else []
         prefill = 0.0
         thr = cfg.long_prefill_token_threshold
@@ -427,7 +461,8 @@ class SimForecaster:
             if b > reach:
                 steps += b - max(a - 1, reach)
                 reach = b
-        return max(own, origin + decode_steps_floor_s(perf, steps, tokens, ctx, dense, sync) + max(0.0, prefill))
+        return max(own, origin + decode_steps_floor_s(perf, steps, tokens, ctx, dense, sync, each + (spans[1:] if head else spans))
+                   + max(0.0, prefill))
 
     def _held(self, inst) -> tuple | None:
         """What `_finish_bound` reads of an instance's own requests, whatever the extra one: each running decode's
