@@ -331,3 +331,42 @@ def test_the_kept_instance_reading_equals_a_fresh_one_at_every_decision(loads):
 
     run_checked(sc, stream, router=Check(objective="e2e"))
     assert kept[0] > 50  # the kept reading was used, not only recomputed
+
+
+@pytest.mark.parametrize("loads", ["sync", "async", "prefix-fitted", "moe-fitted"])
+def test_the_floor_read_in_a_fork_never_passes_its_finish(loads):
+    """`fork_finish_floor`, read between a fork's steps once the extra request decodes, is below the finish the
+    fork then reaches (a forecast with a horizon far out runs to the finish and looks at the floor on the way)."""
+    import twin.sim.forecaster as fmod
+
+    sc, stream = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
+                  "prefix-fitted": lambda: prefixed_loaded(**FITTED),
+                  "moe-fitted": lambda: api_loaded(**FITTED, **MOE)}[loads]()
+    floors, checked = [], [0]
+    orig = fmod.fork_finish_floor
+
+    def spy(f, request, perf, dense):
+        v = orig(f, request, perf, dense)
+        if v is not None:
+            floors.append(v)
+        return v
+
+    class Check(Block):
+        def choose(self, req, fleet):
+            fc = fleet.forecaster
+            now, shift = fc._cluster.env.now, fc._cluster.api_token_s()
+            for v in fleet.instances:
+                floors.clear()
+                got = fc.forecast(v.id, req, 1e6, "finish")  # a horizon it never reaches: looks, never cuts
+                assert got.e2e_s is not None
+                for b in floors:
+                    assert got.e2e_s + now - shift >= b
+                    checked[0] += 1
+            return super().choose(req, fleet)
+
+    fmod.fork_finish_floor = spy
+    try:
+        run_checked(sc, stream, router=Check(objective="e2e"))
+    finally:
+        fmod.fork_finish_floor = orig
+    assert checked[0] > 100

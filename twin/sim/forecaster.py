@@ -162,6 +162,45 @@ def decode_steps_floor_s(perf, steps: int, decode_tokens: int, context_tokens: f
     return (bare + steps * attn) * (1 - 1e-6)
 
 
+def fork_finish_floor(f: EngineFork, request: Request, perf, dense: bool) -> float | None:
+    """A time a fork's decoding `request` cannot finish before, read from the fork between two of its steps: when
+    it holds only decodes (nothing queued or in its prompt, no work in progress; the caller has no arrival left to
+    give it) and its free blocks cover every decode's growth to its end, every step holds every decode still to go
+    (`SimForecaster._finish_bound`), so the request's remaining steps last at least `decode_steps_floor_s` of
+    them. None when that does not hold, or off the roofline and the fitted model."""
+    s = f.scheduler
+    if s.waiting or s.inbox or s.prefilling or f.is_busy() or not request.in_decode or not _exact_model(perf):
+        return None
+    running = s.running
+    if len(running) > s.config.max_num_batched_tokens:
+        return None
+    g = s.group
+    bs = s.block_size
+    member_output = g.member_output
+    left = request.stop_at_tokens - member_output(request)
+    if left <= 0:
+        return None
+    demand = tokens = 0
+    ctx = 0.0
+    each: list[tuple[int, int]] = []
+    for r in running:
+        if not r.in_decode:
+            return None
+        done = member_output(r)
+        go = r.stop_at_tokens - done
+        demand += go // bs + 2
+        k = go if go < left else left
+        if k <= 0:
+            continue
+        tokens += k
+        ctx += k * (r.num_prompt_tokens + done) + k * (k - 1) / 2
+        if not dense:
+            each.append((1, k))
+    if demand > s.pool.get_num_free_blocks() - s._watermark_blocks:
+        return None
+    return f.now + decode_steps_floor_s(perf, left, tokens, ctx, dense, not s.async_scheduling, each)
+
+
 class SimForecaster:
     """Per-candidate look-ahead over the cluster's instances, for routers and scalers."""
 
@@ -173,6 +212,7 @@ class SimForecaster:
         self.horizon_s = horizon_s
         self.calls = 0
         self.cut_short = 0  # forecasts answered from the lower bound, without a fork
+        self.cut_in_fork = 0  # forks stopped once a floor on the extra request's finish passed the horizon
         self._fallback_at: tuple = (None, None, 0.0)  # (now, completions seen, the mean then)
         self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
         self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
@@ -649,6 +689,33 @@ class SimForecaster:
         out = max(1, int(math.ceil(_predicted(view, self._fallback()))))
         return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, out, list(view.prefix), -1)
 
+    def _finish_stop(self, f: EngineFork, extra: Request, horizon: float) -> Callable[[], bool]:
+        """`advance`'s stop test for a forecast to the extra request's finish with a horizon: its finish, or (looked
+        at a few times, once it decodes) a floor on its finish past the horizon (`fork_finish_floor`), where the
+        fork would run on only to report it censored."""
+        log = f.sink
+        x = self.EXTRA
+        perf = f.perf
+        dense = not perf.roofline.model.is_moe if type(perf) is FittedModel else (
+            type(perf) is RooflineModel and not perf.model.is_moe)
+        limit = horizon + _BOUND_MARGIN * max(1.0, abs(horizon))
+        looks = [3]
+
+        def stop() -> bool:
+            if x in log.finish_s:
+                return True
+            if looks[0] and extra.in_decode:
+                looks[0] -= 1
+                floor = fork_finish_floor(f, extra, perf, dense)
+                if floor is not None:
+                    looks[0] = 0
+                    if floor > limit:
+                        self.cut_in_fork += 1
+                        return True
+            return False
+
+        return stop
+
     def forecast(self, instance_id: str, extra_request: RequestView | None = None,
                  horizon_s: float | None = None, until: str = "finish") -> Forecast:
         self.calls += 1
@@ -668,18 +735,19 @@ class SimForecaster:
         log = f.sink
         cl = self._cluster
         arrivals = list(transit)
+        extra = None
         if extra_request is not None:
             # the engine sees the request after the API server's work, as in the cluster
             # (behind the requests queued in its API server: twin.sim.api_server)
-            arrivals.append((self._entry_s(instance_id, extra_request),
-                             self._engine_request(extra_request)))
+            extra = self._engine_request(extra_request)
+            arrivals.append((self._entry_s(instance_id, extra_request), extra))
         arrivals.sort(key=lambda a: a[0])  # stable: the extra request after any in transit at the same time
         for t_in, r in arrivals:
             f.arrive(r, t_in)
-        if until == "first_token" and extra_request is not None:
+        if until == "first_token" and extra is not None:
             stop = lambda: x in log.first_token_s  # noqa: E731
-        elif until == "finish" and extra_request is not None:
-            stop = lambda: x in log.finish_s  # noqa: E731
+        elif until == "finish" and extra is not None:
+            stop = self._finish_stop(f, extra, horizon) if horizon_s is not None else (lambda: x in log.finish_s)
         else:
             stop = None
         end = f.advance(until=horizon, stop=stop)
