@@ -166,13 +166,16 @@ def prefixed_loaded(n=160, seed=7, **overrides):
 
 
 FITTED = {"cluster.perf.kind": "fitted", "cluster.perf.profile": "h100-vllm"}
+MOE = {"cluster.model": "Mixtral-8x7B", "cluster.tensor_parallel": 2}
+LOADS = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
+         "fitted": lambda: api_loaded(**FITTED), "prefix-roofline": lambda: prefixed_loaded(),
+         "prefix-fitted": lambda: prefixed_loaded(**FITTED), "moe-fitted": lambda: api_loaded(**FITTED, **MOE),
+         "tight-kv": lambda: api_loaded(**{"cluster.engine.num_gpu_blocks_override": 400})}
 
 
 @pytest.mark.parametrize("loads", ["sync", "async", "fitted", "prefix-roofline", "prefix-fitted"])
 def test_the_first_token_bound_never_passes_the_forecast_first_token(loads):
-    sc, stream = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
-                  "fitted": lambda: api_loaded(**FITTED), "prefix-roofline": lambda: prefixed_loaded(),
-                  "prefix-fitted": lambda: prefixed_loaded(**FITTED)}[loads]()
+    sc, stream = LOADS[loads]()
     gaps = []
 
     class Check(Block):
@@ -270,8 +273,6 @@ def test_the_prefill_floor_is_below_every_chunking_of_the_prompt_mixed_with_deco
     assert max(tight) > 0.95  # one step of the whole prompt alone comes close: the floor is not a trivial 0
 
 
-MOE = {"cluster.model": "Mixtral-8x7B", "cluster.tensor_parallel": 2}
-
 
 @pytest.mark.parametrize("loads", ["sync", "async", "fitted", "prefix-roofline", "prefix-fitted", "moe-fitted",
                                    "tight-kv"])
@@ -279,11 +280,7 @@ def test_the_finish_bound_never_passes_the_forecast_finish(loads):
     """`finish_bound` is below the fork's own finish on every candidate of every decision: loads with decodes
     co-scheduled, partial prefills, queues, requests in the API server, prefix hits, an MoE model, and a KV
     pool small enough to preempt (where the bound must fall back)."""
-    sc, stream = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
-                  "fitted": lambda: api_loaded(**FITTED), "prefix-roofline": lambda: prefixed_loaded(),
-                  "prefix-fitted": lambda: prefixed_loaded(**FITTED),
-                  "moe-fitted": lambda: api_loaded(**FITTED, **MOE),
-                  "tight-kv": lambda: api_loaded(**{"cluster.engine.num_gpu_blocks_override": 400})}[loads]()
+    sc, stream = LOADS[loads]()
     gaps, rel = [], []
 
     class Check(Block):
@@ -313,8 +310,7 @@ def test_the_finish_bound_never_passes_the_forecast_finish(loads):
 def test_the_kept_instance_reading_equals_a_fresh_one_at_every_decision(loads):
     """`_held` keeps what it read of an instance while its signature (clock, steps, queues, decode group, free
     blocks, fallback length) is unchanged: at every decision it equals what a forecaster with nothing kept reads."""
-    sc, stream = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
-                  "prefix-fitted": lambda: prefixed_loaded(**FITTED)}[loads]()
+    sc, stream = LOADS[loads]()
     kept = [0]
 
     class Check(Block):
@@ -339,9 +335,7 @@ def test_the_floor_read_in_a_fork_never_passes_its_finish(loads):
     fork then reaches (a forecast with a horizon far out runs to the finish and looks at the floor on the way)."""
     import twin.sim.forecaster as fmod
 
-    sc, stream = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
-                  "prefix-fitted": lambda: prefixed_loaded(**FITTED),
-                  "moe-fitted": lambda: api_loaded(**FITTED, **MOE)}[loads]()
+    sc, stream = LOADS[loads]()
     floors, checked = [], [0]
     orig = fmod.fork_finish_floor
 

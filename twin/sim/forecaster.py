@@ -281,22 +281,22 @@ class SimForecaster:
         arrival, the request's own or one still in the API server, so what is decided runs on first), plus
         the least time the steps computing its prompt can take (`_prefill_floor_s`). `estimates`
         keeps what it read for the decision's forecasts (same clock, same request: nothing moves in between)."""
-        at, req, memo = self._bounds
+        b = self._kept(self._bounds, instance_id, extra_request)
+        return b if b is not None else self._first_token_bound(instance_id, extra_request)
+
+    def _kept(self, kept: tuple, instance_id: str, extra_request: RequestView, memo: dict | None = None) -> float | None:
+        """A value read for this decision (`kept`: the clock and the request it was read for, and the values by
+        instance, or those of `memo` under the same key), or None."""
+        at, req, values = kept
         if at == self._cluster.env.now and req is extra_request:
-            b = memo.get(instance_id)
-            if b is not None:
-                return b
-        return self._first_token_bound(instance_id, extra_request)
+            return (values if memo is None else memo).get(instance_id)
+        return None
 
     def finish_bound(self, instance_id: str, extra_request: RequestView) -> float:
         """An engine time the extra request's last token cannot come before, read without forking (see
         `_finish_bound`); `estimates(..., until="finish")` keeps what it read for the decision's forecasts."""
-        at, req, memo = self._fbounds
-        if at == self._cluster.env.now and req is extra_request:
-            b = memo.get(instance_id)
-            if b is not None:
-                return b
-        return self._finish_bound(instance_id, extra_request)
+        b = self._kept(self._fbounds, instance_id, extra_request)
+        return b if b is not None else self._finish_bound(instance_id, extra_request)
 
     def _finish_bound(self, instance_id: str, extra_request: RequestView) -> float:
         """The later of two floors under the extra request's finish in the fork (its predicted length L, the
@@ -596,12 +596,8 @@ class SimForecaster:
 
     def _entry_s(self, instance_id: str, extra_request: RequestView) -> float:
         """`api_entry_s` for the extra request, as `estimates` read it for this decision when it did."""
-        at, req, _memo = self._bounds
-        if at == self._cluster.env.now and req is extra_request:
-            t = self._entries.get(instance_id)
-            if t is not None:
-                return t
-        return self._cluster.api_entry_s(instance_id, extra_request.num_prompt_tokens)
+        t = self._kept(self._bounds, instance_id, extra_request, self._entries)
+        return t if t is not None else self._cluster.api_entry_s(instance_id, extra_request.num_prompt_tokens)
 
     def _first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
         inst = self._cluster.by_id[instance_id]
@@ -610,12 +606,8 @@ class SimForecaster:
 
     def _end_s(self, instance_id: str, extra_request: RequestView) -> float:
         """`_work_end` for the extra request, as `estimates` read it for this decision when it did."""
-        at, req, _memo = self._bounds
-        if at == self._cluster.env.now and req is extra_request:
-            t = self._ends.get(instance_id)
-            if t is not None:
-                return t
-        return self._work_end(instance_id, extra_request)
+        t = self._kept(self._bounds, instance_id, extra_request, self._ends)
+        return t if t is not None else self._work_end(instance_id, extra_request)
 
     def _work_end(self, instance_id: str, extra_request: RequestView) -> float:
         """The end of the work in progress that the extra request cannot join, and not before it reaches the
