@@ -510,7 +510,7 @@ class SimForecaster:
         request's (tokens, decodes after its prompt) in queue order, the blocks they may still take at most (each
         decode's growth, the rest whole), the most context they can attend to in one step (each at its predicted
         end), and the prompt tokens ahead (least, with the most prefix hits, with their attention pairs, and at
-        most); None when a partial prefill may leave a decode without budget for a step. Kept while the engine
+        most); None when a partial prefill may leave a decode without budget for a step (below). Kept while the engine
         and the predictions are unchanged (the engine's clock, steps, queues, decode group and free blocks, the
         fallback length)."""
         s = inst.scheduler
@@ -533,7 +533,16 @@ class SimForecaster:
             work += t - c0
             pairs += (t * (t + 1) - c0 * (c0 + 1)) / 2
         out: tuple | None = None
-        if len(running) + most_work <= s.config.max_num_batched_tokens:
+        cfg = s.config
+        pre = s.prefilling
+        # Every running decode gets its token each step when the budget covers them and the partial prefills (a
+        # decode behind one may be left without budget), or, without a long-prefill threshold, when the partial
+        # prefills are the tail of the running list: a prompt is left partial only when it took the step's whole
+        # budget, so whatever is admitted after it is admitted behind it (`Scheduler._schedule_running_fast`), and
+        # the decodes ahead of them are served first.
+        if len(running) + most_work <= cfg.max_num_batched_tokens or (
+                len(running) <= cfg.max_num_batched_tokens and cfg.long_prefill_token_threshold <= 0
+                and running[len(running) - len(pre):] == pre):
             predict = self._predictor()
             member_output = g.member_output
             demand = most = 0
