@@ -47,14 +47,27 @@ class RecentWindow:
         self.total_arrivals = 0
         self.total_completions = 0
         self.first_arrival_s: float | None = None  # kept when trimmed: bins before it were never observed
+        # running prompt and output totals after each completion, beside `completions` (`mean_lengths` reads a
+        # window as the difference of two of them), the totals of those trimmed, and per window length the
+        # first completion inside it at the last look (its number since the start, and that look's time)
+        self._cum: deque[tuple[int, int]] = deque()
+        self._sum_p = 0
+        self._sum_o = 0
+        self._trimmed = (0, 0)
+        self._first_in: dict[float, tuple[int, float]] = {}
+        self._in_order = True  # completions came in time order (`recent` is then a suffix from a cursor)
 
     def _trim(self, now: float) -> None:
         cut = now - self.horizon_s
         a, c = self.arrivals, self.completions
         while a and a[0][0] < cut:
             a.popleft()
+        cum = self._cum
+        aligned = len(cum) == len(c)
         while c and c[0].t < cut:
             c.popleft()
+            if aligned:
+                self._trimmed = cum.popleft()
 
     def arrived(self, t: float, prompt_tokens: int) -> None:
         if self.first_arrival_s is None:
@@ -65,7 +78,13 @@ class RecentWindow:
             self._trim(t)
 
     def finished(self, t: float, ttft_s: float, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
-        self.completions.append(Completion(t, ttft_s, e2e_s, prompt_tokens, output_tokens))
+        c = self.completions
+        if c and t < c[-1].t:
+            self._in_order = False
+        c.append(Completion(t, ttft_s, e2e_s, prompt_tokens, output_tokens))
+        self._sum_p += prompt_tokens
+        self._sum_o += output_tokens
+        self._cum.append((self._sum_p, self._sum_o))
         self.total_completions += 1
         if len(self.completions) & 1023 == 0:
             self._trim(t)
@@ -116,7 +135,34 @@ class RecentWindow:
         return n / span
 
     def mean_lengths(self, now: float, window_s: float) -> tuple[float | None, float | None]:
-        """Mean prompt and output tokens of the requests completed in the window."""
+        """Mean prompt and output tokens of the requests completed in the window (those `recent` gives).
+
+        Read as the difference of two running totals, from where the window began at the last look, moved
+        forward (time only moves on): a forecaster asks once a decision, and a scan of a 600 s window of
+        completions grew with the run. Completions added by hand (not through `finished`) or out of time
+        order, or a look back in time, are scanned as before; the sums are the same integers either way."""
+        c = self.completions
+        cum = self._cum
+        if not self._in_order or len(cum) != len(c):
+            return self._scan_means(now, window_s)
+        cut = now - window_s
+        base = self.total_completions - len(c)  # completions trimmed
+        seen = self._first_in.get(window_s)
+        if seen is None or now < seen[1] or seen[0] < base:
+            rec_n = len(self.recent(now, window_s))
+            g = self.total_completions - rec_n
+        else:
+            g = seen[0]
+            while g < self.total_completions and c[g - base].t < cut:
+                g += 1
+        self._first_in[window_s] = (g, now)
+        n = self.total_completions - g
+        if n == 0:
+            return None, None
+        p0, o0 = cum[g - base - 1] if g > base else self._trimmed
+        return (self._sum_p - p0) / n, (self._sum_o - o0) / n
+
+    def _scan_means(self, now: float, window_s: float) -> tuple[float | None, float | None]:
         rec = self.recent(now, window_s)
         if not rec:
             return None, None
