@@ -245,7 +245,7 @@ def test_the_prefill_floor_is_below_every_chunking_of_the_prompt_mixed_with_deco
     shares the steps (decodes, other prompts' chunks): what the forecaster's first-token bound stands on."""
     from twin.perf.base import StepBatch
     from twin.perf.registry import build_perf
-    from twin.sim.forecaster import prefill_floor_s
+    from twin.sim.floors import prefill_floor_s
 
     sc = make_scenario(**{"cluster.model": model, "cluster.tensor_parallel": 2, "cluster.perf.kind": kind,
                           **({"cluster.perf.profile": "h100-vllm"} if kind == "fitted" else {})})
