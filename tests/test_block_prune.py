@@ -173,10 +173,12 @@ LOADS = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded
          "tight-kv": lambda: api_loaded(**{"cluster.engine.num_gpu_blocks_override": 400})}
 
 
-@pytest.mark.parametrize("loads", ["sync", "async", "fitted", "prefix-roofline", "prefix-fitted"])
-def test_the_first_token_bound_never_passes_the_forecast_first_token(loads):
+def bound_gaps(loads, objective):
+    """Block (`objective`) on the named load, checking at every decision that each candidate's bound (first token
+    or finish) is at most what its fork, run with no horizon, reaches: (gaps, gaps relative to the forecast)."""
     sc, stream = LOADS[loads]()
-    gaps = []
+    until = "first_token" if objective == "ttft" else "finish"
+    gaps, rel = [], []
 
     class Check(Block):
         def choose(self, req, fleet):
@@ -184,14 +186,23 @@ def test_the_first_token_bound_never_passes_the_forecast_first_token(loads):
             now = fc._cluster.env.now
             shift = fc._cluster.api_token_s()
             for v in fleet.instances:
-                bound = fc.first_token_bound(v.id, req)
-                got = fc.forecast(v.id, req, None, "first_token")  # no horizon: never cut short
-                assert got.ttft_s is not None
-                assert got.ttft_s + now - shift >= bound, (v.id, got.ttft_s + now - shift, bound)
-                gaps.append(got.ttft_s + now - shift - bound)
+                bound = (fc.first_token_bound if until == "first_token" else fc.finish_bound)(v.id, req)
+                got = fc.forecast(v.id, req, None, until)  # no horizon: never cut short
+                x = got.ttft_s if until == "first_token" else got.e2e_s
+                assert x is not None
+                t = x + now - shift
+                assert t >= bound, (v.id, t, bound)
+                gaps.append(t - bound)
+                rel.append((t - bound) / max(1e-9, t - now))
             return super().choose(req, fleet)
 
-    run_checked(sc, stream, router=Check(objective="ttft"))
+    run_checked(sc, stream, router=Check(objective=objective))
+    return gaps, rel
+
+
+@pytest.mark.parametrize("loads", ["sync", "async", "fitted", "prefix-roofline", "prefix-fitted"])
+def test_the_first_token_bound_never_passes_the_forecast_first_token(loads):
+    gaps, _ = bound_gaps(loads, "ttft")
     assert len(gaps) > 400 and min(gaps) < 0.01  # the bound is tight somewhere, not a trivial 0
 
 
@@ -280,25 +291,7 @@ def test_the_finish_bound_never_passes_the_forecast_finish(loads):
     """`finish_bound` is below the fork's own finish on every candidate of every decision: loads with decodes
     co-scheduled, partial prefills, queues, requests in the API server, prefix hits, an MoE model, and a KV
     pool small enough to preempt (where the bound must fall back)."""
-    sc, stream = LOADS[loads]()
-    gaps, rel = [], []
-
-    class Check(Block):
-        def choose(self, req, fleet):
-            fc = fleet.forecaster
-            now = fc._cluster.env.now
-            shift = fc._cluster.api_token_s()
-            for v in fleet.instances:
-                bound = fc.finish_bound(v.id, req)
-                got = fc.forecast(v.id, req, None, "finish")  # no horizon: never cut short
-                assert got.e2e_s is not None
-                fin = got.e2e_s + now - shift
-                assert fin >= bound, (v.id, fin, bound)
-                gaps.append(fin - bound)
-                rel.append((fin - bound) / max(1e-9, fin - now))
-            return super().choose(req, fleet)
-
-    run_checked(sc, stream, router=Check(objective="e2e"))
+    gaps, rel = bound_gaps(loads, "e2e")
     assert len(gaps) > 400
     if loads == "moe-fitted":  # decodes counted a step, their touched experts level by level
         assert np.median(rel) < 0.15
