@@ -82,8 +82,8 @@ class Block(RouterBase):
         prune = self.prune and self.objective != "makespan"  # a cut-off fork is not drained: no drain time to bound
         estimates = getattr(fleet.forecaster, "estimates", None)
         if estimates is not None and (prune or self.max_forecasts):
-            est = estimates([v.id for v in insts], req, until) if until == "finish" else estimates(
-                [v.id for v in insts], req)
+            ids = [v.id for v in insts]
+            est = estimates(ids, req, until) if until == "finish" else estimates(ids, req)
             order = sorted(insts, key=lambda v: (est[v.id], v.inflight_requests))
         else:
             order = sorted(insts, key=lambda v: v.inflight_requests) if prune or self.max_forecasts else insts

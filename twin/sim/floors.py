@@ -35,6 +35,27 @@ def prefill_floor_s(perf, new_tokens: int, attn_pairs: float) -> float:
     return v * (1 - 1e-6) if v > 0.0 else 0.0  # a hair under: the engine's sums round
 
 
+def prompt_pairs(tokens: int, done: int) -> float:
+    """The (query, key) pairs of attention in computing a prompt's tokens `done` + 1 .. `tokens`
+    (twin.engine.output: n x c + n (n + 1) / 2 a chunk)."""
+    return (tokens * (tokens + 1) - done * (done + 1)) / 2
+
+
+def least_prompt_work(tokens: int, keyed_blocks: int, block_size: int) -> tuple[int, float]:
+    """The prompt tokens a request computes at least, and their attention pairs: the prefix cache can spare at
+    most the blocks its keys cover, and never the last token (vLLM recomputes it:
+    `KVCacheManager.get_computed_blocks`)."""
+    hit = min(tokens - 1, keyed_blocks * block_size) if keyed_blocks else 0
+    return tokens - hit, prompt_pairs(tokens, hit)
+
+
+def is_dense(perf) -> bool:
+    """Whether the step model's model is dense (its decode step is jointly convex: `decode_steps_floor_s`)."""
+    if type(perf) is FittedModel:
+        return not perf.roofline.model.is_moe
+    return type(perf) is RooflineModel and not perf.model.is_moe
+
+
 def _exact_model(perf) -> bool:
     """The step models whose terms the bounds below are proved on, matched exactly (a subclass may price
     steps otherwise)."""

@@ -20,11 +20,9 @@ from twin.sim.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.perf.base import StepBatch
-from twin.perf.fitted import FittedModel
-from twin.perf.roofline import RooflineModel
 from twin.policy.views import Forecast, RequestView
-from twin.sim.floors import (_exact_model, decode_gpu_s, decode_steps_floor_s, fork_finish_floor, least_step_gpu_s,
-                             prefill_floor_s)
+from twin.sim.floors import (_exact_model, decode_gpu_s, decode_steps_floor_s, fork_finish_floor, is_dense,
+                             least_prompt_work, least_step_gpu_s, prefill_floor_s, prompt_pairs)
 
 # a fork's clock adds durations to the time it resumed from, so it can land an ulp or so off the ends a lower
 # bound reads; a forecast is cut off only when the bound passes its horizon by more than this (relative)
@@ -37,6 +35,12 @@ def _predicted(view: RequestView | None, fallback: float) -> float:
     if view is not None and view.max_tokens is not None:
         return view.max_tokens
     return fallback
+
+
+def stop_for(predicted: float, done: int) -> int:
+    """The stop length a fork gives a request predicted to produce `predicted` tokens, `done` of them already:
+    never below one more than it produced."""
+    return max(int(math.ceil(predicted)), done + 1)
 
 
 def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callable[[int], float | None]) -> None:
@@ -54,25 +58,33 @@ def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callab
         x = predict(r.idx)
         if r.in_decode:
             if x is not None:
-                done = member_output(r)
-                r.stop_at_tokens = max(int(math.ceil(x)), done + 1)
+                r.stop_at_tokens = stop_for(x, member_output(r))
             seq += 1
             r.heap_seq = seq
             heap.append((r.d_base + r.stop_at_tokens - r.out_base, seq, r))
         elif x is not None:
-            r.stop_at_tokens = max(int(math.ceil(x)), r.num_output_tokens + 1)
+            r.stop_at_tokens = stop_for(x, r.num_output_tokens)
     for r in s.waiting:
         x = predict(r.idx)
         if x is not None:
-            done = member_output(r) if r.in_decode else r.num_output_tokens
-            r.stop_at_tokens = max(int(math.ceil(x)), done + 1)
+            r.stop_at_tokens = stop_for(x, member_output(r) if r.in_decode else r.num_output_tokens)
     for r, _t in s.inbox:  # async: reached the engine, not yet seen by a decision; its true length stays hidden too
         x = predict(r.idx)
         if x is not None:
-            r.stop_at_tokens = max(int(math.ceil(x)), r.num_output_tokens + 1)
+            r.stop_at_tokens = stop_for(x, r.num_output_tokens)
     g.heap_seq = seq
     heapq.heapify(heap)
     g.finish_heap = heap
+
+
+def _queued_share(r: Request, stop: int, block_size: int) -> tuple[int, int, tuple[int, int], int, float]:
+    """What a request queued for the engine (waiting, in its inbox or in the API server) adds to a finish bound, at
+    its predicted `stop`: the blocks it may take at most, the most context it attends to, (its tokens, its decodes
+    after its prompt), and the prompt tokens it computes at least with their attention pairs."""
+    t = r.num_tokens
+    w, pp = least_prompt_work(t, len(r.block_keys), block_size)
+    return (r.num_prompt_tokens + stop) // block_size + 2, r.num_prompt_tokens + stop, \
+        (t, stop - r.num_output_tokens - 1), w, pp
 
 
 class SimForecaster:
@@ -121,7 +133,7 @@ class SimForecaster:
         for _, r in transit:
             x = predict(r.idx)
             if x is not None:
-                r.stop_at_tokens = max(1, int(math.ceil(x)))
+                r.stop_at_tokens = stop_for(x, 0)
         apply_predicted_lengths(f, predict)
         return f, transit
 
@@ -199,17 +211,18 @@ class SimForecaster:
         if not _exact_model(perf):
             return first
         n = extra_request.num_prompt_tokens
-        out = max(1, int(math.ceil(_predicted(extra_request, self._fallback()))))
+        out = self._output_tokens(extra_request)
         if out == 1:
             return first
-        dense = not perf.roofline.model.is_moe if type(perf) is FittedModel else not perf.model.is_moe
+        dense = is_dense(perf)
         s = inst.scheduler
         sync = not s.async_scheduling  # a step lasts its whole step_time (Scheduler.step_duration)
         # its own decodes alone: contexts n + 1 .. n + out - 1
         key = (id(perf), sync)
-        alone = self._per_request(extra_request).get(key)
+        memo = self._per_request(extra_request)
+        alone = memo.get(key)
         if alone is None:
-            alone = self._per_request(extra_request)[key] = decode_steps_floor_s(
+            alone = memo[key] = decode_steps_floor_s(
                 perf, out - 1, out - 1, (out - 1) * n + out * (out - 1) / 2, dense, sync)
         own = first + alone
         cfg = s.config
@@ -234,19 +247,17 @@ class SimForecaster:
         behind = [r for r, t in transit.values() if t > t_in]
         for r in queued:
             x = predict(r.idx)
-            stop = r.stop_at_tokens if x is None else max(1, int(math.ceil(x)))
-            demand += (r.num_prompt_tokens + stop) // bs + 2
-            most += r.num_prompt_tokens + stop
-            t = r.num_tokens
-            waits.append((t, stop - r.num_output_tokens - 1))
-            h = min(t - 1, len(r.block_keys) * bs)
+            blocks, reach, wait, w, pp = _queued_share(r, r.stop_at_tokens if x is None else stop_for(x, 0), bs)
+            demand += blocks
+            most += reach
+            waits.append(wait)
             ahead += 1
-            most_work += t
-            work += t - h
-            pairs += (t * (t + 1) - h * (h + 1)) / 2
+            most_work += r.num_tokens
+            work += w
+            pairs += pp
         for r in behind:
             x = predict(r.idx)
-            stop = r.stop_at_tokens if x is None else max(1, int(math.ceil(x)))
+            stop = r.stop_at_tokens if x is None else stop_for(x, 0)
             demand += (r.num_prompt_tokens + stop) // bs + 2
             most += r.num_prompt_tokens + stop
         if demand > s.pool.get_num_free_blocks() - s._watermark_blocks:
@@ -357,9 +368,7 @@ class SimForecaster:
                     # without a long-prefill share a step gives it budget only once the prompts ahead are done, so
                     # it has at most one step more than its chunks (the first, shared); and the prompts ahead and
                     # its own are all in steps 1 .. u (none is computed before the origin)
-                    hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size) \
-                        if extra_request.prefix else 0
-                    w, pp = n - hit, (n * (n + 1) - hit * (hit + 1)) / 2
+                    w, pp = least_prompt_work(n, len(extra_request.prefix), extra_request.prefix_block_size)
                     others = len(running) + ahead + len(behind)
                     if thr <= 0 or most_work == 0:
                         x_steps = -(-n // (chunk if thr <= 0 or thr >= chunk else thr)) + (1 if most_work else 0)
@@ -405,7 +414,7 @@ class SimForecaster:
             c0, t = r.num_computed_tokens, r.num_tokens
             most_work += t - c0
             work += t - c0
-            pairs += (t * (t + 1) - c0 * (c0 + 1)) / 2
+            pairs += prompt_pairs(t, c0)
         out: tuple | None = None
         cfg = s.config
         pre = s.prefilling
@@ -426,12 +435,12 @@ class SimForecaster:
                 x = predict(r.idx)
                 if r.in_decode:
                     done = member_output(r)
-                    stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), done + 1)
+                    stop = r.stop_at_tokens if x is None else stop_for(x, done)
                     go = stop - done
                     demand += go // bs + 2
                     left.append((go, r.num_prompt_tokens + done))
                 else:
-                    stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), r.num_output_tokens + 1)
+                    stop = r.stop_at_tokens if x is None else stop_for(x, r.num_output_tokens)
                     demand += (r.num_prompt_tokens + stop) // bs + 2
                     partial.append((r.num_tokens - r.num_computed_tokens, r.num_tokens,
                                     stop - r.num_output_tokens - 1))
@@ -440,31 +449,29 @@ class SimForecaster:
             for q in (s.waiting, [r for r, _t in s.inbox]):
                 for r in q:
                     x = predict(r.idx)
-                    stop = r.stop_at_tokens if x is None else max(int(math.ceil(x)), r.num_output_tokens + 1)
-                    demand += (r.num_prompt_tokens + stop) // bs + 2
-                    most += r.num_prompt_tokens + stop
-                    t = r.num_tokens
-                    waits.append((t, stop - r.num_output_tokens - 1))
-                    h = min(t - 1, len(r.block_keys) * bs)
-                    most_work += t
-                    work += t - h
-                    pairs += (t * (t + 1) - h * (h + 1)) / 2
+                    blocks, reach, wait, w, pp = _queued_share(
+                        r, r.stop_at_tokens if x is None else stop_for(x, r.num_output_tokens), bs)
+                    demand += blocks
+                    most += reach
+                    waits.append(wait)
+                    most_work += r.num_tokens
+                    work += w
+                    pairs += pp
             out = (left, partial, demand, most, work, pairs, most_work, tuple(waits))
         self._held_memo[inst.id] = (sig, out)
         return out
 
     def _prefill_floor_s(self, perf, extra_request: RequestView) -> float:
         """A time the extra request's own steps take at least, from when the first of them starts to its first
-        token, or 0 where the step model does not say (`prefill_floor_s`). The prefix cache can spare at most the
-        blocks the request's keys cover, and never the last token (vLLM recomputes it:
-        `KVCacheManager.get_computed_blocks`), so at least `prompt - hit` tokens are computed, with the
-        (query, key) pairs from `hit` on (twin.engine.output: n x c + n (n + 1) / 2 a chunk)."""
+        token, or 0 where the step model does not say (`prefill_floor_s`), of the least prompt work the prefix
+        cache leaves it (`least_prompt_work`); kept for the decision."""
         key = (id(perf), "prefill")
-        v = self._per_request(extra_request).get(key)
+        memo = self._per_request(extra_request)
+        v = memo.get(key)
         if v is None:
-            n = extra_request.num_prompt_tokens
-            hit = min(n - 1, len(extra_request.prefix) * extra_request.prefix_block_size) if extra_request.prefix else 0
-            v = self._per_request(extra_request)[key] = prefill_floor_s(perf, n - hit, (n * (n + 1) - hit * (hit + 1)) / 2)
+            w, pp = least_prompt_work(extra_request.num_prompt_tokens, len(extra_request.prefix),
+                                      extra_request.prefix_block_size)
+            v = memo[key] = prefill_floor_s(perf, w, pp)
         return v
 
     def _per_request(self, extra_request: RequestView) -> dict:
@@ -560,9 +567,14 @@ class SimForecaster:
         self._fbounds = (now, extra_request, finish)
         return out
 
+    def _output_tokens(self, view: RequestView) -> int:
+        """The output length the extra request runs to in a fork: its prediction, else its cap, else the recent
+        mean (`_predicted`), at least one token."""
+        return max(1, int(math.ceil(_predicted(view, self._fallback()))))
+
     def _engine_request(self, view: RequestView) -> Request:
-        out = max(1, int(math.ceil(_predicted(view, self._fallback()))))
-        return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, out, list(view.prefix), -1)
+        return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, self._output_tokens(view),
+                       list(view.prefix), -1)
 
     def _finish_stop(self, f: EngineFork, extra: Request, horizon: float) -> Callable[[], bool]:
         """`advance`'s stop test for a forecast to the extra request's finish with a horizon: its finish, or (looked
@@ -571,8 +583,7 @@ class SimForecaster:
         log = f.sink
         x = self.EXTRA
         perf = f.perf
-        dense = not perf.roofline.model.is_moe if type(perf) is FittedModel else (
-            type(perf) is RooflineModel and not perf.model.is_moe)
+        dense = is_dense(perf)
         limit = horizon + _BOUND_MARGIN * max(1.0, abs(horizon))
         looks = [3]
 
