@@ -59,7 +59,7 @@ def main() -> None:
         rows = score(held_out, rpc, overrides)
         write_csv(rows, args.out / f"held_out_{label}.csv")
         plot(rows, args.out / f"held_out_{label}.png", f"{label} on the held-out TP 4 points ({rpc} requests/client)")
-        agg = aggregate(rows)[0]
+        agg = aggregate([r for r in rows if not r["bad_run"]])[0]
         figures[label] = {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)}
                           for m in METRICS}
         print(label, figures[label])
@@ -79,7 +79,7 @@ def cross_model(points, out: Path, rpc: int) -> None:
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     rows = score(held_out, rpc, ["cluster.perf.kind=fitted", f"cluster.perf.fit_path={path}"])
     write_csv(rows, out / "cross_model.csv")
-    agg = aggregate(rows)[0]
+    agg = aggregate([r for r in rows if not r["bad_run"]])[0]
     print("fit on Llama, scored on gpt-oss:",
           {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)} for m in METRICS})
 

@@ -2,9 +2,11 @@
 
 Each row of FILE is one measured point: a model on a GPU at a tensor-parallel degree and precision, vLLM engine
 settings, and a closed-loop load (`concurrency` clients, fixed `isl` / `osl` lengths), with the measured mean TTFT
-and TPOT in ms (the columns of tests/data/inferencex-h100-vllm.csv, SemiAnalysis InferenceX as vendored by
-inference-sim). Each point is simulated under that load (twin.workload.closed_loop), deterministically, and
-compared: MAPE and mean signed error per metric, and the error of every point.
+and TPOT in ms (the columns of tests/data/inferencex-h100-vllm.csv and inferencex-h200-vllm.csv, SemiAnalysis
+InferenceX as vendored by inference-sim). Each point is simulated under that load (twin.workload.closed_loop),
+deterministically, and compared: MAPE and mean signed error per metric, and the error of every point. Bad runs
+(`bad_runs`: a TTFT over twice that of more clients in the same series) are scored and listed but left out of the
+figures.
 
 The load, as InferenceMAX's client runs it (its README: bench_serving/benchmark_serving.py, `--dataset-name
 random --random-range-ratio 0.8 --num-prompts CONC x 10 --max-concurrency CONC --request-rate inf --ignore-eos`):
@@ -40,6 +42,9 @@ PRECISIONS = {"fp8": "fp8", "bf16": "bf16", "fp16": "fp16", "fp4": "mxfp4", "mxf
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # ASSUMPTION for rows without an engine log: InferenceMAX's launch
 DEFAULT_MAX_MODEL_LEN = 10240  # ASSUMPTION for rows without an engine log: what the logged rows ran
 RANGE_RATIO = 0.8  # InferenceMAX's client: --random-range-ratio 0.8
+# a point whose mean TTFT is more than this many times that of a higher concurrency in its series is a bad run (see
+# `bad_runs`): the H200 table has four (4.7-10.8 s between neighbours of 0.05-1.5 s), the H100 table none
+BAD_RUN_RATIO = 2.0
 
 
 @dataclass
@@ -73,6 +78,22 @@ class Point:
         e2e = ttft_ms + (o - 1) * tpot_ms
         return {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": e2e,
                 "throughput_tok_s": self.concurrency * o / (e2e / 1e3)}
+
+
+def bad_runs(points: list[Point], ratio: float = BAD_RUN_RATIO) -> set[int]:
+    """The lines of points whose mean TTFT is more than `ratio` x the TTFT of a higher concurrency in the same series
+    (model, GPU, precision, TP, lengths). In a closed loop more clients can only queue more, so such a TTFT is a
+    disturbed or failed run (the source does not say which), not a load the twin should match: `twin score` lists
+    these and leaves them out of its figures. A saturated top concurrency (KV cache full) is kept: nothing above it."""
+    series: dict[tuple, list[Point]] = {}
+    for p in points:
+        series.setdefault((p.model, p.gpu, p.dtype, p.tp, p.isl, p.osl), []).append(p)
+    bad = set()
+    for pts in series.values():
+        for p in pts:
+            if any(q.concurrency > p.concurrency and p.ttft_ms > ratio * q.ttft_ms for q in pts):
+                bad.add(p.line)
+    return bad
 
 
 def _cell(row: dict, col: str) -> str:
@@ -215,7 +236,9 @@ def predict(p: Point, requests_per_client: int, overrides: list[str] | None = No
 
 def score(points: list[Point], requests_per_client: int = 10, overrides: list[str] | None = None,
           progress: Callable[[int, Point], None] | None = None, range_ratio: float = RANGE_RATIO) -> list[dict]:
-    """One row per point: measured, predicted and signed % error ((predicted - measured) / measured) per metric."""
+    """One row per point: measured, predicted and signed % error ((predicted - measured) / measured) per metric, and
+    whether it is a bad run (`bad_runs`: scored, but left out of the figures)."""
+    bad = bad_runs(points)
     rows = []
     for i, p in enumerate(points):
         if progress is not None:
@@ -223,7 +246,8 @@ def score(points: list[Point], requests_per_client: int = 10, overrides: list[st
         pred = predict(p, requests_per_client, overrides, range_ratio)
         meas = p.derived(p.ttft_ms, p.tpot_ms, range_ratio)
         row = {"line": p.line, "model": p.model, "gpu": p.gpu, "dtype": p.dtype, "tp": p.tp, "label": p.label,
-               "isl": p.isl, "osl": p.osl, "concurrency": p.concurrency, "requests": pred["requests"],
+               "isl": p.isl, "osl": p.osl, "concurrency": p.concurrency, "bad_run": p.line in bad,
+               "requests": pred["requests"],
                "finished": pred["finished"], "preemptions": pred["preemptions"]}
         for m in METRICS:
             row[f"{m}_measured"] = meas[m]
@@ -268,7 +292,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 4.2))
     models = sorted({r["model"] for r in rows})
-    marks = {2: "o", 4: "s", 8: "^"}
+    marks = {1: "D", 2: "o", 4: "s", 8: "^"}
     for ax, m in zip(axes, METRICS):
         for k, model in enumerate(models):
             for tp in sorted({r["tp"] for r in rows if r["model"] == model}):
@@ -308,14 +332,19 @@ def run_score(path: str | Path, out: Path, requests_per_client: int = 10, overri
         raise TwinInputError(f"--range-ratio: must be in (0, 1], got {range_ratio}")
     points = read_points(path)
     rows = score(points, requests_per_client, overrides, progress, range_ratio)
-    overall = aggregate(rows)[0]
-    groups = aggregate(rows, ("model", "tp"))
+    kept = [r for r in rows if not r["bad_run"]]
+    if not kept:
+        raise TwinInputError(f"{path}: every point is a bad run (a TTFT over {BAD_RUN_RATIO:g}x that of a higher "
+                             "concurrency in its series): nothing to score")
+    overall = aggregate(kept)[0]
+    groups = aggregate(kept, ("model", "tp"))
     out = Path(out)
     write_csv(rows, out / "score_points.csv")
     write_csv([{"model": "all", "tp": "all", **overall}] + groups, out / "score_summary.csv")
-    plot(rows, out / "score.png", f"twin vs {Path(path).name} ({len(rows)} points, {requests_per_client} "
+    plot(kept, out / "score.png", f"twin vs {Path(path).name} ({len(kept)} points, {requests_per_client} "
                                   "requests per client)")
-    return {"rows": rows, "overall": overall, "groups": groups, "out": str(out)}
+    return {"rows": rows, "overall": overall, "groups": groups, "out": str(out),
+            "bad_runs": [r for r in rows if r["bad_run"]]}
 
 
 def print_score(result: dict, console) -> None:
@@ -332,4 +361,10 @@ def print_score(result: dict, console) -> None:
         t.add_row(str(g["model"]), str(g["tp"]), str(g["points"]),
                   *(f"{g[f'{m}_mape']:.1f} ({g[f'{m}_signed']:+.1f})" for m in METRICS))
     console.print(t)
+    bad = result.get("bad_runs") or []
+    if bad:
+        console.print(f"left out as bad runs ({len(bad)}: a mean TTFT over {BAD_RUN_RATIO:g}x that of a higher "
+                      "concurrency in the same series): " + "; ".join(
+                          f"line {r['line']} {r['model']} TP{r['tp']} {r['label']} c{r['concurrency']} "
+                          f"({r['ttft_ms_measured']:,.0f} ms)" for r in bad), highlight=False)
     console.print(f"wrote {result['out']}/score_points.csv, score_summary.csv, score.png", highlight=False)

@@ -16,7 +16,7 @@ measured last wave (`gemm_tail_tokens`, not fitted); an MoE model's linear group
 `moe_compute` where its FLOPs bound it at the floor (a prefill) and `moe_linear` where its weight reads do (a decode).
 The host terms (step_s, per_request_s) are hidden under the GPU by async scheduling and keep the roofline's defaults.
 The coefficients are the non-negative least-squares fit of the relative errors (rows divided by the measured value). Points whose load
-does not fit the KV cache (queueing and preemption the picture leaves out) are not fitted on. The picture is only
+does not fit the KV cache (queueing and preemption the picture leaves out) are not fitted on, nor are bad runs. The picture is only
 the fit's design matrix: the profile is then scored by simulating every point (`twin score`).
 """
 
@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from twin.analysis.gpu_fidelity import RANGE_RATIO, Point, point_scenario
+from twin.analysis.gpu_fidelity import RANGE_RATIO, Point, bad_runs, point_scenario
 from twin.perf.base import StepBatch
 from twin.perf.fitted import BASIS
 from twin.perf.roofline import GROUPS
@@ -101,7 +101,10 @@ def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: 
     from scipy.optimize import lsq_linear
 
     rows, ys, used = [], [], 0
+    bad = bad_runs(list(points))
     for p in points:
+        if p.line in bad:  # a disturbed run (twin.analysis.gpu_fidelity), not a load to fit
+            continue
         tpot, ttft, api, fits = point_features(p, range_ratio)
         if not fits:
             continue
