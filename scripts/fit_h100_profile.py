@@ -1,10 +1,11 @@
 """Fit the shipped `h100-vllm` step-time profile (twin/perf/profiles/h100-vllm.yaml) on the InferenceX H100 table.
 
-Fits on the TP 2 and TP 8 points of both models (twin.analysis.profile_fit), then scores the held-out TP 4 points by
-simulating each under its closed-loop load (10 requests per client, as InferenceMAX sends), against the roofline
-with its defaults on the same points, and writes the figures into the profile's `fit` section. Deterministic.
+Fits on the TP 2 and TP 8 points of both models (twin.analysis.profile_fit: the steady-state picture, then `refine` on
+the simulated points, about 10 minutes on 2 cores), then scores the held-out TP 4 points by simulating each under its
+closed-loop load (10 requests per client, as InferenceMAX sends), against the roofline with its defaults on the same
+points, and writes the figures into the profile's `fit` section. Deterministic.
 
-Usage: PYTHONPATH=. python scripts/fit_h100_profile.py [--out runs/h100-profile]
+Usage: PYTHONPATH=. python scripts/fit_h100_profile.py [--out runs/h100-profile] [--iterations 2] [--no-refine]
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ sys.path.insert(0, str(ROOT))
 
 from twin.analysis.gpu_fidelity import METRICS, aggregate, plot, read_points, score, write_csv  # noqa: E402
 from twin.perf.fitted import PROFILES  # noqa: E402
-from twin.analysis.profile_fit import fit, profile_document, split  # noqa: E402
+from twin.analysis.profile_fit import HOST_TERMS, fit, profile_document, refine, split  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "inferencex-h100-vllm.csv"
 NAME = "h100-vllm"
 # the GPUs whose scenarios take this profile by default (perf.kind auto): the SXM Hoppers, whose NVLink the fitted
 # all-reduce terms saw; H200 through its own datasheet numbers in the basis (no H200 vLLM data here to check it)
 DEFAULT_FOR = ("H100-SXM-80GB", "H200-SXM-141GB")
-HOST = {"step_s": 0.002, "per_request_s": 4.0e-6}  # the roofline's host terms (hidden under async scheduling)
+HOST = HOST_TERMS  # the roofline's host terms (hidden under async scheduling)
 
 
 def train(p) -> bool:
@@ -38,18 +39,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "h100-profile")
     ap.add_argument("--requests-per-client", type=int, default=10)
+    ap.add_argument("--iterations", type=int, default=2, help="refine's Gauss-Newton iterations")
+    ap.add_argument("--workers", type=int, default=2, help="processes simulating the points while refining")
+    ap.add_argument("--no-refine", action="store_true", help="ship the steady-state picture's fit as it is")
     ap.add_argument("--cross-model", action="store_true",
                     help="instead: fit on Llama alone, score gpt-oss (written under --out, the shipped profile untouched)")
     args = ap.parse_args()
     points = read_points(DATA)
     if args.cross_model:
-        return cross_model(points, args.out, args.requests_per_client)
+        return cross_model(points, args.out, args)
     fit_on, held_out = split(points, train)
-    result = fit(fit_on)
-    doc = profile_document(result["coefficients"], "TP 2 and TP 8, both models (Llama-3.1-70B FP8, gpt-oss-120b "
-                           f"MXFP4): {result['points_fitted']} points whose load fits the KV cache",
+    coef, refined = fitted(fit_on, args)
+    doc = profile_document(coef, "TP 2 and TP 8, both models (Llama-3.1-70B FP8, gpt-oss-120b "
+                           f"MXFP4): {refined['points_fitted']} points whose load fits the KV cache",
                            f"TP 4, both models: {len(held_out)} points", "tests/data/inferencex-h100-vllm.csv "
-                           "(SemiAnalysis InferenceX, real vLLM on H100 SXM)", HOST, DEFAULT_FOR)
+                           "(SemiAnalysis InferenceX, real vLLM on H100 SXM)", HOST, DEFAULT_FOR,
+                           refined if "cost" in refined else None)
     path = PROFILES / f"{NAME}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     rpc = args.requests_per_client
@@ -68,12 +73,26 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def cross_model(points, out: Path, rpc: int) -> None:
-    """Fit on the dense model alone and score the MoE one: how far the basis transfers to a model never fitted on."""
-    fit_on, held_out = split(points, lambda p: "llama" in p.model.lower())
+def fitted(fit_on, args) -> tuple[dict, dict]:
+    """The picture's fit, refined on the simulated points unless --no-refine: (coefficients, what refine reported)."""
     result = fit(fit_on)
-    doc = profile_document(result["coefficients"], f"Llama alone: {result['points_fitted']} points",
-                           f"gpt-oss: {len(held_out)} points", str(DATA.relative_to(ROOT)), HOST)
+    info = {"points_fitted": result["points_fitted"]}
+    if args.no_refine:
+        return result["coefficients"], info
+    ref = refine(result["points"], result["coefficients"], args.requests_per_client, args.iterations, args.workers,
+                 progress=print)
+    return ref["coefficients"], {**info, **ref, "iterations": args.iterations,
+                                 "requests_per_client": args.requests_per_client}
+
+
+def cross_model(points, out: Path, args) -> None:
+    """Fit on the dense model alone and score the MoE one: how far the basis transfers to a model never fitted on."""
+    rpc = args.requests_per_client
+    fit_on, held_out = split(points, lambda p: "llama" in p.model.lower())
+    coef, refined = fitted(fit_on, args)
+    doc = profile_document(coef, f"Llama alone: {refined['points_fitted']} points",
+                           f"gpt-oss: {len(held_out)} points", str(DATA.relative_to(ROOT)), HOST,
+                           refined=refined if "cost" in refined else None)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "llama-only.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -35,6 +35,8 @@ FEATURES = (*GROUPS, "per_layer_s", "allreduce_call_s", "moe_linear", "moe_compu
 # the GEMMs' partial last wave (twin.perf.roofline `gemm_tail_tokens`), measured on Vidur's H100 operators, not
 # fitted: every point here runs max_num_batched_tokens 8192, which cannot tell it apart from the linear coefficient
 GEMM_TAIL_TOKENS = 150.0
+# the roofline's host terms, which async scheduling hides under the GPU: the profile keeps them, not fitted
+HOST_TERMS = {"step_s": 0.002, "per_request_s": 4.0e-6}
 
 
 def _features(g, b: StepBatch, layers: int, tp: int) -> np.ndarray:
@@ -100,7 +102,7 @@ def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: 
     coefficients by name."""
     from scipy.optimize import lsq_linear
 
-    rows, ys, used = [], [], 0
+    rows, ys, used = [], [], []
     bad = bad_runs(list(points))
     for p in points:
         if p.line in bad:  # a disturbed run (twin.analysis.gpu_fidelity), not a load to fit
@@ -108,7 +110,7 @@ def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: 
         tpot, ttft, api, fits = point_features(p, range_ratio)
         if not fits:
             continue
-        used += 1
+        used.append(p)
         rows.append(tpot / (p.tpot_ms / 1e3))
         ys.append(1.0)
         rows.append(ttft_weight * ttft / (p.ttft_ms / 1e3))
@@ -120,22 +122,112 @@ def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: 
     sol = lsq_linear(x / scale, np.array(ys), bounds=(lo, hi)).x
     # a term no fitted point exercises (moe_linear, moe_compute without an MoE model) is left out: the profile then
     # falls back to `linear` for it, instead of carrying an arbitrary value
-    coef = {k: v for k, v, used in zip(FEATURES, (sol / scale).tolist(), np.any(x != 0, axis=0))
-            if used or k not in ("moe_linear", "moe_compute")}
-    return {"coefficients": coef, "points_fitted": used}
+    coef = {k: v for k, v, seen in zip(FEATURES, (sol / scale).tolist(), np.any(x != 0, axis=0))
+            if seen or k not in ("moe_linear", "moe_compute")}
+    return {"coefficients": coef, "points_fitted": len(used), "points": used}
+
+
+# refine(): the finite-difference step per coefficient, relative (5 %) with a floor: seconds terms 2 us, the rest 0.05
+REFINE_STEP, REFINE_FLOOR_S, REFINE_FLOOR = 0.05, 2e-6, 0.05
+
+
+def _simulated(job: tuple) -> tuple[float, float]:
+    """(mean TTFT, mean TPOT) in ms of one point simulated on a profile file (a process pool's task)."""
+    from twin.analysis.gpu_fidelity import predict
+
+    p, path, rpc, range_ratio = job
+    r = predict(p, rpc, ["cluster.perf.kind=fitted", f"cluster.perf.fit_path={path}"], range_ratio)
+    return r["ttft_ms"], r["tpot_ms"]
+
+
+def refine(points: Sequence[Point], coef: dict, requests_per_client: int = 10, iterations: int = 2, workers: int = 2,
+           ttft_weight: float = TTFT_WEIGHT, range_ratio: float = RANGE_RATIO,
+           progress: Callable[[str], None] | None = None) -> dict:
+    """Refine `fit`'s coefficients on the points as the twin simulates them, not through the steady-state picture.
+
+    The picture leaves out what a closed loop does to TTFT: several prompts queued behind one another, and the first
+    wave of simultaneous requests. So each iteration simulates every point (`twin score`'s closed loop, deterministic),
+    takes the same weighted relative TPOT and TTFT errors as `fit`, differentiates them by finite differences (one
+    simulation per coefficient), and takes the bounded Gauss-Newton step (halved until the error falls, else it
+    stops). The bounds are `fit`'s. Returns {"coefficients", "cost" (sum of squares) before and after, "evaluations",
+    "start" (the coefficients given)}.
+    About (coefficients + 2) x iterations simulations of the points, spread over `workers` processes."""
+    import tempfile
+    from concurrent.futures import ProcessPoolExecutor
+    from pathlib import Path
+
+    import yaml
+    from scipy.optimize import lsq_linear
+
+    keys = list(coef)
+    start_coef = dict(coef)
+    pts = list(points)
+    meas = np.array([[p.tpot_ms, p.ttft_ms] for p in pts])
+    weights = np.array([1.0, ttft_weight])
+    evaluations = 0
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(max(1, workers)) as pool:
+        def residuals(c: dict) -> np.ndarray:
+            nonlocal evaluations
+            evaluations += 1
+            path = Path(tmp) / f"profile-{evaluations}.yaml"
+            path.write_text(yaml.safe_dump({"basis": BASIS, "coefficients": {
+                **{k: float(v) for k, v in c.items()}, "gemm_tail_tokens": GEMM_TAIL_TOKENS,
+                "step_s": HOST_TERMS["step_s"], "per_request_s": HOST_TERMS["per_request_s"]}}))
+            got = list(pool.map(_simulated, [(p, str(path), requests_per_client, range_ratio) for p in pts]))
+            pred = np.array([[tpot, ttft] for ttft, tpot in got])
+            return ((pred / meas - 1.0) * weights).ravel()
+
+        r = residuals(coef)
+        start = float(r @ r)
+        if progress is not None:
+            progress(f"start: cost {start:.4f}")
+        for it in range(iterations):
+            jac = np.zeros((len(r), len(keys)))
+            for j, k in enumerate(keys):
+                lo, hi = BOUNDS[k]
+                h = max(abs(coef[k]) * REFINE_STEP, REFINE_FLOOR_S if k.endswith("_s") else REFINE_FLOOR)
+                if coef[k] + h > hi:
+                    h = -h
+                jac[:, j] = (residuals({**coef, k: coef[k] + h}) - r) / h
+            scale = np.maximum(np.abs(jac).max(axis=0), 1e-12)
+            lo = np.array([BOUNDS[k][0] - coef[k] for k in keys]) * scale
+            hi = np.array([BOUNDS[k][1] - coef[k] for k in keys]) * scale
+            step = lsq_linear(jac / scale, -r, bounds=(lo, hi)).x / scale
+            for lam in (1.0, 0.5, 0.25):
+                trial = {k: float(np.clip(coef[k] + lam * d, *BOUNDS[k])) for k, d in zip(keys, step)}
+                r2 = residuals(trial)
+                if r2 @ r2 < r @ r:
+                    break
+            else:
+                if progress is not None:
+                    progress(f"iteration {it + 1}: no step lowers the cost; stopped")
+                break
+            coef, r = trial, r2
+            if progress is not None:
+                progress(f"iteration {it + 1}: cost {float(r @ r):.4f}")
+    return {"coefficients": coef, "cost": {"picture": round(start, 4), "refined": round(float(r @ r), 4)},
+            "evaluations": evaluations, "start": start_coef}
 
 
 def profile_document(coef: dict, fitted_on: str, held_out: str, data: str, host: dict,
-                     default_for: Sequence[str] = ()) -> dict:
+                     default_for: Sequence[str] = (), refined: dict | None = None) -> dict:
     """The profile file: the fitted GPU terms, the measured GEMM tail, the roofline's host terms, and where they came
-    from; `default_for` the GPUs whose scenarios take it when `perf.kind` is `auto` (twin.perf.fitted)."""
-    return {"basis": BASIS, **({"default_for": list(default_for)} if default_for else {}),
-            "coefficients": {**{k: float(f"{v:.6g}") for k, v in coef.items()}, "gemm_tail_tokens": GEMM_TAIL_TOKENS,
-                             **host},
-            "fit": {"data": data, "fitted_on": fitted_on, "held_out": held_out,
-                    "method": "twin.analysis.profile_fit: bounded least squares of relative TPOT and TTFT errors "
-                              f"(TTFT rows weighted {TTFT_WEIGHT}), steady-state closed loop; gemm_tail_tokens "
-                              "measured on Vidur's H100 operators, not fitted"}}
+    from; `default_for` the GPUs whose scenarios take it when `perf.kind` is `auto` (twin.perf.fitted); `refined`
+    what `refine` reported, when it ran."""
+    method = ("twin.analysis.profile_fit: bounded least squares of relative TPOT and TTFT errors (TTFT rows weighted "
+              f"{TTFT_WEIGHT}), steady-state closed loop")
+    if refined is not None:
+        method += (f", then refined on the simulated points (refine: {refined['iterations']} Gauss-Newton iterations "
+                   f"at {refined['requests_per_client']} requests per client, cost {refined['cost']['picture']} -> "
+                   f"{refined['cost']['refined']})")
+    doc = {"basis": BASIS, **({"default_for": list(default_for)} if default_for else {}),
+           "coefficients": {**{k: float(f"{v:.6g}") for k, v in coef.items()}, "gemm_tail_tokens": GEMM_TAIL_TOKENS,
+                            **host},
+           "fit": {"data": data, "fitted_on": fitted_on, "held_out": held_out,
+                   "method": method + "; gemm_tail_tokens measured on Vidur's H100 operators, not fitted"}}
+    if refined is not None:  # where refine started: `fit` reproduces these in seconds (tests/test_h100_profile.py)
+        doc["fit"]["picture_coefficients"] = {k: float(f"{v:.6g}") for k, v in refined["start"].items()}
+    return doc
 
 
 def split(points: Sequence[Point], train: Callable[[Point], bool]) -> tuple[list[Point], list[Point]]:
