@@ -26,7 +26,8 @@ from twin.analysis.profile_fit import HOST_TERMS, fit, profile_document, refine,
 DATA = ROOT / "tests" / "data" / "inferencex-h100-vllm.csv"
 NAME = "h100-vllm"
 # the GPUs whose scenarios take this profile by default (perf.kind auto): the SXM Hoppers, whose NVLink the fitted
-# all-reduce terms saw; H200 through its own datasheet numbers in the basis (no H200 vLLM data here to check it)
+# all-reduce terms saw; H200 through its own datasheet numbers in the basis (checked, never fitted, on
+# tests/data/inferencex-h200-vllm.csv)
 DEFAULT_FOR = ("H100-SXM-80GB", "H200-SXM-141GB")
 HOST = HOST_TERMS  # the roofline's host terms (hidden under async scheduling)
 
@@ -49,12 +50,11 @@ def main() -> None:
     if args.cross_model:
         return cross_model(points, args.out, args)
     fit_on, held_out = split(points, train)
-    coef, refined = fitted(fit_on, args)
+    coef, n, refined = fitted(fit_on, args)
     doc = profile_document(coef, "TP 2 and TP 8, both models (Llama-3.1-70B FP8, gpt-oss-120b "
-                           f"MXFP4): {refined['points_fitted']} points whose load fits the KV cache",
+                           f"MXFP4): {n} points whose load fits the KV cache",
                            f"TP 4, both models: {len(held_out)} points", "tests/data/inferencex-h100-vllm.csv "
-                           "(SemiAnalysis InferenceX, real vLLM on H100 SXM)", HOST, DEFAULT_FOR,
-                           refined if "cost" in refined else None)
+                           "(SemiAnalysis InferenceX, real vLLM on H100 SXM)", HOST, DEFAULT_FOR, refined)
     path = PROFILES / f"{NAME}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     rpc = args.requests_per_client
@@ -73,26 +73,25 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def fitted(fit_on, args) -> tuple[dict, dict]:
-    """The picture's fit, refined on the simulated points unless --no-refine: (coefficients, what refine reported)."""
+def fitted(fit_on, args) -> tuple[dict, int, dict | None]:
+    """The picture's fit, refined on the simulated points unless --no-refine: (coefficients, points fitted, what
+    refine reported or None)."""
     result = fit(fit_on)
-    info = {"points_fitted": result["points_fitted"]}
+    n = result["points_fitted"]
     if args.no_refine:
-        return result["coefficients"], info
+        return result["coefficients"], n, None
     ref = refine(result["points"], result["coefficients"], args.requests_per_client, args.iterations, args.workers,
                  progress=print)
-    return ref["coefficients"], {**info, **ref, "iterations": args.iterations,
-                                 "requests_per_client": args.requests_per_client}
+    return ref["coefficients"], n, {**ref, "iterations": args.iterations, "requests_per_client": args.requests_per_client}
 
 
 def cross_model(points, out: Path, args) -> None:
     """Fit on the dense model alone and score the MoE one: how far the basis transfers to a model never fitted on."""
     rpc = args.requests_per_client
     fit_on, held_out = split(points, lambda p: "llama" in p.model.lower())
-    coef, refined = fitted(fit_on, args)
-    doc = profile_document(coef, f"Llama alone: {refined['points_fitted']} points",
-                           f"gpt-oss: {len(held_out)} points", str(DATA.relative_to(ROOT)), HOST,
-                           refined=refined if "cost" in refined else None)
+    coef, n, refined = fitted(fit_on, args)
+    doc = profile_document(coef, f"Llama alone: {n} points", f"gpt-oss: {len(held_out)} points",
+                           str(DATA.relative_to(ROOT)), HOST, refined=refined)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "llama-only.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -171,8 +171,7 @@ def refine(points: Sequence[Point], coef: dict, requests_per_client: int = 10, i
             evaluations += 1
             path = Path(tmp) / f"profile-{evaluations}.yaml"
             path.write_text(yaml.safe_dump({"basis": BASIS, "coefficients": {
-                **{k: float(v) for k, v in c.items()}, "gemm_tail_tokens": GEMM_TAIL_TOKENS,
-                "step_s": HOST_TERMS["step_s"], "per_request_s": HOST_TERMS["per_request_s"]}}))
+                **{k: float(v) for k, v in c.items()}, "gemm_tail_tokens": GEMM_TAIL_TOKENS, **HOST_TERMS}}))
             got = list(pool.map(_simulated, [(p, str(path), requests_per_client, range_ratio) for p in pts]))
             pred = np.array([[tpot, ttft] for ttft, tpot in got])
             return ((pred / meas - 1.0) * weights).ravel()
