@@ -6,6 +6,7 @@ closed-loop load (10 requests per client, as InferenceMAX sends), against the ro
 points, and writes the figures into the profile's `fit` section. Deterministic.
 
 Usage: PYTHONPATH=. python scripts/fit_h100_profile.py [--out runs/h100-profile] [--iterations 2] [--no-refine]
+       [--cross-model | --fit-set-check]
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ def main() -> None:
     ap.add_argument("--no-refine", action="store_true", help="ship the steady-state picture's fit as it is")
     ap.add_argument("--cross-model", action="store_true",
                     help="instead: fit on Llama alone, score gpt-oss (written under --out, the shipped profile untouched)")
+    ap.add_argument("--fit-set-check", action="store_true",
+                    help="instead: the check candidates are judged by, on the fit set alone: fit TP 2 and score TP 8, "
+                         "then the reverse (written under --out, the shipped profile untouched)")
     args = ap.parse_args()
     points = read_points(DATA)
     if args.cross_model:
         return cross_model(points, args.out, args)
+    if args.fit_set_check:
+        return fit_set_check(points, args.out, args)
     fit_on, held_out = split(points, train)
     coef, n, refined = fitted(fit_on, args)
     doc = profile_document(coef, "TP 2 and TP 8, both models (Llama-3.1-70B FP8, gpt-oss-120b "
@@ -100,6 +106,24 @@ def cross_model(points, out: Path, args) -> None:
     agg = aggregate([r for r in rows if not r["bad_run"]])[0]
     print("fit on Llama, scored on gpt-oss:",
           {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)} for m in METRICS})
+
+
+def fit_set_check(points, out: Path, args) -> None:
+    """Fit on TP 2 and score TP 8, then the reverse: how a change to the fit is judged without the held-out TP 4."""
+    rpc = args.requests_per_client
+    out.mkdir(parents=True, exist_ok=True)
+    for fit_tp, score_tp in ((2, 8), (8, 2)):
+        coef, n, refined = fitted([p for p in points if p.tp == fit_tp], args)
+        doc = profile_document(coef, f"TP {fit_tp}: {n} points", f"TP {score_tp}", str(DATA.relative_to(ROOT)), HOST,
+                               refined=refined)
+        path = out / f"fit-tp{fit_tp}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        rows = score([p for p in points if p.tp == score_tp], rpc,
+                     ["cluster.perf.kind=fitted", f"cluster.perf.fit_path={path}"])
+        write_csv(rows, out / f"fit-tp{fit_tp}-score-tp{score_tp}.csv")
+        agg = aggregate([r for r in rows if not r["bad_run"]])[0]
+        print(f"fitted on TP {fit_tp}, scored on TP {score_tp}:",
+              {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)} for m in METRICS})
 
 
 if __name__ == "__main__":

@@ -121,13 +121,15 @@ def test_real_twin_small_chunk_for_an_itl_slo_large_for_a_ttft_slo(tmp_path):
     assert small.max_num_batched_tokens <= 512, pd.DataFrame([c.row() for c in p1.table])
     assert large.max_num_batched_tokens >= 2048, pd.DataFrame([c.row() for c in p2.table])
     # the effect behind it: the stall a decode sees in one step (ITL p99) grows with the chunk, and TTFT p99 shrinks
-    # from the smallest chunk. TPOT p99 is lowest at the small chunk but flat from 2048 to 8192 (within 1 % here): a
-    # decode's whole stall behind a long prompt is its chunks' compute plus each chunk's fixed GPU time (the default
-    # profile's per-layer and all-reduce terms, the GEMMs' last wave), and four 2048-token chunks pay that four times
+    # from the smallest chunk. TPOT p99 is lowest at the small chunk and no higher at 2048 than at 8192 (6 % lower
+    # here): a decode's whole stall behind a long prompt is its chunks' compute plus each chunk's fixed GPU time (the
+    # default profile's per-layer terms, the GEMMs' last wave), which four 2048-token chunks pay four times, but the
+    # decode takes a token in each of those four steps instead of one. (Flat within 1 % before 2026-12-05, when the
+    # profile's per-layer time was 53 us, not 30: a third more fixed time per chunk)
     t1 = {c.knobs.max_num_batched_tokens: c for c in p1.table}
     assert t1[256].itl_p99_s < t1[2048].itl_p99_s < t1[8192].itl_p99_s
     assert t1[256].tpot_p99_s < min(t1[2048].tpot_p99_s, t1[8192].tpot_p99_s)
-    assert abs(t1[2048].tpot_p99_s / t1[8192].tpot_p99_s - 1) < 0.01
+    assert t1[2048].tpot_p99_s <= t1[8192].tpot_p99_s
     assert t1[256].ttft_p99_s > t1[2048].ttft_p99_s
     # and the chosen row really has the best goodput (up to the tie tolerance)
     best = max(c.goodput_req_s for c in p2.table)

@@ -14,19 +14,21 @@ from twin.perf.base import StepBatch
 from twin.perf.fitted import FittedModel, known_profiles, profile_path
 from twin.perf.registry import build_perf
 from twin.perf.roofline import RooflineModel
-from twin.analysis.profile_fit import BOUNDS, FEATURES, fit, refine, split
+from twin.analysis.profile_fit import BOUNDS, COMPUTE, FEATURES, fit, refine, split
 
 from conftest import make_scenario
 
 DATA = Path(__file__).resolve().parent / "data" / "inferencex-h100-vllm.csv"
 PROFILE = {"kind": "fitted", "profile": "h100-vllm"}
 # the held-out TP 4 points at 2 requests per client with the shipped profile (scripts/fit_h100_profile.py reports
-# them at InferenceMAX's 10 per client): MAPE TTFT 123.9 (the first wave of N simultaneous prompts dominates at 2 per
-# client), TPOT 7.1, E2E 6.7, throughput 7.3 %; the roofline's there: 62.0, 39.8, 38.5, 66.4. Before `refine`
-# (2026-12-04; the steady-state picture's fit): 128.0, 6.3, 5.2, 5.7 (at 10 per client TTFT 17.7 -> 12.9, TPOT 5.3 ->
-# 6.8, E2E 5.2 -> 6.7). Before the MoE compute-side coefficient, the GEMMs' tail and the TTFT weight 0.25: 138.8, 5.6,
-# 5.4, 5.6
-HELD_OUT_MAPE = {"ttft_ms": 123.9, "tpot_ms": 7.1, "e2e_ms": 6.7, "throughput_tok_s": 7.3}
+# them at InferenceMAX's 10 per client): MAPE TTFT 129.5 (the first wave of N simultaneous prompts dominates at 2 per
+# client, all too slow), TPOT 7.0, E2E 6.5, throughput 7.1 %; the roofline's there: 62.0, 39.8, 38.5, 66.4. Before the
+# dense compute side was pinned at the GEMMs' measured efficiency (2026-12-05): 123.9, 7.1, 6.7, 7.3 (at 10 per client
+# 12.9, 6.8, 6.7, 7.3 -> 12.7, 6.6, 6.5, 7.1: slower dense prefills raise the first wave's TTFT, which 2 per client
+# weighs most). Before `refine` (2026-12-04; the steady-state picture's fit): 128.0, 6.3, 5.2, 5.7 (at 10 per client
+# TTFT 17.7 -> 12.9, TPOT 5.3 -> 6.8, E2E 5.2 -> 6.7). Before the MoE compute-side coefficient, the GEMMs' tail and the
+# TTFT weight 0.25: 138.8, 5.6, 5.4, 5.6
+HELD_OUT_MAPE = {"ttft_ms": 129.5, "tpot_ms": 7.0, "e2e_ms": 6.5, "throughput_tok_s": 7.1}
 MARGIN = 2.0
 
 
@@ -88,6 +90,9 @@ def test_refitting_on_tp_2_and_8_reproduces_where_the_shipped_coefficients_were_
     # fitted on the dense model alone, the MoE terms are left out (the profile falls back to `linear` for MoE)
     dense = fit([p for p in fit_on if p.model == "Llama-3.1-70B"])["coefficients"]
     assert "moe_linear" not in dense and "moe_compute" not in dense
+    # and the dense compute side on the MoE model alone; with a dense model it is pinned at the measured efficiency
+    assert "compute" not in fit([p for p in fit_on if p.model == "gpt-oss-120b"])["coefficients"]
+    assert got["compute"] == dense["compute"] == COMPUTE == pytest.approx(shipped["coefficients"]["compute"], rel=1e-5)
     # the measured GEMM tail is shipped, not fitted
     assert shipped["coefficients"]["gemm_tail_tokens"] == 150.0 and "gemm_tail_tokens" not in got
 
@@ -101,7 +106,20 @@ def test_refine_lowers_the_simulated_error_within_the_bounds_and_keeps_a_fit_it_
     out = refine(pts, start, requests_per_client=1, iterations=1, workers=1)
     assert out["cost"]["refined"] < out["cost"]["picture"] and out["start"] == start
     assert all(BOUNDS[k][0] <= v <= BOUNDS[k][1] for k, v in out["coefficients"].items())
-    assert out["evaluations"] >= len(start) + 2  # the start, one per coefficient, a step
+    assert out["coefficients"]["compute"] == COMPUTE  # pinned: not varied
+    assert out["evaluations"] >= len(start) + 1  # the start, one per free coefficient, a step
+
+
+def test_fit_holds_pinned_coefficients_and_refuses_unknown_ones():
+    """`fixed` pins a term at its value and fits the rest around it; the default pins the dense compute side."""
+    pts = [p for p in read_points(DATA) if p.tp == 8]
+    free = fit(pts, fixed={})["coefficients"]
+    assert free["compute"] != pytest.approx(COMPUTE)  # the data alone would put it elsewhere
+    two = fit(pts, fixed={"compute": 2.0, "lm_head": 1.5})["coefficients"]
+    assert (two["compute"], two["lm_head"]) == (2.0, 1.5) and set(two) == set(free)
+    assert two["allreduce"] != pytest.approx(free["allreduce"])  # the rest moved around the pinned terms
+    with pytest.raises(ValueError, match="cannot pin .'gemm_tail_tokens'."):
+        fit(pts, fixed={"gemm_tail_tokens": 100.0})
 
 
 def test_an_moe_prefill_is_priced_on_its_compute_side_and_a_decode_on_its_weight_reads(tmp_path):
@@ -121,6 +139,25 @@ def test_an_moe_prefill_is_priced_on_its_compute_side_and_a_decode_on_its_weight
     assert split_.step_time(decode) == one.step_time(decode)  # a decode reads the weights: moe_linear prices it
     dense = RooflineModel(gpu, get_model("Llama-3.1-70B"), dtype="fp8", tensor_parallel=4)
     assert FittedModel(dense, {**coef, "moe_compute": 3.0}).step_time(prefill) == FittedModel(dense, coef).step_time(prefill)
+    # nor does an MoE model read the dense compute side
+    assert FittedModel(r, {**coef, "compute": 3.0}).step_time(prefill) == one.step_time(prefill)
+
+
+def test_a_dense_prefill_is_priced_on_compute_and_a_decode_on_linear():
+    """`compute` scales a dense step's FLOP time (an 8k prefill), and leaves a weight-read-bound decode to `linear`."""
+    gpu = get_gpu("H100")
+    coef = {"linear": 1.0, "prefill_attn": 1.0, "decode_attn": 1.0, "lm_head": 1.0, "allreduce": 1.0,
+            "step_s": 0.0, "per_request_s": 0.0}
+    prefill = StepBatch(num_prefill_tokens=8192, prefill_attn_tokens=8192 * 4096, prefill_kv_read_tokens=8192,
+                        num_prefill_sampled=1, num_prefill_reqs=1)
+    decode = StepBatch(num_decode_tokens=4, decode_context_tokens=4 * 1000)
+    r = RooflineModel(gpu, get_model("Llama-3.1-70B"), dtype="fp8", tensor_parallel=4)
+    base, pinned = FittedModel(r, coef), FittedModel(r, {**coef, "compute": 1.5})
+    comp, mem = r.ideal().linear_sides(8192, 0.0)
+    assert comp > mem
+    assert pinned.step_time(prefill) - base.step_time(prefill) == pytest.approx(0.5 * comp, rel=1e-9)
+    assert pinned.step_time(decode) == base.step_time(decode)
+    assert pinned.decode_run_times(4, 1000, 3) == base.decode_run_times(4, 1000, 3)
 
 
 def test_the_profile_on_the_held_out_tp_4_points_is_no_worse_than_today():

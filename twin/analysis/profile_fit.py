@@ -13,7 +13,8 @@ model, GPU, dtype and TP as the basis):
 
 Each f is sum_g c_g T_g + per_layer_s x layers + allreduce_call_s x all-reduces, the linear group with the GEMMs'
 measured last wave (`gemm_tail_tokens`, not fitted); an MoE model's linear group under its own coefficients,
-`moe_compute` where its FLOPs bound it at the floor (a prefill) and `moe_linear` where its weight reads do (a decode).
+`moe_compute` where its FLOPs bound it at the floor (a prefill) and `moe_linear` where its weight reads do (a decode);
+a dense model's likewise under `compute` (pinned at the GEMMs' measured efficiency, `COMPUTE`) and `linear`.
 The host terms (step_s, per_request_s) are hidden under the GPU by async scheduling and keep the roofline's defaults.
 The coefficients are the non-negative least-squares fit of the relative errors (rows divided by the measured value). Points whose load
 does not fit the KV cache (queueing and preemption the picture leaves out) are not fitted on, nor are bad runs. The picture is only
@@ -31,25 +32,34 @@ from twin.perf.base import StepBatch
 from twin.perf.fitted import BASIS
 from twin.perf.roofline import GROUPS
 
-FEATURES = (*GROUPS, "per_layer_s", "allreduce_call_s", "moe_linear", "moe_compute")
+FEATURES = (*GROUPS, "per_layer_s", "allreduce_call_s", "moe_linear", "moe_compute", "compute")
 # the GEMMs' partial last wave (twin.perf.roofline `gemm_tail_tokens`), measured on Vidur's H100 operators, not
 # fitted: every point here runs max_num_batched_tokens 8192, which cannot tell it apart from the linear coefficient
 GEMM_TAIL_TOKENS = 150.0
+# a dense model's GEMMs on their compute side (twin.perf.fitted `compute`), pinned, not fitted: 1 / 0.78, the
+# efficiency measured on Vidur's H100 BF16 GEMMs with the tail above (the roofline's `compute_efficiency`).
+# ASSUMPTION: the FP8 GEMMs of the fitted dense model reach the same fraction of their own peak. Fitted freely, the
+# term is not identifiable: the table's dense points at one TP trade it against the all-reduce and the per-layer time
+# (fit on TP 2 + 8 it lands at 1.7-2.0; the picture's single-TP fits are degenerate), so the measured value is pinned
+COMPUTE = 1.0 / 0.78
+PINNED = {"compute": COMPUTE}
 # the roofline's host terms, which async scheduling hides under the GPU: the profile keeps them, not fitted
 HOST_TERMS = {"step_s": 0.002, "per_request_s": 4.0e-6}
 
 
 def _features(g, b: StepBatch, layers: int, tp: int) -> np.ndarray:
-    """The step's basis terms; an MoE model's linear group goes to `moe_compute` when its FLOPs bound it at the floor
-    (a prefill), else to `moe_linear` (the weights read: a decode; twin.perf.fitted)."""
+    """The step's basis terms; the linear group goes to its compute-side column when its FLOPs bound it at the floor
+    (a prefill: `moe_compute` for an MoE model, `compute` for a dense one), else to its weight-read column (a decode:
+    `moe_linear`, `linear`; twin.perf.fitted)."""
     t = g.group_times(b)
     moe = g.model.is_moe
     lin = t["linear"]
     comp, mem = g.linear_sides(b.num_tokens, g.gemm_tail_tokens)
-    on_compute = moe and comp > mem
-    return np.array([*(0.0 if (k == "linear" and moe) else t[k] for k in GROUPS), float(layers),
-                     float(2 * layers if tp > 1 else 0), lin if moe and not on_compute else 0.0,
-                     lin if on_compute else 0.0])
+    on_compute = comp > mem
+    return np.array([*(lin if (k == "linear" and not moe and not on_compute) else 0.0 if k == "linear" else t[k]
+                       for k in GROUPS), float(layers), float(2 * layers if tp > 1 else 0),
+                     lin if moe and not on_compute else 0.0, lin if moe and on_compute else 0.0,
+                     lin if not moe and on_compute else 0.0])
 
 
 def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarray, np.ndarray, float, bool]:
@@ -88,7 +98,7 @@ def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarr
 # bounds: a group's coefficient is its slowdown against the physical floor (>= 1: the ideal roofline is a lower
 # bound); the fixed GPU costs are between 0 and 1 ms
 BOUNDS = {**{g: (1.0, 10.0) for g in GROUPS}, "prefill_attn": (1.0, 2.0), "per_layer_s": (0.0, 1e-3),
-          "allreduce_call_s": (0.0, 1e-3), "moe_linear": (1.0, 10.0), "moe_compute": (1.0, 10.0)}
+          "allreduce_call_s": (0.0, 1e-3), "moe_linear": (1.0, 10.0), "moe_compute": (1.0, 10.0), "compute": (1.0, 10.0)}
 
 
 # TTFT rows' weight: the picture leaves out queueing behind other prefills. 0.25 (was 0.5) was chosen on the fit set
@@ -100,9 +110,14 @@ BOUNDS = {**{g: (1.0, 10.0) for g in GROUPS}, "prefill_attn": (1.0, 2.0), "per_l
 TTFT_WEIGHT = 0.25
 
 
-def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: float = TTFT_WEIGHT) -> dict:
-    """Bounded least squares of the points' relative TPOT and TTFT errors (TTFT rows weighted `ttft_weight`); the
-    coefficients by name."""
+def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: float = TTFT_WEIGHT,
+        fixed: dict | None = None) -> dict:
+    """Bounded least squares of the points' relative TPOT and TTFT errors (TTFT rows weighted `ttft_weight`), the
+    coefficients in `fixed` (default `PINNED`) held at their values; the coefficients by name."""
+    fixed = dict(PINNED if fixed is None else fixed)
+    unknown = set(fixed) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"cannot pin {sorted(unknown)}: the fitted terms are {FEATURES}")
     from scipy.optimize import lsq_linear
 
     rows, ys, used = [], [], []
@@ -119,14 +134,18 @@ def fit(points: Sequence[Point], range_ratio: float = RANGE_RATIO, ttft_weight: 
         rows.append(ttft_weight * ttft / (p.ttft_ms / 1e3))
         ys.append(ttft_weight * (1.0 - api / (p.ttft_ms / 1e3)))
     x = np.array(rows)
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of seconds and of counts, conditioned alike
-    lo = np.array([BOUNDS[k][0] for k in FEATURES]) * scale
-    hi = np.array([BOUNDS[k][1] for k in FEATURES]) * scale
-    sol = lsq_linear(x / scale, np.array(ys), bounds=(lo, hi)).x
-    # a term no fitted point exercises (moe_linear, moe_compute without an MoE model) is left out: the profile then
-    # falls back to `linear` for it, instead of carrying an arbitrary value
-    coef = {k: v for k, v, seen in zip(FEATURES, (sol / scale).tolist(), np.any(x != 0, axis=0))
-            if seen or k not in ("moe_linear", "moe_compute")}
+    pin = np.array([k in fixed for k in FEATURES])
+    y = np.array(ys) - x[:, pin] @ np.array([fixed[k] for k in FEATURES if k in fixed])  # the pinned terms' share
+    free = x[:, ~pin]
+    names = [k for k in FEATURES if k not in fixed]
+    scale = np.maximum(np.abs(free).max(axis=0), 1e-30)  # columns of seconds and of counts, conditioned alike
+    lo = np.array([BOUNDS[k][0] for k in names]) * scale
+    hi = np.array([BOUNDS[k][1] for k in names]) * scale
+    sol = dict(zip(names, (lsq_linear(free / scale, y, bounds=(lo, hi)).x / scale).tolist()))
+    # a term no fitted point exercises (moe_linear, moe_compute without an MoE model, compute without a dense one) is
+    # left out: the profile then falls back to `linear` for it, instead of carrying an arbitrary value
+    coef = {k: float(fixed[k]) if k in fixed else sol[k] for k, seen in zip(FEATURES, np.any(x != 0, axis=0))
+            if seen or k not in ("moe_linear", "moe_compute", "compute")}
     return {"coefficients": coef, "points_fitted": len(used), "points": used}
 
 
@@ -145,14 +164,14 @@ def _simulated(job: tuple) -> tuple[float, float]:
 
 def refine(points: Sequence[Point], coef: dict, requests_per_client: int = 10, iterations: int = 2, workers: int = 2,
            ttft_weight: float = TTFT_WEIGHT, range_ratio: float = RANGE_RATIO,
-           progress: Callable[[str], None] | None = None) -> dict:
+           progress: Callable[[str], None] | None = None, fixed: Sequence[str] | None = None) -> dict:
     """Refine `fit`'s coefficients on the points as the twin simulates them, not through the steady-state picture.
 
     The picture leaves out what a closed loop does to TTFT: several prompts queued behind one another, and the first
     wave of simultaneous requests. So each iteration simulates every point (`twin score`'s closed loop, deterministic),
     takes the same weighted relative TPOT and TTFT errors as `fit`, differentiates them by finite differences (one
     simulation per coefficient), and takes the bounded Gauss-Newton step (halved until the error falls, else it
-    stops). The bounds are `fit`'s. Returns {"coefficients", "cost" (sum of squares) before and after, "evaluations",
+    stops). The bounds are `fit`'s; the coefficients named in `fixed` (default those of `PINNED`) keep their values. Returns {"coefficients", "cost" (sum of squares) before and after, "evaluations",
     "start" (the coefficients given)}.
     About (coefficients + 2) x iterations simulations of the points, spread over `workers` processes."""
     import tempfile
@@ -162,7 +181,8 @@ def refine(points: Sequence[Point], coef: dict, requests_per_client: int = 10, i
     import yaml
     from scipy.optimize import lsq_linear
 
-    keys = list(coef)
+    held = set(PINNED if fixed is None else fixed)
+    keys = [k for k in coef if k not in held]
     start_coef = dict(coef)
     pts = list(points)
     meas = np.array([[p.tpot_ms, p.ttft_ms] for p in pts])
@@ -196,7 +216,7 @@ def refine(points: Sequence[Point], coef: dict, requests_per_client: int = 10, i
             hi = np.array([BOUNDS[k][1] - coef[k] for k in keys]) * scale
             step = lsq_linear(jac / scale, -r, bounds=(lo, hi)).x / scale
             for lam in (1.0, 0.5, 0.25):
-                trial = {k: float(np.clip(coef[k] + lam * d, *BOUNDS[k])) for k, d in zip(keys, step)}
+                trial = {**coef, **{k: float(np.clip(coef[k] + lam * d, *BOUNDS[k])) for k, d in zip(keys, step)}}
                 r2 = residuals(trial)
                 if r2 @ r2 < r @ r:
                     break
@@ -226,7 +246,9 @@ def profile_document(coef: dict, fitted_on: str, held_out: str, data: str, host:
            "coefficients": {**{k: float(f"{v:.6g}") for k, v in coef.items()}, "gemm_tail_tokens": GEMM_TAIL_TOKENS,
                             **host},
            "fit": {"data": data, "fitted_on": fitted_on, "held_out": held_out,
-                   "method": method + "; gemm_tail_tokens measured on Vidur's H100 operators, not fitted"}}
+                   "method": method + "; gemm_tail_tokens measured on Vidur's H100 operators, not fitted"
+                   + ("; compute pinned at 1 / 0.78, the GEMMs' efficiency measured there (ASSUMPTION: FP8 reaches "
+                      "the same fraction of its peak), not fitted" if "compute" in coef else "")}}
     if refined is not None:  # where refine started: `fit` reproduces these in seconds (tests/test_h100_profile.py)
         doc["fit"]["picture_coefficients"] = {k: float(f"{v:.6g}") for k, v in refined["start"].items()}
     return doc

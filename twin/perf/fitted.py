@@ -27,6 +27,7 @@ File format (YAML or JSON; `perf.kind: fitted`, `perf.fit_path: FILE`, relative 
       per_request_s: 4.0e-6
       per_layer_s: 2.0e-5           # optional (0): GPU time per layer per step, not hidden by async scheduling
       allreduce_call_s: 1.0e-5      # optional (0): GPU time per TP all-reduce, two per layer when TP > 1
+      compute: 1.28                 # optional (linear): a dense model's linear group on its compute side (below)
       gemm_tail_tokens: 150         # optional (0): the GEMMs' partial last wave, in tokens of compute per step
                                     # (twin.perf.roofline; the linear group's compute side is T + tail tokens)
     fit: {data: ..., date: ..., mape: ...}   # optional, free-form provenance, shown in describe()
@@ -60,14 +61,16 @@ COEFFICIENTS = (*GROUPS, "step_s", "per_request_s")
 # optional GPU-side fixed costs (0 when absent), which async scheduling does not hide: `per_layer_s` per layer per
 # step (small-kernel and launch latency inside the CUDA graph: norms, rope, activation, MoE routing), and
 # `allreduce_call_s` per tensor-parallel all-reduce (two per layer when TP > 1)
-OPTIONAL = ("per_layer_s", "allreduce_call_s", "moe_linear", "moe_compute", "gemm_tail_tokens")
+OPTIONAL = ("per_layer_s", "allreduce_call_s", "moe_linear", "moe_compute", "compute", "gemm_tail_tokens")
 # `moe_linear` (optional, default `linear`): the linear group's coefficient for MoE models, whose grouped expert
 # kernels (and MXFP4 weight-only dequantisation) run further from the floor than dense GEMMs. `moe_compute`
 # (optional, default `moe_linear`): the same group's compute side alone, so an MoE step is
 # max(moe_compute x FLOP time, moe_linear x weight-read time). One coefficient cannot price both: a decode reads the
 # touched experts' 4.25-bit weights near the bandwidth, while a prefill's grouped expert GEMMs dequantise MXFP4 to
 # BF16 in the kernel (Hopper has no FP4 tensor cores) and split the tokens over many experts (small GEMMs each), far
-# from the 16-bit peak. A dense model's group is linear x max(FLOP time, weight-read time), as before.
+# from the 16-bit peak. `compute` (optional, default `linear`): a dense model's compute side alone, so a dense step is
+# max(compute x FLOP time, linear x weight-read time): the shipped profile pins it at the GEMMs' measured efficiency
+# (twin.analysis.profile_fit `COMPUTE`) instead of letting the weight-read-bound decodes set it.
 
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -140,7 +143,10 @@ class FittedModel:
         self._c_lin, self._c_pre, self._c_dec = c["linear"], c["prefill_attn"], c["decode_attn"]
         if roofline.model.is_moe and "moe_linear" in c:
             self._c_lin = c["moe_linear"]
-        self._c_lin_c = c["moe_compute"] if roofline.model.is_moe and "moe_compute" in c else self._c_lin
+        if roofline.model.is_moe:
+            self._c_lin_c = c.get("moe_compute", self._c_lin)
+        else:
+            self._c_lin_c = c.get("compute", self._c_lin)
         self._c_lm, self._c_ar = c["lm_head"], c["allreduce"]
         self._step_s, self._req_s = c["step_s"], c["per_request_s"]
         m, tp = roofline.model, roofline.tensor_parallel
