@@ -21,14 +21,15 @@ from conftest import make_scenario
 DATA = Path(__file__).resolve().parent / "data" / "inferencex-h100-vllm.csv"
 PROFILE = {"kind": "fitted", "profile": "h100-vllm"}
 # the held-out TP 4 points at 2 requests per client with the shipped profile (scripts/fit_h100_profile.py reports
-# them at InferenceMAX's 10 per client): MAPE TTFT 129.5 (the first wave of N simultaneous prompts dominates at 2 per
-# client, all too slow), TPOT 7.0, E2E 6.5, throughput 7.1 %; the roofline's there: 62.0, 39.8, 38.5, 66.4. Before the
-# dense compute side was pinned at the GEMMs' measured efficiency (2026-12-05): 123.9, 7.1, 6.7, 7.3 (at 10 per client
-# 12.9, 6.8, 6.7, 7.3 -> 12.7, 6.6, 6.5, 7.1: slower dense prefills raise the first wave's TTFT, which 2 per client
-# weighs most). Before `refine` (2026-12-04; the steady-state picture's fit): 128.0, 6.3, 5.2, 5.7 (at 10 per client
+# them at InferenceMAX's 10 per client): MAPE TTFT 125.0 (the first wave of N simultaneous prompts dominates at 2 per
+# client, all too slow), TPOT 6.1, E2E 5.7, throughput 6.2 %; the roofline's there: 62.0, 39.8, 38.5, 66.4. Before the
+# dense compute side was pinned at the GEMMs' measured efficiency and `per_request_gpu_s` fitted (2026-12-05): 123.9,
+# 7.1, 6.7, 7.3 (at 10 per client 12.9, 6.8, 6.7, 7.3 -> 13.3, 5.9, 5.7, 6.2); with the pin alone 129.5, 7.0, 6.5, 7.1
+# (at 10 per client 12.7, 6.6, 6.5, 7.1: slower dense prefills raise the first wave's TTFT, which 2 per client weighs
+# most). Before `refine` (2026-12-04; the steady-state picture's fit): 128.0, 6.3, 5.2, 5.7 (at 10 per client
 # TTFT 17.7 -> 12.9, TPOT 5.3 -> 6.8, E2E 5.2 -> 6.7). Before the MoE compute-side coefficient, the GEMMs' tail and the
 # TTFT weight 0.25: 138.8, 5.6, 5.4, 5.6
-HELD_OUT_MAPE = {"ttft_ms": 129.5, "tpot_ms": 7.0, "e2e_ms": 6.5, "throughput_tok_s": 7.1}
+HELD_OUT_MAPE = {"ttft_ms": 125.0, "tpot_ms": 6.1, "e2e_ms": 5.7, "throughput_tok_s": 6.2}
 MARGIN = 2.0
 
 
@@ -180,6 +181,14 @@ def test_fixed_gpu_terms_are_per_layer_and_per_all_reduce_and_not_hidden_by_asyn
         assert extra.step_time(b) - plain.step_time(b) == pytest.approx(m.num_layers * 1e-5 + calls * 2e-5)
         assert extra.host_time_s(4) == plain.host_time_s(4) == 0.001
         assert extra.decode_run_times(4, 4000, 3)[0] == pytest.approx(extra.step_time(b))
+        # per request scheduled: 4 decodes, then 4 decodes and a prefill chunk of 512 tokens (one request, not 512)
+        per_req = FittedModel(r, {**coef, "per_request_gpu_s": 3e-6})
+        assert per_req.step_time(b) - plain.step_time(b) == pytest.approx(4 * 3e-6)
+        mixed = StepBatch(num_prefill_tokens=512, prefill_attn_tokens=512 * 256, prefill_kv_read_tokens=512,
+                          num_prefill_sampled=1, num_prefill_reqs=1, num_decode_tokens=4, decode_context_tokens=4000)
+        assert per_req.step_time(mixed) - plain.step_time(mixed) == pytest.approx(5 * 3e-6)
+        assert per_req.host_time_s(4) == 0.001  # GPU time: async scheduling does not hide it
+        assert per_req.decode_run_times(4, 4000, 3)[0] == pytest.approx(per_req.step_time(b))
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"basis": "roofline-groups/1", "coefficients": {**coef, "per_layer_s": -1}}))
     with pytest.raises(TwinInputError, match="coefficients.per_layer_s must be a number >= 0"):

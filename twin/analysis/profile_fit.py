@@ -11,8 +11,8 @@ model, GPU, dtype and TP as the basis):
 - TPOT ~ D + (N - 1) / (O - 1) x P; TTFT ~ the API server's time + D (the step under way when it arrives) +
   f(mixed) + D (async scheduling hands the first token out one step later).
 
-Each f is sum_g c_g T_g + per_layer_s x layers + allreduce_call_s x all-reduces, the linear group with the GEMMs'
-measured last wave (`gemm_tail_tokens`, not fitted); an MoE model's linear group under its own coefficients,
+Each f is sum_g c_g T_g + per_layer_s x layers + allreduce_call_s x all-reduces + per_request_gpu_s x requests in
+the step, the linear group with the GEMMs' measured last wave (`gemm_tail_tokens`, not fitted); an MoE model's linear group under its own coefficients,
 `moe_compute` where its FLOPs bound it at the floor (a prefill) and `moe_linear` where its weight reads do (a decode);
 a dense model's likewise under `compute` (pinned at the GEMMs' measured efficiency, `COMPUTE`) and `linear`.
 The host terms (step_s, per_request_s) are hidden under the GPU by async scheduling and keep the roofline's defaults.
@@ -32,7 +32,7 @@ from twin.perf.base import StepBatch
 from twin.perf.fitted import BASIS
 from twin.perf.roofline import GROUPS
 
-FEATURES = (*GROUPS, "per_layer_s", "allreduce_call_s", "moe_linear", "moe_compute", "compute")
+FEATURES = (*GROUPS, "per_layer_s", "allreduce_call_s", "moe_linear", "moe_compute", "compute", "per_request_gpu_s")
 # the GEMMs' partial last wave (twin.perf.roofline `gemm_tail_tokens`), measured on Vidur's H100 operators, not
 # fitted: every point here runs max_num_batched_tokens 8192, which cannot tell it apart from the linear coefficient
 GEMM_TAIL_TOKENS = 150.0
@@ -59,7 +59,7 @@ def _features(g, b: StepBatch, layers: int, tp: int) -> np.ndarray:
     return np.array([*(lin if (k == "linear" and not moe and not on_compute) else 0.0 if k == "linear" else t[k]
                        for k in GROUPS), float(layers), float(2 * layers if tp > 1 else 0),
                      lin if moe and not on_compute else 0.0, lin if moe and on_compute else 0.0,
-                     lin if not moe and on_compute else 0.0])
+                     lin if not moe and on_compute else 0.0, float(b.num_requests)])
 
 
 def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarray, np.ndarray, float, bool]:
@@ -96,9 +96,9 @@ def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarr
 
 
 # bounds: a group's coefficient is its slowdown against the physical floor (>= 1: the ideal roofline is a lower
-# bound); the fixed GPU costs are between 0 and 1 ms
+# bound); the fixed GPU costs (per layer, per all-reduce, per request) are between 0 and 1 ms
 BOUNDS = {**{g: (1.0, 10.0) for g in GROUPS}, "prefill_attn": (1.0, 2.0), "per_layer_s": (0.0, 1e-3),
-          "allreduce_call_s": (0.0, 1e-3), "moe_linear": (1.0, 10.0), "moe_compute": (1.0, 10.0), "compute": (1.0, 10.0)}
+          "allreduce_call_s": (0.0, 1e-3), "moe_linear": (1.0, 10.0), "moe_compute": (1.0, 10.0), "compute": (1.0, 10.0), "per_request_gpu_s": (0.0, 1e-3)}
 
 
 # TTFT rows' weight: the picture leaves out queueing behind other prefills. 0.25 (was 0.5) was chosen on the fit set

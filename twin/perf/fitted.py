@@ -27,6 +27,7 @@ File format (YAML or JSON; `perf.kind: fitted`, `perf.fit_path: FILE`, relative 
       per_request_s: 4.0e-6
       per_layer_s: 2.0e-5           # optional (0): GPU time per layer per step, not hidden by async scheduling
       allreduce_call_s: 1.0e-5      # optional (0): GPU time per TP all-reduce, two per layer when TP > 1
+      per_request_gpu_s: 1.5e-5     # optional (0): GPU time per scheduled request per step, not hidden by async
       compute: 1.28                 # optional (linear): a dense model's linear group on its compute side (below)
       gemm_tail_tokens: 150         # optional (0): the GEMMs' partial last wave, in tokens of compute per step
                                     # (twin.perf.roofline; the linear group's compute side is T + tail tokens)
@@ -59,9 +60,13 @@ from twin.perf.roofline import GROUPS, RooflineModel
 BASIS = "roofline-groups/1"
 COEFFICIENTS = (*GROUPS, "step_s", "per_request_s")
 # optional GPU-side fixed costs (0 when absent), which async scheduling does not hide: `per_layer_s` per layer per
-# step (small-kernel and launch latency inside the CUDA graph: norms, rope, activation, MoE routing), and
-# `allreduce_call_s` per tensor-parallel all-reduce (two per layer when TP > 1)
-OPTIONAL = ("per_layer_s", "allreduce_call_s", "moe_linear", "moe_compute", "compute", "gemm_tail_tokens")
+# step (small-kernel and launch latency inside the CUDA graph: norms, rope, activation, MoE routing),
+# `allreduce_call_s` per tensor-parallel all-reduce (two per layer when TP > 1), and `per_request_gpu_s` per request
+# scheduled in the step (a decode or a prefill chunk: work per sequence rather than per token or per layer, e.g. the
+# sampler's, which sorts the whole vocabulary per request for top-p, `apply_top_k_top_p` in
+# `vllm/v1/sample/ops/topk_topp_sampler.py`, when FlashInfer's sampler is not used; fitted, its cause not established)
+OPTIONAL = ("per_layer_s", "allreduce_call_s", "per_request_gpu_s", "moe_linear", "moe_compute", "compute",
+            "gemm_tail_tokens")
 # `moe_linear` (optional, default `linear`): the linear group's coefficient for MoE models, whose grouped expert
 # kernels (and MXFP4 weight-only dequantisation) run further from the floor than dense GEMMs. `moe_compute`
 # (optional, default `moe_linear`): the same group's compute side alone, so an MoE step is
@@ -153,6 +158,7 @@ class FittedModel:
         # fixed GPU time of any step with work: per layer, and per all-reduce (twin.perf.roofline's two per layer)
         layer_s, call_s = c.get("per_layer_s", 0.0), c.get("allreduce_call_s", 0.0)
         self._fixed_gpu = m.num_layers * layer_s + (2 * m.num_layers * call_s if tp > 1 else 0.0)
+        self._req_gpu = c.get("per_request_gpu_s", 0.0)  # GPU time per scheduled request per step
         self._tail = c.get("gemm_tail_tokens", 0.0)  # the GEMMs' last wave (twin.perf.roofline), on the compute side
 
     @classmethod
@@ -203,7 +209,7 @@ class FittedModel:
         if sampled > 0:
             c = g._lm_s * sampled
             x += self._c_lm * (c if c > g._lm_w else g._lm_w)
-        x += self._c_ar * (g._ar_s * t) + self._fixed_gpu
+        x += self._c_ar * (g._ar_s * t) + self._fixed_gpu + self._req_gpu * reqs
         return x + (self._step_s + self._req_s * reqs)
 
     def _dec(self, ctx: int, nd: int) -> float:
