@@ -159,6 +159,10 @@ def test_a_dense_prefill_is_priced_on_compute_and_a_decode_on_linear():
     assert pinned.step_time(prefill) - base.step_time(prefill) == pytest.approx(0.5 * comp, rel=1e-9)
     assert pinned.step_time(decode) == base.step_time(decode)
     assert pinned.decode_run_times(4, 1000, 3) == base.decode_run_times(4, 1000, 3)
+    # measured on BF16 GEMMs: an assumption for FP8, not for BF16
+    assert "compute" in pinned.describe()["assumptions"] and "compute" not in base.describe()["assumptions"]
+    bf16 = RooflineModel(gpu, get_model("Llama-3.1-70B"), dtype="bf16", tensor_parallel=4)
+    assert "compute" not in FittedModel(bf16, {**coef, "compute": 1.5}).describe()["assumptions"]
 
 
 def test_the_profile_on_the_held_out_tp_4_points_is_no_worse_than_today():

@@ -277,5 +277,8 @@ class FittedModel:
             "api_handoff_s": self.roofline.api_handoff_s,
             "assumptions": ["api_request_overhead_s", "api_prompt_token_s", "api_output_token_s", "api_queue",
                            "api_rho_cap", "api_handoff_s"]
-                           + (["moe_routing"] if self.roofline.model.is_moe else []),
+                           + (["moe_routing"] if self.roofline.model.is_moe else [])
+                           # the pinned GEMM efficiency, measured on BF16, assumed for other dtypes
+                           + (["compute"] if "compute" in self.coefficients and not self.roofline.model.is_moe
+                              and self.roofline.dtype != "bf16" else []),
         }
