@@ -64,17 +64,15 @@ def main() -> None:
     path = PROFILES / f"{NAME}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     rpc = args.requests_per_client
-    figures = {}
+    held = {}
     for label, overrides in (("profile", ["cluster.perf.kind=fitted", f"cluster.perf.profile={NAME}"]),
                              ("roofline", ["cluster.perf.kind=roofline"])):
         rows = score(held_out, rpc, overrides)
         write_csv(rows, args.out / f"held_out_{label}.csv")
         plot(rows, args.out / f"held_out_{label}.png", f"{label} on the held-out TP 4 points ({rpc} requests/client)")
-        agg = aggregate([r for r in rows if not r["bad_run"]])[0]
-        figures[label] = {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)}
-                          for m in METRICS}
-        print(label, figures[label])
-    doc["fit"]["held_out_error_pct"] = {"requests_per_client": rpc, **figures}
+        held[label] = figures(rows)
+        print(label, held[label])
+    doc["fit"]["held_out_error_pct"] = {"requests_per_client": rpc, **held}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     print(f"wrote {path}")
 
@@ -91,39 +89,42 @@ def fitted(fit_on, args) -> tuple[dict, int, dict | None]:
     return ref["coefficients"], n, {**ref, "iterations": args.iterations, "requests_per_client": args.requests_per_client}
 
 
+def figures(rows) -> dict:
+    """MAPE and signed error per metric over the rows that are not bad runs, to one decimal."""
+    agg = aggregate([r for r in rows if not r["bad_run"]])[0]
+    return {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)} for m in METRICS}
+
+
+def fit_and_score(fit_on, held_out, fitted_on: str, held_out_label: str, name: str, csv_name: str, out: Path,
+                  args) -> dict:
+    """Fit (and refine) on `fit_on`, write the profile to out/NAME.yaml, simulate `held_out` on it into
+    out/CSV_NAME.csv; the held-out figures. The shipped profile is untouched."""
+    coef, n, refined = fitted(fit_on, args)
+    doc = profile_document(coef, f"{fitted_on}: {n} points", held_out_label, str(DATA.relative_to(ROOT)), HOST,
+                           refined=refined)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rows = score(held_out, args.requests_per_client, ["cluster.perf.kind=fitted", f"cluster.perf.fit_path={path}"])
+    write_csv(rows, out / f"{csv_name}.csv")
+    return figures(rows)
+
+
 def cross_model(points, out: Path, args) -> None:
     """Fit on the dense model alone and score the MoE one: how far the basis transfers to a model never fitted on."""
-    rpc = args.requests_per_client
     fit_on, held_out = split(points, lambda p: "llama" in p.model.lower())
-    coef, n, refined = fitted(fit_on, args)
-    doc = profile_document(coef, f"Llama alone: {n} points", f"gpt-oss: {len(held_out)} points",
-                           str(DATA.relative_to(ROOT)), HOST, refined=refined)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "llama-only.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    rows = score(held_out, rpc, ["cluster.perf.kind=fitted", f"cluster.perf.fit_path={path}"])
-    write_csv(rows, out / "cross_model.csv")
-    agg = aggregate([r for r in rows if not r["bad_run"]])[0]
     print("fit on Llama, scored on gpt-oss:",
-          {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)} for m in METRICS})
+          fit_and_score(fit_on, held_out, "Llama alone", f"gpt-oss: {len(held_out)} points", "llama-only",
+                        "cross_model", out, args))
 
 
 def fit_set_check(points, out: Path, args) -> None:
     """Fit on TP 2 and score TP 8, then the reverse: how a change to the fit is judged without the held-out TP 4."""
-    rpc = args.requests_per_client
-    out.mkdir(parents=True, exist_ok=True)
     for fit_tp, score_tp in ((2, 8), (8, 2)):
-        coef, n, refined = fitted([p for p in points if p.tp == fit_tp], args)
-        doc = profile_document(coef, f"TP {fit_tp}: {n} points", f"TP {score_tp}", str(DATA.relative_to(ROOT)), HOST,
-                               refined=refined)
-        path = out / f"fit-tp{fit_tp}.yaml"
-        path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        rows = score([p for p in points if p.tp == score_tp], rpc,
-                     ["cluster.perf.kind=fitted", f"cluster.perf.fit_path={path}"])
-        write_csv(rows, out / f"fit-tp{fit_tp}-score-tp{score_tp}.csv")
-        agg = aggregate([r for r in rows if not r["bad_run"]])[0]
-        print(f"fitted on TP {fit_tp}, scored on TP {score_tp}:",
-              {m: {"mape": round(agg[f"{m}_mape"], 1), "signed": round(agg[f"{m}_signed"], 1)} for m in METRICS})
+        got = fit_and_score([p for p in points if p.tp == fit_tp], [p for p in points if p.tp == score_tp],
+                            f"TP {fit_tp}", f"TP {score_tp}", f"fit-tp{fit_tp}", f"fit-tp{fit_tp}-score-tp{score_tp}",
+                            out, args)
+        print(f"fitted on TP {fit_tp}, scored on TP {score_tp}:", got)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ DATA = Path(__file__).resolve().parent / "data" / "inferencex-h100-vllm.csv"
 # roofline`: 60.3, 38.9, 37.7, 66.5 (its TTFT is lower only because it is too fast everywhere: signed +41 against the
 # profile's +121 at 2 per client, while its TPOT is -39 %). A change that makes any of them worse by more than the
 # margin fails; one that improves them should lower these bounds. (The profile's moved with the dense compute side
-# pinned at the GEMMs' measured efficiency and `per_request_gpu_s`, 2026-12-05, from 122.7, 6.8, 6.4, 6.9; with `refine`, 2026-12-04, from
-# 126.0, 6.1, 5.8, 6.2; the roofline's with the GEMMs' last wave, perf.gemm_tail_tokens 150, and compute_efficiency
+# pinned at the GEMMs' measured efficiency and `per_request_gpu_s`, 2026-12-05, from 122.7, 6.8, 6.4, 6.9; with
+# `refine`, 2026-12-04, from 126.0, 6.1, 5.8, 6.2; the roofline's with the GEMMs' last wave, perf.gemm_tail_tokens 150, and compute_efficiency
 # 0.75 -> 0.78: from 60.7, 38.8, 37.7, 66.3.)
 MAPE_BOUNDS = {"default": {"ttft_ms": 122.6, "tpot_ms": 6.0, "e2e_ms": 5.5, "throughput_tok_s": 5.8},
                "roofline": {"ttft_ms": 60.3, "tpot_ms": 38.9, "e2e_ms": 37.7, "throughput_tok_s": 66.5}}

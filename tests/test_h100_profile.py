@@ -123,15 +123,20 @@ def test_fit_holds_pinned_coefficients_and_refuses_unknown_ones():
         fit(pts, fixed={"gemm_tail_tokens": 100.0})
 
 
+# every group at its floor and no CPU time; an 8k prefill (compute-bound at the floor) and a small decode
+FLOOR = {"linear": 1.0, "prefill_attn": 1.0, "decode_attn": 1.0, "lm_head": 1.0, "allreduce": 1.0, "step_s": 0.0,
+         "per_request_s": 0.0}
+PREFILL_8K = StepBatch(num_prefill_tokens=8192, prefill_attn_tokens=8192 * 4096, prefill_kv_read_tokens=8192,
+                       num_prefill_sampled=1, num_prefill_reqs=1)
+DECODE_4 = StepBatch(num_decode_tokens=4, decode_context_tokens=4 * 1000)
+
+
 def test_an_moe_prefill_is_priced_on_its_compute_side_and_a_decode_on_its_weight_reads(tmp_path):
     """moe_compute scales an MoE step's FLOP time, moe_linear its weight-read time, the larger one wins; a dense
     model reads neither."""
     gpu = get_gpu("H100")
-    coef = {"linear": 1.0, "prefill_attn": 1.0, "decode_attn": 1.0, "lm_head": 1.0, "allreduce": 1.0,
-            "step_s": 0.0, "per_request_s": 0.0, "moe_linear": 1.2}
-    prefill = StepBatch(num_prefill_tokens=8192, prefill_attn_tokens=8192 * 4096, prefill_kv_read_tokens=8192,
-                        num_prefill_sampled=1, num_prefill_reqs=1)
-    decode = StepBatch(num_decode_tokens=4, decode_context_tokens=4 * 1000)
+    coef = {**FLOOR, "moe_linear": 1.2}
+    prefill, decode = PREFILL_8K, DECODE_4
     r = RooflineModel(gpu, get_model("gpt-oss-120b"), dtype="mxfp4", tensor_parallel=4)
     one, split_ = FittedModel(r, coef), FittedModel(r, {**coef, "moe_compute": 3.0})
     comp, mem = r.ideal().linear_sides(8192, 0.0)
@@ -146,12 +151,7 @@ def test_an_moe_prefill_is_priced_on_its_compute_side_and_a_decode_on_its_weight
 
 def test_a_dense_prefill_is_priced_on_compute_and_a_decode_on_linear():
     """`compute` scales a dense step's FLOP time (an 8k prefill), and leaves a weight-read-bound decode to `linear`."""
-    gpu = get_gpu("H100")
-    coef = {"linear": 1.0, "prefill_attn": 1.0, "decode_attn": 1.0, "lm_head": 1.0, "allreduce": 1.0,
-            "step_s": 0.0, "per_request_s": 0.0}
-    prefill = StepBatch(num_prefill_tokens=8192, prefill_attn_tokens=8192 * 4096, prefill_kv_read_tokens=8192,
-                        num_prefill_sampled=1, num_prefill_reqs=1)
-    decode = StepBatch(num_decode_tokens=4, decode_context_tokens=4 * 1000)
+    gpu, coef, prefill, decode = get_gpu("H100"), FLOOR, PREFILL_8K, DECODE_4
     r = RooflineModel(gpu, get_model("Llama-3.1-70B"), dtype="fp8", tensor_parallel=4)
     base, pinned = FittedModel(r, coef), FittedModel(r, {**coef, "compute": 1.5})
     comp, mem = r.ideal().linear_sides(8192, 0.0)

@@ -12,9 +12,10 @@ model, GPU, dtype and TP as the basis):
   f(mixed) + D (async scheduling hands the first token out one step later).
 
 Each f is sum_g c_g T_g + per_layer_s x layers + allreduce_call_s x all-reduces + per_request_gpu_s x requests in
-the step, the linear group with the GEMMs' measured last wave (`gemm_tail_tokens`, not fitted); an MoE model's linear group under its own coefficients,
-`moe_compute` where its FLOPs bound it at the floor (a prefill) and `moe_linear` where its weight reads do (a decode);
-a dense model's likewise under `compute` (pinned at the GEMMs' measured efficiency, `COMPUTE`) and `linear`.
+the step, the linear group with the GEMMs' measured last wave (`gemm_tail_tokens`, not fitted). An MoE model's linear
+group is under its own coefficients, `moe_compute` where its FLOPs bound it at the floor (a prefill) and `moe_linear`
+where its weight reads do (a decode); a dense model's likewise under `compute` (pinned at the GEMMs' measured
+efficiency, `COMPUTE`) and `linear`.
 The host terms (step_s, per_request_s) are hidden under the GPU by async scheduling and keep the roofline's defaults.
 The coefficients are the non-negative least-squares fit of the relative errors (rows divided by the measured value). Points whose load
 does not fit the KV cache (queueing and preemption the picture leaves out) are not fitted on, nor are bad runs. The picture is only
@@ -55,11 +56,11 @@ def _features(g, b: StepBatch, layers: int, tp: int) -> np.ndarray:
     moe = g.model.is_moe
     lin = t["linear"]
     comp, mem = g.linear_sides(b.num_tokens, g.gemm_tail_tokens)
-    on_compute = comp > mem
-    return np.array([*(lin if (k == "linear" and not moe and not on_compute) else 0.0 if k == "linear" else t[k]
-                       for k in GROUPS), float(layers), float(2 * layers if tp > 1 else 0),
-                     lin if moe and not on_compute else 0.0, lin if moe and on_compute else 0.0,
-                     lin if not moe and on_compute else 0.0, float(b.num_requests)])
+    column = ("moe_compute" if comp > mem else "moe_linear") if moe else ("compute" if comp > mem else "linear")
+    cols = {**t, "linear": 0.0, "per_layer_s": float(layers), "allreduce_call_s": float(2 * layers if tp > 1 else 0),
+            "moe_linear": 0.0, "moe_compute": 0.0, "compute": 0.0, "per_request_gpu_s": float(b.num_requests)}
+    cols[column] = lin
+    return np.array([cols[k] for k in FEATURES])
 
 
 def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarray, np.ndarray, float, bool]:
@@ -98,7 +99,8 @@ def point_features(p: Point, range_ratio: float = RANGE_RATIO) -> tuple[np.ndarr
 # bounds: a group's coefficient is its slowdown against the physical floor (>= 1: the ideal roofline is a lower
 # bound); the fixed GPU costs (per layer, per all-reduce, per request) are between 0 and 1 ms
 BOUNDS = {**{g: (1.0, 10.0) for g in GROUPS}, "prefill_attn": (1.0, 2.0), "per_layer_s": (0.0, 1e-3),
-          "allreduce_call_s": (0.0, 1e-3), "moe_linear": (1.0, 10.0), "moe_compute": (1.0, 10.0), "compute": (1.0, 10.0), "per_request_gpu_s": (0.0, 1e-3)}
+          "allreduce_call_s": (0.0, 1e-3), "moe_linear": (1.0, 10.0), "moe_compute": (1.0, 10.0),
+          "compute": (1.0, 10.0), "per_request_gpu_s": (0.0, 1e-3)}
 
 
 # TTFT rows' weight: the picture leaves out queueing behind other prefills. 0.25 (was 0.5) was chosen on the fit set
@@ -171,8 +173,9 @@ def refine(points: Sequence[Point], coef: dict, requests_per_client: int = 10, i
     wave of simultaneous requests. So each iteration simulates every point (`twin score`'s closed loop, deterministic),
     takes the same weighted relative TPOT and TTFT errors as `fit`, differentiates them by finite differences (one
     simulation per coefficient), and takes the bounded Gauss-Newton step (halved until the error falls, else it
-    stops). The bounds are `fit`'s; the coefficients named in `fixed` (default those of `PINNED`) keep their values. Returns {"coefficients", "cost" (sum of squares) before and after, "evaluations",
-    "start" (the coefficients given)}.
+    stops). The bounds are `fit`'s; the coefficients named in `fixed` (default those of `PINNED`) keep their values.
+    Returns {"coefficients", "cost" (sum of squares) before and after, "evaluations", "start" (the coefficients
+    given)}.
     About (coefficients + 2) x iterations simulations of the points, spread over `workers` processes."""
     import tempfile
     from concurrent.futures import ProcessPoolExecutor
