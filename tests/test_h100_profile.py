@@ -197,3 +197,30 @@ def test_fixed_gpu_terms_are_per_layer_and_per_all_reduce_and_not_hidden_by_asyn
     path.write_text(yaml.safe_dump({"basis": "roofline-groups/1", "coefficients": {**coef, "per_layer_s": -1}}))
     with pytest.raises(TwinInputError, match="coefficients.per_layer_s must be a number >= 0"):
         FittedModel.from_file(RooflineModel(gpu, m), path)
+
+
+def test_basis_terms_rebuild_the_step_time_of_any_profile_and_scale_linear_only_where_it_prices():
+    """Calibration's identity (twin.lab.steps `fit_steps`): linear x terms[0] + attn x terms[1] + step_s + per_request_s
+    x terms[3] + constant = step_time, for the shipped profile's optional terms too, on dense and MoE models; a side
+    of the linear group priced by `compute` or `moe_*` is constant in `linear`."""
+    shipped = yaml.safe_load(profile_path("h100-vllm").read_text())["coefficients"]
+    mixed = StepBatch(num_prefill_tokens=512, prefill_attn_tokens=512 * 256, prefill_kv_read_tokens=512,
+                      num_prefill_sampled=1, num_prefill_reqs=1, num_decode_tokens=4, decode_context_tokens=4000)
+    batches = [PREFILL_8K, DECODE_4, mixed, StepBatch(num_decode_tokens=64, decode_context_tokens=64 * 3000)]
+    for name, dtype in (("Llama-3.1-70B", "fp8"), ("gpt-oss-120b", "mxfp4"), ("Llama-2-7B", "bf16")):
+        r = RooflineModel(get_gpu("H100"), get_model(name), dtype=dtype, tensor_parallel=4)
+        for base in (FLOOR, shipped):
+            # calibration's ties: lm_head = linear, decode_attn = prefill_attn
+            coef = {**base, "linear": 1.3, "lm_head": 1.3, "prefill_attn": 1.7, "decode_attn": 1.7,
+                    "step_s": 0.001, "per_request_s": 2e-6}
+            fm = FittedModel(r, coef)
+            for b in batches:
+                (lin, attn, one, reqs), const = fm.basis_terms(b)
+                rebuilt = 1.3 * lin + 1.7 * attn + 0.001 * one + 2e-6 * reqs + const
+                assert rebuilt == pytest.approx(fm.step_time(b), rel=1e-12), (name, base is shipped, b)
+    # the pinned dense compute side prices an 8k prefill's linear group: not in the `linear` term
+    r = RooflineModel(get_gpu("H100"), get_model("Llama-3.1-70B"), dtype="fp8", tensor_parallel=4)
+    comp, _mem = r.ideal().linear_sides(8192, 0.0)
+    free, pinned = FittedModel(r, FLOOR), FittedModel(r, {**FLOOR, "compute": 1.5})
+    assert free.basis_terms(PREFILL_8K)[0][0] - pinned.basis_terms(PREFILL_8K)[0][0] == pytest.approx(comp)
+    assert pinned.basis_terms(DECODE_4) == free.basis_terms(DECODE_4)  # a decode reads weights: `linear` prices it

@@ -152,6 +152,10 @@ class FittedModel:
             self._c_lin_c = c.get("moe_compute", self._c_lin)
         else:
             self._c_lin_c = c.get("compute", self._c_lin)
+        # which sides of the linear group the `linear` coefficient itself scales (basis_terms): not one that
+        # `moe_linear`, `moe_compute` or `compute` prices instead
+        self._mem_tied = not (roofline.model.is_moe and "moe_linear" in c)
+        self._comp_tied = self._mem_tied and ("moe_compute" if roofline.model.is_moe else "compute") not in c
         self._c_lm, self._c_ar = c["lm_head"], c["allreduce"]
         self._step_s, self._req_s = c["step_s"], c["per_request_s"]
         m, tp = roofline.model, roofline.tensor_parallel
@@ -234,21 +238,38 @@ class FittedModel:
 
     def basis_terms(self, b: StepBatch) -> tuple[tuple[float, float, float, float], float]:
         """A step's terms as calibration fits them (linear + lm_head, attention, per step, per request) and its
-        constant part (all-reduce): `step_time` is linear in the fitted coefficients on these (twin.lab.calibrate)."""
+        constant part, so that `step_time` = linear x terms[0] + prefill_attn x terms[1] + step_s + per_request_s x
+        terms[3] + constant when lm_head = linear and decode_attn = prefill_attn, the ties calibration keeps
+        (twin.lab.calibrate `_TIES`). The constant holds what those four coefficients do not scale: the
+        all-reduce, the optional GPU terms (`per_layer_s`, `allreduce_call_s`, `per_request_gpu_s`), and a side
+        of the linear group priced by its own coefficient (`compute`, `moe_compute`, `moe_linear`) at its
+        current value, so the identity is exact for any profile and locally exact in `linear` (twin.lab.steps,
+        twin.lab.calibrate)."""
         g = self.basis
         nd = b.num_decode_tokens
         t = b.num_prefill_tokens + nd
         if t == 0:
             return (0.0, 0.0, 0.0, 0.0), 0.0
         sampled = nd + b.num_prefill_sampled
-        lin = g.linear_time(t, self._tail) + ((max(g._lm_s * sampled, g._lm_w)) if sampled > 0 else 0.0)
+        reqs = nd + b.num_prefill_reqs
+        const = self.coefficients["allreduce"] * g._ar_s * t + self._fixed_gpu + self._req_gpu * reqs
+        comp, mem = g.linear_sides(t, self._tail)
+        if comp * self._c_lin_c > mem * self._c_lin:  # the side `_rest` takes
+            lin, tied, c = comp, self._comp_tied, self._c_lin_c
+        else:
+            lin, tied, c = mem, self._mem_tied, self._c_lin
+        if not tied:
+            const += c * lin
+            lin = 0.0
+        if sampled > 0:
+            lin += max(g._lm_s * sampled, g._lm_w)
         attn = 0.0
         if b.num_prefill_tokens > 0:
             attn += max(g._attn_s * b.prefill_attn_tokens, g._kv_s * (b.prefill_kv_read_tokens + b.num_prefill_tokens))
         if nd > 0:
             ctx = b.decode_context_tokens
             attn += max(g._attn_s * ctx, g._kv_s * (ctx + nd))
-        return (lin, attn, 1.0, float(nd + b.num_prefill_reqs)), self.coefficients["allreduce"] * g._ar_s * t
+        return (lin, attn, 1.0, float(reqs)), const
 
     def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
         """k decode-only steps, each exactly as `step_time` computes it."""
