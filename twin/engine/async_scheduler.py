@@ -117,8 +117,11 @@ class AsyncScheduler(Scheduler):
 
     def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
         """As the synchronous plan, each step's CPU hidden behind the step before; the last step's finishers
-        are freed now, right after the run's first decision (`after_schedule`; `_run_frees_finishers`)."""
-        self.release_finished()
+        are freed now, right after the run's first decision (`after_schedule`; `_run_frees_finishers`), which
+        takes the first step's blocks and caches its output blocks before them, as `schedule` would."""
+        if self.finishing:
+            self._take_first_step()
+            self.release_finished()
         g = self.group
         xs = self.perf.decode_run_times(g.num_decode, g.decode_context, k)
         c = self._host_s(g.num_decode) if self._host_s is not None else 0.0
@@ -135,6 +138,19 @@ class AsyncScheduler(Scheduler):
         self.run_x = xs
         self.run_c = c
         return out, ends
+
+    def _take_first_step(self) -> None:
+        """The run's first decision, before the frees: its new blocks (from the front of the free queue, evicting
+        as `schedule` would) and its members' filled output blocks, cached in running order
+        (`_schedule_running_fast`). `commit_decode_run` takes the rest."""
+        g = self.group
+        need = g.phase_count[(-g.group_step) % self.block_size]
+        self.pool.allocate(need)
+        self.run_first_taken = need
+        if g.num_reg_members:
+            d = g.group_step - self._reg_lag
+            for r in g.crossing(d):
+                self._register_member(r, d)
 
     def _after_run(self, j: int, durations: list[float], ends: list[float]) -> None:
         """The next decision was made as step j started; step j's GPU time is what the next CPU hides behind."""

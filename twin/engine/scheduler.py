@@ -94,6 +94,9 @@ class Scheduler:
         # the planned decode run's step-model times and host time: step s's GPU time is run_x[s] - run_c
         self.run_x: list[float] = []
         self.run_c: float = 0.0
+        # async: blocks the planned run's first step took at its decision, before the last step's finishers were
+        # freed (-1: none taken; the commit takes every step's blocks)
+        self.run_first_taken: int = -1
         self._host_s: Callable[[int], float] | None = getattr(perf, "host_time_s", None)
 
     # ---------------------------------------------------------------------------------------------
@@ -503,19 +506,12 @@ class Scheduler:
     def _run_frees_finishers(self) -> bool:
         """Async: may a decode run start while the last step's finishers still hold their blocks?
 
-        Their blocks and seats are freed right after the run's first decision (`release_finished`, as after any
-        schedule), which changes nothing the run's decisions read when nobody waits for a seat, and when the
-        first step's new blocks come out of the uncached free blocks: taken before the frees or after them,
-        they are then the same blocks (`BlockPool.allocate` takes those first), and no cached one is evicted.
-        The first step must cache no output block either (the step would cache it before the frees, the run
-        caches it after). The run's block limit is reckoned on the free blocks before the frees: safe after."""
-        if self.waiting:
-            return False
-        g = self.group
-        bs = self.block_size
-        if g.num_reg_members and g.reg_buckets[(-(g.group_step - self._reg_lag) - 1) % bs]:
-            return False
-        return g.phase_count[(-g.group_step) % bs] <= self.pool.num_anon_free
+        Yes when nobody waits for a seat: their blocks and seats are freed right after the run's first decision
+        (`release_finished`, as after any schedule), and that changes nothing the run's decisions read. The
+        first step takes its blocks and caches its output blocks at the decision, before the frees
+        (`AsyncScheduler.decode_run_plan`), so the same cached blocks are evicted as step by step. The run's
+        block limit is reckoned on the free blocks before the frees: safe after."""
+        return not self.waiting
 
     def _head_stays_blocked(self, free: int) -> bool:
         """The queue head was refused with at least as many free blocks and the same batch: still refused.
@@ -553,7 +549,8 @@ class Scheduler:
 
     def decode_blocks_needed(self, j: int) -> int:
         """New blocks the decode group takes over the next j steps (the instance's KV gauges read this)."""
-        return self.group.blocks_needed(j)
+        n = self.group.blocks_needed(j)
+        return n - self.run_first_taken if self.run_first_taken > 0 else n
 
     @property
     def num_decode(self) -> int:
@@ -582,15 +579,18 @@ class Scheduler:
         bs = self.block_size
         pc = self.group.phase_count
         group_step = self.group.group_step
-        used0 = used = self.num_used_blocks
+        first = self.run_first_taken  # the first step's blocks (and registrations), taken at the decision
+        self.run_first_taken = -1
+        pre = first if first > 0 else 0
+        used0 = used = self.num_used_blocks - pre
         block_seconds = 0.0
         for s in range(j):  # allocation happens at each step's start, then the step runs
             used += pc[(-(group_step + s)) % bs]
             block_seconds += used * durations[s]
-        self.pool.allocate(used - used0)
+        self.pool.allocate(used - used0 - pre)
         if self.group.num_reg_members:  # output blocks filled during the run, step by step in running order
             lag = self._reg_lag
-            for s in range(j):
+            for s in range(0 if first < 0 else 1, j):
                 for r in self.group.crossing(group_step + s - lag):
                     self._register_member(r, group_step + s - lag)
         stats.kv_used_block_seconds += block_seconds
