@@ -277,7 +277,16 @@ class FittedModel:
         if nd <= 0:
             return [0.0] * k
         rest = self._rest(nd, nd, nd)
-        return [(0.0 + self._dec(context0 + s * nd, nd)) + rest for s in range(k)]
+        g = self.basis
+        attn_s, kv_s, cd = g._attn_s, g._kv_s, self._c_dec
+        out = []
+        ctx = context0
+        for _ in range(k):  # `_dec` inlined: the same operations in the same order, so equal to the bit
+            a = attn_s * ctx
+            c = kv_s * (ctx + nd)
+            out.append((0.0 + cd * (a if a > c else c)) + rest)
+            ctx += nd
+        return out
 
     def describe(self) -> dict:
         return {
