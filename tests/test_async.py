@@ -197,3 +197,48 @@ def test_an_output_block_is_cached_one_step_later():
     # block 2 holds tokens 32..47: full once 16 outputs are known (sampled in steps 0..15)
     assert when_cached(False) == 16
     assert when_cached(True) == 17
+
+
+def test_a_decode_run_starts_after_a_finish_even_when_its_first_step_evicts_cached_blocks(monkeypatch):
+    """The step after a finish may start a decode run while the finisher still holds its blocks, also when the
+    free blocks are all cached ones: the run's first step takes its blocks (evicting) and caches its output blocks
+    before the finisher's blocks are freed, as `schedule` then `update_from_output` do, so the same blocks are
+    evicted as step by step and the pool ends in the same state."""
+    from twin.engine.async_scheduler import AsyncScheduler
+    from twin.engine.core import EngineCore
+
+    taken_from_cached = []
+    orig = AsyncScheduler._take_first_step
+
+    def spy(self):
+        g = self.group
+        taken_from_cached.append(g.phase_count[(-g.group_step) % self.block_size] > self.pool.num_anon_free)
+        orig(self)
+
+    monkeypatch.setattr(AsyncScheduler, "_take_first_step", spy)
+
+    def run(fast: bool):
+        # wave 1 leaves the free queue full of cached blocks; wave 2 decodes in lockstep, finishing one by one;
+        # request 5 crosses into a new block in the step after request 4 finishes with a partial last block, which
+        # freed first would be reused instead of evicting a cached block
+        waves = [(0.0, 64, 3)] * 6 + [(20.0, 60, 22), (20.0, 59, 30), (20.0, 60, 37), (20.0, 60, 52)]
+        reqs = [Request(i, t, p, o, [1000 * i + b for b in range((p + o) // 16)]) for i, (t, p, o) in enumerate(waves)]
+        log = RequestLog(len(reqs))
+        pool = BlockPool(31, 16, True)
+        sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, async_scheduling=True),
+                               pool, UnitSteps(), log)
+        core = EngineCore(sched, sched.perf, 0.0, fast_forward=fast)
+        for r in reqs:
+            core.arrive(r, r.arrival_time)
+        core.advance()
+        lru = [k if isinstance(k, int) else (type(k).__name__, k.count) for k in pool.free_lru]
+        return log, (lru, dict(pool.cached_block_hash_to_ref), pool.num_anon_free, pool.num_evictions), core.steps
+
+    step_log, step_pool, step_steps = run(False)
+    taken_from_cached.clear()
+    fast_log, fast_pool, fast_steps = run(True)
+    assert any(taken_from_cached)  # a run's first step took cached blocks while a finisher held its own
+    assert fast_pool == step_pool and fast_pool[3] > 0 and not step_log.preemptions.any()
+    assert fast_steps == step_steps
+    for col in ("first_token_s", "finish_s", "output_tokens", "cached_tokens"):
+        np.testing.assert_array_equal(getattr(fast_log, col), getattr(step_log, col))
