@@ -502,3 +502,21 @@ def test_a_router_block_may_set_the_routers_own_seed():
 
     assert picks({"seed": 3}, 0) == picks({"seed": 3}, 99) == picks({}, 3)
     assert picks({"seed": 3}, 0) != picks({"seed": 4}, 0)
+
+
+def test_load_routers_pick_the_least_and_break_ties_at_random_in_fleet_order():
+    """least-outstanding (either signal) and least-kv: a unique minimum wins without drawing from the generator (so
+    later ties draw as before); ties draw one index among the tied, in fleet order."""
+    from twin.policy.routers import LeastKV, LeastOutstanding
+
+    fleet = fleet_of({"id": "a", "inflight": 3, "running": 2, "kv": 0.5}, {"id": "b", "inflight": 1, "running": 4,
+                     "kv": 0.2}, {"id": "c", "inflight": 2, "running": 1, "kv": 0.9})
+    lor, gauges, kv = LeastOutstanding(seed=5), LeastOutstanding(signal="gauges", seed=5), LeastKV(seed=5)
+    state = lor._rng.getstate()
+    assert (lor.choose(req(), fleet), gauges.choose(req(), fleet), kv.choose(req(), fleet)) == ("b", "c", "b")
+    assert lor._rng.getstate() == state
+    tied = fleet_of({"id": "a", "inflight": 1}, {"id": "b", "inflight": 4}, {"id": "c", "inflight": 1},
+                    {"id": "d", "inflight": 1})
+    picks = [LeastOutstanding(seed=s).choose(req(), tied) for s in range(30)]
+    assert set(picks) == {"a", "c", "d"}
+    assert picks == [["a", "c", "d"][random.Random(s).randrange(3)] for s in range(30)]

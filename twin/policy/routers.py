@@ -18,17 +18,17 @@ NO_INSTANCE = Reject("no instance is serving")
 def argmin_random(instances: Sequence[InstanceView], key: Callable[[InstanceView], float],
                   rng: random.Random) -> str:
     """The instance with the least `key`, ties broken uniformly at random (lowest-index ties herd)."""
-    best: list[InstanceView] = []
-    best_v = float("inf")
-    for v in instances:
-        k = key(v)
-        if k < best_v:
-            best_v = k
-            best = [v]
-        elif k == best_v:
-            best.append(v)
-    if len(best) == 1:
-        return best[0].id
+    return argmin_values(instances, [key(v) for v in instances], rng)
+
+
+def argmin_values(instances: Sequence[InstanceView], values: list, rng: random.Random) -> str:
+    """The instance with the least of `values` (one per instance, in order), ties broken uniformly at random among
+    the tied ones in fleet order. A router that reads one attribute passes them as a list comprehension: no key
+    function called per instance."""
+    best_v = min(values)
+    if values.count(best_v) == 1:
+        return instances[values.index(best_v)].id
+    best = [v for v, x in zip(instances, values) if x == best_v]
     return best[rng.randrange(len(best))].id
 
 
@@ -90,8 +90,8 @@ class LeastOutstanding(RouterBase):
         if not fleet.instances:
             return NO_INSTANCE
         if self.signal == "gauges":
-            return argmin_random(fleet.instances, lambda v: v.num_running + v.num_waiting, self._rng)
-        return argmin_random(fleet.instances, lambda v: v.inflight_requests, self._rng)
+            return argmin_values(fleet.instances, [v.num_running + v.num_waiting for v in fleet.instances], self._rng)
+        return argmin_values(fleet.instances, [v.inflight_requests for v in fleet.instances], self._rng)
 
 
 @register_router("least-kv", "least_kv")
@@ -106,7 +106,8 @@ class LeastKV(RouterBase):
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
         if not fleet.instances:
             return NO_INSTANCE
-        return argmin_random(fleet.instances, lambda v: v.kv_usage + 1e-6 * v.num_waiting, self._rng)
+        insts = fleet.instances
+        return argmin_values(insts, [v.kv_usage + 1e-6 * v.num_waiting for v in insts], self._rng)
 
 
 @register_router("power-of-two", "power_of_two", "p2c")
