@@ -199,34 +199,48 @@ def test_an_output_block_is_cached_one_step_later():
     assert when_cached(True) == 17
 
 
-def test_a_decode_run_starts_after_a_finish_even_when_its_first_step_evicts_cached_blocks(monkeypatch):
+def test_a_decode_run_starts_after_a_finish_even_when_its_first_step_evicts_cached_blocks():
     """The step after a finish may start a decode run while the finisher still holds its blocks, also when the
     free blocks are all cached ones: the run's first step takes its blocks (evicting) and caches its output blocks
     before the finisher's blocks are freed, as `schedule` then `update_from_output` do, so the same blocks are
     evicted as step by step and the pool ends in the same state."""
-    from twin.engine.async_scheduler import AsyncScheduler
     from twin.engine.core import EngineCore
 
-    taken_from_cached = []
-    orig = AsyncScheduler._take_first_step
+    class Recorder(RequestLog):
+        """Engine events in order; at a finish, whether the next step's new blocks exceed the uncached free ones."""
 
-    def spy(self):
-        g = self.group
-        taken_from_cached.append(g.phase_count[(-g.group_step) % self.block_size] > self.pool.num_anon_free)
-        orig(self)
+        wants_steps = True
 
-    monkeypatch.setattr(AsyncScheduler, "_take_first_step", spy)
+        def __init__(self, n, sched_of):
+            super().__init__(n)
+            self.events = []
+            self.sched_of = sched_of
+
+        def request_finished(self, r, t):
+            super().request_finished(r, t)
+            s = self.sched_of()
+            g = s.group
+            need = g.phase_count[(-g.group_step) % s.block_size] if g.num_decode else 0
+            self.events.append(("finish", t, need > s.pool.num_anon_free and not s.waiting))
+
+        def step(self, out, t_end, used_blocks):
+            self.events.append(("step", out.t_start))
+
+        def decode_run(self, num_decode, decode_context, durations, ends, used_blocks):
+            self.events.append(("run", ends[0] - durations[0]))
 
     def run(fast: bool):
         # wave 1 leaves the free queue full of cached blocks; wave 2 decodes in lockstep, finishing one by one;
-        # request 5 crosses into a new block in the step after request 4 finishes with a partial last block, which
+        # request 7 crosses into a new block in the step after request 6 finishes with a partial last block, which
         # freed first would be reused instead of evicting a cached block
         waves = [(0.0, 64, 3)] * 6 + [(20.0, 60, 22), (20.0, 59, 30), (20.0, 60, 37), (20.0, 60, 52)]
         reqs = [Request(i, t, p, o, [1000 * i + b for b in range((p + o) // 16)]) for i, (t, p, o) in enumerate(waves)]
-        log = RequestLog(len(reqs))
+        box = []
+        log = Recorder(len(reqs), lambda: box[0])
         pool = BlockPool(31, 16, True)
         sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, async_scheduling=True),
                                pool, UnitSteps(), log)
+        box.append(sched)
         core = EngineCore(sched, sched.perf, 0.0, fast_forward=fast)
         for r in reqs:
             core.arrive(r, r.arrival_time)
@@ -235,9 +249,13 @@ def test_a_decode_run_starts_after_a_finish_even_when_its_first_step_evicts_cach
         return log, (lru, dict(pool.cached_block_hash_to_ref), pool.num_anon_free, pool.num_evictions), core.steps
 
     step_log, step_pool, step_steps = run(False)
-    taken_from_cached.clear()
     fast_log, fast_pool, fast_steps = run(True)
-    assert any(taken_from_cached)  # a run's first step took cached blocks while a finisher held its own
+    ev = fast_log.events
+    # a finish whose next step needs more blocks than the uncached free ones, and the engine's next event is a run
+    # that starts as the finish's step ends (not a single step)
+    evicting = [k for k, e in enumerate(ev) if e[0] == "finish" and e[2]]
+    assert evicting
+    assert any(ev[k + 1][0] == "run" and ev[k + 1][1] == ev[k][1] for k in evicting if k + 1 < len(ev))
     assert fast_pool == step_pool and fast_pool[3] > 0 and not step_log.preemptions.any()
     assert fast_steps == step_steps
     for col in ("first_token_s", "finish_s", "output_tokens", "cached_tokens"):
