@@ -260,3 +260,9 @@ def test_a_decode_run_starts_after_a_finish_even_when_its_first_step_evicts_cach
     assert fast_steps == step_steps
     for col in ("first_token_s", "finish_s", "output_tokens", "cached_tokens"):
         np.testing.assert_array_equal(getattr(fast_log, col), getattr(step_log, col))
+
+
+def test_random_workloads_agree_in_both_modes_under_async(async_base):
+    """The fast-forward's random-workload check (any mix of arrivals, lengths, shared prefixes, pool sizes and
+    budgets) under async scheduling, vLLM's GPU default: every request accounted for and both modes equal."""
+    test_fast_forward.test_random_workloads_are_accounted_for_and_modes_agree()
