@@ -6,7 +6,7 @@ closed-loop load (10 requests per client, as InferenceMAX sends), against the ro
 points, and writes the figures into the profile's `fit` section. Deterministic.
 
 Usage: PYTHONPATH=. python scripts/fit_h100_profile.py [--out runs/h100-profile] [--iterations 2] [--no-refine]
-       [--cross-model | --fit-set-check]
+       [--cross-model | --fit-set-check | --series-cv]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from twin.analysis.gpu_fidelity import METRICS, aggregate, plot, read_points, score, write_csv  # noqa: E402
 from twin.perf.fitted import PROFILES  # noqa: E402
-from twin.analysis.profile_fit import HOST_TERMS, fit, profile_document, refine, split  # noqa: E402
+from twin.analysis.profile_fit import HOST_TERMS, PINNED, fit, profile_document, refine, split  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "inferencex-h100-vllm.csv"
 NAME = "h100-vllm"
@@ -49,12 +49,18 @@ def main() -> None:
     ap.add_argument("--fit-set-check", action="store_true",
                     help="instead: the check candidates are judged by, on the fit set alone: fit TP 2 and score TP 8, "
                          "then the reverse (written under --out, the shipped profile untouched)")
+    ap.add_argument("--series-cv", action="store_true",
+                    help="instead: leave one (model, lengths, TP) series of the fit set out at a time, fit the picture "
+                         "on the rest (no refine), simulate the series left out; with `compute` pinned and unpinned "
+                         "(written under --out, the shipped profile untouched)")
     args = ap.parse_args()
     points = read_points(DATA)
     if args.cross_model:
         return cross_model(points, args.out, args)
     if args.fit_set_check:
         return fit_set_check(points, args.out, args)
+    if args.series_cv:
+        return series_cv(points, args.out, args)
     fit_on, held_out = split(points, train)
     coef, n, refined = fitted(fit_on, args)
     doc = profile_document(coef, "TP 2 and TP 8, both models (Llama-3.1-70B FP8, gpt-oss-120b "
@@ -125,6 +131,44 @@ def fit_set_check(points, out: Path, args) -> None:
                             f"TP {fit_tp}", f"TP {score_tp}", f"fit-tp{fit_tp}", f"fit-tp{fit_tp}-score-tp{score_tp}",
                             out, args)
         print(f"fitted on TP {fit_tp}, scored on TP {score_tp}:", got)
+
+
+def series_of(p) -> tuple:
+    """A measured series: one model at one TP and one pair of lengths, over its concurrencies."""
+    return (p.model, p.label or f"{p.isl}/{p.osl}", p.tp)
+
+
+def _series_job(job: tuple) -> list[dict]:
+    """Fit the picture on the fit set less one series (pinned as shipped, or nothing pinned), simulate that series."""
+    fit_set, left, variant, rpc, out = job
+    fixed = None if variant == "pinned" else {}
+    coef = fit(fit_set, fixed=fixed)["coefficients"]
+    label = "-".join(str(x) for x in series_of(left[0])).replace("/", "_")
+    doc = profile_document(coef, f"the fit set less {label}", label, str(DATA.relative_to(ROOT)), HOST,
+                           pinned=() if fixed == {} else tuple(PINNED))
+    path = out / f"{variant}-{label}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return [{**r, "variant": variant} for r in score(left, rpc, ["cluster.perf.kind=fitted",
+                                                                 f"cluster.perf.fit_path={path}"])]
+
+
+def series_cv(points, out: Path, args) -> None:
+    """Leave-one-series-out on the fit set (TP 2 and 8), at the picture's fit: whether a change to the basis or to
+    what is pinned transfers to a series the fit did not see, without the held-out TP 4 or refine's minutes."""
+    from multiprocessing import Pool
+
+    fit_set = [p for p in points if train(p)]
+    series = sorted({series_of(p) for p in fit_set})
+    d = out / "series-cv"
+    d.mkdir(parents=True, exist_ok=True)
+    jobs = [([p for p in fit_set if series_of(p) != s], [p for p in fit_set if series_of(p) == s], variant,
+             args.requests_per_client, d) for variant in ("pinned", "unpinned") for s in series]
+    with Pool(args.workers) as pool:
+        done = pool.map(_series_job, jobs)
+    for variant in ("pinned", "unpinned"):
+        rows = [r for job, rs in zip(jobs, done) if job[2] == variant for r in rs]
+        write_csv(rows, d / f"{variant}.csv")
+        print(f"leave one of {len(series)} series out, {variant}:", figures(rows))
 
 
 if __name__ == "__main__":

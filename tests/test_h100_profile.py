@@ -224,3 +224,26 @@ def test_basis_terms_rebuild_the_step_time_of_any_profile_and_scale_linear_only_
     free, pinned = FittedModel(r, FLOOR), FittedModel(r, {**FLOOR, "compute": 1.5})
     assert free.basis_terms(PREFILL_8K)[0][0] - pinned.basis_terms(PREFILL_8K)[0][0] == pytest.approx(comp)
     assert pinned.basis_terms(DECODE_4) == free.basis_terms(DECODE_4)  # a decode reads weights: `linear` prices it
+
+
+def test_the_series_cross_validation_fits_without_the_series_it_scores(tmp_path):
+    """scripts/fit_h100_profile.py --series-cv: each of the fit set's 12 (model, lengths, TP) series is left out of
+    a picture fit and simulated on it; pinned keeps `compute` at COMPUTE, unpinned fits it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fit_script", Path(__file__).resolve().parents[1] / "scripts"
+                                                  / "fit_h100_profile.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    fit_set = [p for p in read_points(DATA) if script.train(p)]
+    series = sorted({script.series_of(p) for p in fit_set})
+    assert len(series) == 12 and all(s[2] in (2, 8) for s in series)
+    s = min(series, key=lambda s: sum(script.series_of(p) == s for p in fit_set))
+    left = [p for p in fit_set if script.series_of(p) == s]
+    rest = [p for p in fit_set if script.series_of(p) != s]
+    for variant in ("pinned", "unpinned"):
+        rows = script._series_job((rest, left, variant, 1, tmp_path))
+        assert [r["line"] for r in rows] == [p.line for p in left] and {r["variant"] for r in rows} == {variant}
+        doc = yaml.safe_load(next(tmp_path.glob(f"{variant}-*.yaml")).read_text())
+        assert (doc["coefficients"]["compute"] == pytest.approx(COMPUTE, rel=1e-5)) == (variant == "pinned")
+        assert ("compute pinned" in doc["fit"]["method"]) == (variant == "pinned")

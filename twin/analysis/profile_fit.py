@@ -235,10 +235,11 @@ def refine(points: Sequence[Point], coef: dict, requests_per_client: int = 10, i
 
 
 def profile_document(coef: dict, fitted_on: str, held_out: str, data: str, host: dict,
-                     default_for: Sequence[str] = (), refined: dict | None = None) -> dict:
+                     default_for: Sequence[str] = (), refined: dict | None = None,
+                     pinned: Sequence[str] = tuple(PINNED)) -> dict:
     """The profile file: the fitted GPU terms, the measured GEMM tail, the roofline's host terms, and where they came
     from; `default_for` the GPUs whose scenarios take it when `perf.kind` is `auto` (twin.perf.fitted); `refined`
-    what `refine` reported, when it ran."""
+    what `refine` reported, when it ran; `pinned` the terms held at their values (`fit(fixed=)`), not fitted."""
     method = ("twin.analysis.profile_fit: bounded least squares of relative TPOT and TTFT errors (TTFT rows weighted "
               f"{TTFT_WEIGHT}), steady-state closed loop")
     if refined is not None:
@@ -251,7 +252,7 @@ def profile_document(coef: dict, fitted_on: str, held_out: str, data: str, host:
            "fit": {"data": data, "fitted_on": fitted_on, "held_out": held_out,
                    "method": method + "; gemm_tail_tokens measured on Vidur's H100 operators, not fitted"
                    + ("; compute pinned at 1 / 0.78, the GEMMs' efficiency measured there (ASSUMPTION: FP8 reaches "
-                      "the same fraction of its peak), not fitted" if "compute" in coef else "")}}
+                      "the same fraction of its peak), not fitted" if "compute" in coef and "compute" in pinned else "")}}
     if refined is not None:  # where refine started: `fit` reproduces these in seconds (tests/test_h100_profile.py)
         doc["fit"]["picture_coefficients"] = {k: float(f"{v:.6g}") for k, v in refined["start"].items()}
     return doc
