@@ -224,6 +224,9 @@ def child(args: argparse.Namespace) -> None:
         t_run = time.perf_counter() - t0
     rss_run = _maxrss_mib()
     load_after = _loadavg()
+    # what simulation cost grows with: the engines' step-loop wake-ups and the events scheduled (SimPy's event ids)
+    wakeups = sum(inst.num_wakeups for inst in cluster.instances)
+    events = next(cluster.env._eid)
     gc.callbacks.remove(gc_cb)
 
     t0 = time.perf_counter()
@@ -267,6 +270,8 @@ def child(args: argparse.Namespace) -> None:
         "gc_s_by_generation": gc_time,
         "gc_collections": gc_count,
         "engine_steps": s.get("engine_steps"),
+        "wakeups_per_req": wakeups / n if n else None,
+        "events_per_req": events / n if n else None,
         "num_gpu_blocks": s.get("num_gpu_blocks"),
         "finished": s.get("requests_finished"),
         "rejected": s.get("requests_rejected"),
@@ -357,6 +362,8 @@ def fmt_table(rows: list[dict]) -> str:
         ("peak_rss_mib", "peak RSS MiB", "{:,.0f}"),
         ("gc_s", "GC s", "{:.2f}"),
         ("engine_steps", "steps", "{:,}"),
+        ("wakeups_per_req", "wake/req", "{:.2f}"),
+        ("events_per_req", "events/req", "{:.2f}"),
         ("step_vs_fast", "fast gain", "{:.1f}x"),
     ]
     table = [[h for _, h, _ in cols]]
@@ -479,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
           "(build + setup + run + summarize); proc s = whole child process incl. interpreter start and imports.")
     print("sim-s/wall-s = simulated seconds / run s; peak RSS = VmHWM (peak resident set) of the child process; "
           "fast gain = step-mode run s / fast-mode run s; "
-          "GC s = time in Python's cyclic garbage collector during the run (part of run s).")
+          "GC s = time in Python's cyclic garbage collector during the run (part of run s); wake/req = engine step-loop "
+          "wake-ups per request, events/req = simulation events scheduled per request (what the run's cost grows with).")
     for r in rows:
         if "error" in r:
             continue
