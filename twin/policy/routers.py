@@ -26,10 +26,12 @@ def argmin_values(instances: Sequence[InstanceView], values: list, rng: random.R
     the tied ones in fleet order. A router that reads one attribute passes them as a list comprehension: no key
     function called per instance."""
     best_v = min(values)
-    if values.count(best_v) == 1:
-        return instances[values.index(best_v)].id
-    best = [v for v, x in zip(instances, values) if x == best_v]
-    return best[rng.randrange(len(best))].id
+    i = values.index(best_v)
+    ties = values.count(best_v)
+    if ties > 1:  # the k-th tied one in fleet order, k drawn as `randrange(number tied)`
+        for _ in range(rng.randrange(ties)):
+            i = values.index(best_v, i + 1)
+    return instances[i].id
 
 
 @register_router("round-robin", "round_robin", "rr")
