@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pandas as pd
 
@@ -21,21 +23,30 @@ class RequestLog(EngineSink):
 
     def __init__(self, n: int) -> None:
         self.n = n
-        nan = lambda: np.full(n, np.nan)  # noqa: E731
-        self.arrival_s = nan()
-        self.scheduled_s = nan()
-        self.first_token_s = nan()
-        self.finish_s = nan()
-        self.instance = np.full(n, -1, dtype=np.int32)
-        self.prompt_tokens = np.zeros(n, dtype=np.int64)
-        self.max_tokens = np.zeros(n, dtype=np.int64)
-        self.output_tokens = np.zeros(n, dtype=np.int64)
-        self.cached_tokens = np.zeros(n, dtype=np.int64)
-        self.preemptions = np.zeros(n, dtype=np.int32)
-        self.status = np.full(n, int(RequestStatus.PENDING), dtype=np.int8)
-        self.session_id = np.full(n, -1, dtype=np.int64)
+        # each column is a numpy view of an `array.array` (`buffers`): the simulator writes one element at a time
+        # into the array, several times a request, at a small part of what numpy's indexing costs per element
+        self.buffers: dict[str, array] = {}
+        nan = float("nan")
+        self.arrival_s = self._column("arrival_s", "d", np.float64, nan)
+        self.scheduled_s = self._column("scheduled_s", "d", np.float64, nan)
+        self.first_token_s = self._column("first_token_s", "d", np.float64, nan)
+        self.finish_s = self._column("finish_s", "d", np.float64, nan)
+        self.instance = self._column("instance", "i", np.int32, -1)
+        self.prompt_tokens = self._column("prompt_tokens", "q", np.int64, 0)
+        self.max_tokens = self._column("max_tokens", "q", np.int64, 0)
+        self.output_tokens = self._column("output_tokens", "q", np.int64, 0)
+        self.cached_tokens = self._column("cached_tokens", "q", np.int64, 0)
+        self.preemptions = self._column("preemptions", "i", np.int32, 0)
+        self.status = self._column("status", "b", np.int8, int(RequestStatus.PENDING))
+        self.session_id = self._column("session_id", "q", np.int64, -1)
         self.reject_reason: dict[int, str] = {}
         self.reject_counts: dict[str, int] = {}
+
+    def _column(self, name: str, code: str, dtype, fill) -> np.ndarray:
+        buf = array(code, [fill]) * self.n
+        assert buf.itemsize == np.dtype(dtype).itemsize
+        self.buffers[name] = buf
+        return np.frombuffer(buf, dtype=dtype)
 
     # -- the engine's events (twin.engine.sink.EngineSink) ---------------------------------------------
     def request_queued(self, r, now: float) -> None:

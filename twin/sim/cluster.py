@@ -89,14 +89,14 @@ class _RunSink:
 
     def __init__(self, cluster: "Cluster") -> None:
         self.cluster = cluster
-        log = cluster.log
-        self.status = log.status
-        self.scheduled_s = log.scheduled_s
-        self.cached_tokens = log.cached_tokens
-        self.preemptions = log.preemptions
-        self.first_token_s = log.first_token_s
-        self.finish_s = log.finish_s
-        self.output_tokens = log.output_tokens
+        buf = cluster.log.buffers  # the columns' arrays (twin.engine.records): cheaper per element than numpy
+        self.status = buf["status"]
+        self.scheduled_s = buf["scheduled_s"]
+        self.cached_tokens = buf["cached_tokens"]
+        self.preemptions = buf["preemptions"]
+        self.first_token_s = buf["first_token_s"]
+        self.finish_s = buf["finish_s"]
+        self.output_tokens = buf["output_tokens"]
         self.wants_steps = False
 
     def request_queued(self, r: Request, now: float) -> None:
@@ -159,6 +159,7 @@ class Cluster:
             self.perf.kv_bytes_per_token_per_gpu,
         )
         self.log = RequestLog(len(stream))
+        self._cols = self.log.buffers  # the log's columns as arrays: the per-request writes and reads below
         self.log.arrival_s[:] = stream.arrival_s
         self.log.prompt_tokens[:] = stream.prompt_tokens
         cap = sc.workload.max_tokens
@@ -339,7 +340,7 @@ class Cluster:
         env = self.env
         log = self.log
         self.num_arrived += 1
-        log.arrival_s[i] = env._now  # the clock's value: t - now + now can differ from t by an ulp
+        self._cols["arrival_s"][i] = env._now  # the clock's value: t - now + now can differ from t by an ulp
         r = self.make_request(i)
         r.arrival_time = env._now
         max_len = self.max_model_len
@@ -383,7 +384,7 @@ class Cluster:
                 if transit is None:
                     transit = self.in_transit[inst.id] = {}
                 transit[r.idx] = (r, srv.backlog_end()[0] + self.api_handoff_s)
-                log.status[i] = RequestStatus.WAITING
+                self._cols["status"][i] = RequestStatus.WAITING
                 self._api_wake(inst, srv)
                 return
             delay = srv.preprocess(env._now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(),
@@ -391,7 +392,7 @@ class Cluster:
         delay += self.api_handoff_s
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
             self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env._now + delay)
-            self.log.status[i] = RequestStatus.WAITING  # arrived: queued in the API server
+            self._cols["status"][i] = RequestStatus.WAITING  # arrived: queued in the API server
             Timer(self.env, delay, callback=partial(self._to_engine, inst, r))
         else:
             self._enter_engine(inst, r)
@@ -468,7 +469,7 @@ class Cluster:
 
     def _api_delivery_wait(self, i: int, t: float, which: int) -> float:
         """A token of request i the engine emitted at t waits this long for pre-processing queued ahead of it."""
-        k = int(self.log.instance[i])
+        k = self._cols["instance"][i]
         by_index = self._api_by_index
         srv = by_index[k] if k < len(by_index) else None
         return srv.delivery_wait(t, i, which) if srv is not None else 0.0
@@ -485,8 +486,8 @@ class Cluster:
     def _finished(self, i: int) -> None:
         """The engine finished request i: the books and the router's hook hear of it, then the session."""
         if self.api_cap is not None:
-            self.api_wait_finish[i] = self._api_delivery_wait(i, float(self.log.finish_s[i]), 2)
-        self.dispatcher.finished(i, int(self.log.output_tokens[i]))
+            self.api_wait_finish[i] = self._api_delivery_wait(i, self._cols["finish_s"][i], 2)
+        self.dispatcher.finished(i, self._cols["output_tokens"][i])
         planner = self.fleet.chunk_planner
         if planner is not None:
             planner.observe(float(self.log.arrival_s[i]), int(self.log.prompt_tokens[i]), int(self.log.output_tokens[i]))
@@ -509,7 +510,7 @@ class Cluster:
         think_s = self.stream.think_s
         assert think_s is not None  # set together with `after`
         think = float(think_s[j])
-        if self.log.status[i] == 4:  # the client sees the last token after the API server streamed it
+        if self._cols["status"][i] == 4:  # the client sees the last token after the API server streamed it
             think += self.api_token_s()
             if self.api_cap is not None:
                 think += float(self.api_wait_finish[i])

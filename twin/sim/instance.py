@@ -71,6 +71,7 @@ class Instance:
         self.config = config
         self.perf = perf
         self.log = log
+        self._instance_col = log.buffers["instance"]  # its column's array (twin.engine.records)
         # segmented: the range pool for keys given as runs (prefix-heavy traces); else the per-block reference
         pool_cls = SegmentPool if segmented else BlockPool
         self.pool: BlockPool = pool_cls(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -144,7 +145,7 @@ class Instance:
         now = self.env._now
         self.touch(now)
         self.num_dispatched += 1
-        self.log.instance[r.idx] = self.index
+        self._instance_col[r.idx] = self.index
         cut = self.core.pending_run is not None  # the loop waits on a decode run's timer, which this arrival cuts
         self.core.add_request(r, now)
         if self._wakeup is not None and not self._wakeup.triggered:
