@@ -133,3 +133,26 @@ def test_the_runs_compiled_sink_writes_what_the_request_log_writes():
     assert a.preemptions.sum() > 0
     for col in ("status", "scheduled_s", "cached_tokens", "preemptions", "first_token_s", "finish_s", "output_tokens"):
         np.testing.assert_array_equal(getattr(a, col), getattr(b, col), err_msg=col)
+
+
+def test_the_log_columns_are_views_of_the_arrays_the_run_writes():
+    """RequestLog's columns (numpy, what every reader takes) and `buffers` (array.array, what the run writes one element
+    at a time) are the same memory, column by column, with the same dtype and initial values."""
+    import numpy as np
+
+    from twin.engine.records import RequestLog
+
+    log = RequestLog(3)
+    assert set(log.buffers) == {"arrival_s", "scheduled_s", "first_token_s", "finish_s", "instance", "prompt_tokens",
+                                "max_tokens", "output_tokens", "cached_tokens", "preemptions", "status", "session_id"}
+    assert np.isnan(log.finish_s).all() and (log.instance == -1).all() and (log.status == 0).all()
+    for name, buf in log.buffers.items():
+        col = getattr(log, name)
+        first = col[0]
+        assert col.dtype.itemsize == buf.itemsize and len(col) == len(buf) == 3
+        buf[1] = 7
+        assert col[1] == 7
+        col[2] = 5
+        assert buf[2] == 5
+        assert col[0] == first or (np.isnan(col[0]) and np.isnan(first))  # one element each, not the column
+    assert len(RequestLog(0).status) == 0
