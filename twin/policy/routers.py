@@ -17,14 +17,26 @@ NO_INSTANCE = Reject("no instance is serving")
 
 def argmin_random(instances: Sequence[InstanceView], key: Callable[[InstanceView], float],
                   rng: random.Random) -> str:
-    """The instance with the least `key`, ties broken uniformly at random (lowest-index ties herd)."""
-    return argmin_values(instances, [key(v) for v in instances], rng)
+    """The instance with the least `key`, ties broken uniformly at random (lowest-index ties herd). An instance
+    whose key is NaN is never chosen."""
+    best: list[InstanceView] = []
+    best_v = float("inf")
+    for v in instances:
+        k = key(v)
+        if k < best_v:
+            best_v = k
+            best = [v]
+        elif k == best_v:
+            best.append(v)
+    if len(best) == 1:
+        return best[0].id
+    return best[rng.randrange(len(best))].id
 
 
-def argmin_values(instances: Sequence[InstanceView], values: list, rng: random.Random) -> str:
-    """The instance with the least of `values` (one per instance, in order), ties broken uniformly at random among
-    the tied ones in fleet order. A router that reads one attribute passes them as a list comprehension: no key
-    function called per instance."""
+def argmin_values(instances: Sequence[InstanceView], values: list[int], rng: random.Random) -> str:
+    """`argmin_random` over integer values given as a list (one per instance, in order): the same pick and the
+    same draw, without a key function called per instance. Integers only: `min` does not skip NaN as
+    `argmin_random` does."""
     best_v = min(values)
     i = values.index(best_v)
     ties = values.count(best_v)
@@ -108,8 +120,7 @@ class LeastKV(RouterBase):
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
         if not fleet.instances:
             return NO_INSTANCE
-        insts = fleet.instances
-        return argmin_values(insts, [v.kv_usage + 1e-6 * v.num_waiting for v in insts], self._rng)
+        return argmin_random(fleet.instances, lambda v: v.kv_usage + 1e-6 * v.num_waiting, self._rng)
 
 
 @register_router("power-of-two", "power_of_two", "p2c")
