@@ -141,11 +141,10 @@ def series_of(p) -> tuple:
 def _series_job(job: tuple) -> list[dict]:
     """Fit the picture on the fit set less one series (pinned as shipped, or nothing pinned), simulate that series."""
     fit_set, left, variant, rpc, out = job
-    fixed = None if variant == "pinned" else {}
-    coef = fit(fit_set, fixed=fixed)["coefficients"]
+    pinned = tuple(PINNED) if variant == "pinned" else ()
+    coef = fit(fit_set, fixed={k: PINNED[k] for k in pinned})["coefficients"]
     label = "-".join(str(x) for x in series_of(left[0])).replace("/", "_")
-    doc = profile_document(coef, f"the fit set less {label}", label, str(DATA.relative_to(ROOT)), HOST,
-                           pinned=() if fixed == {} else tuple(PINNED))
+    doc = profile_document(coef, f"the fit set less {label}", label, str(DATA.relative_to(ROOT)), HOST, pinned=pinned)
     path = out / f"{variant}-{label}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return [{**r, "variant": variant} for r in score(left, rpc, ["cluster.perf.kind=fitted",
