@@ -35,7 +35,16 @@ def assert_same(fast, step):
     assert [s.generated_tokens for s in sa] == [s.generated_tokens for s in sb]
     for x, y in zip(sa, sb):
         assert x.kv_used_block_seconds == pytest.approx(y.kv_used_block_seconds, rel=1e-9)
+    # every inter-token gap, token by token: a run's step gaps are its end times' differences, as a stepped engine's
+    # (`t_end - group_last_out`), so they agree as the clock's times do
+    for x, y in zip(sa, sb):
+        np.testing.assert_allclose(itl_tokens(x), itl_tokens(y), rtol=1e-9, atol=1e-12)
 
+
+def itl_tokens(stats) -> np.ndarray:
+    """Every token's inter-token latency, sorted (the recorder's order and chunking aside)."""
+    values, weights = stats.itl.arrays()
+    return np.sort(np.repeat(values, weights))
 
 SCENARIOS = {
     "plain": {},

@@ -39,8 +39,8 @@ def record(cl: Cluster, events: list) -> list:
                           _s.pool.get_num_free_blocks()))
             return out
 
-        def commit(j, durations, ends, _s=sched, _orig=sched.commit_decode_run, _i=i):
-            fin = _orig(j, durations, ends)
+        def commit(j, ends, t0, _s=sched, _orig=sched.commit_decode_run, _i=i):
+            fin = _orig(j, ends, t0)
             steps.append((_i, "run", j, ends[j - 1], tuple(r.idx for r in fin), _s.pool.get_num_free_blocks()))
             return fin
 

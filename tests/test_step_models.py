@@ -82,6 +82,36 @@ def test_fitted_decode_runs_equal_its_steps_and_it_runs_in_a_cluster(tmp_path):
     assert ttft == pytest.approx(fm.step_time(lone), rel=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["fitted", "roofline", "moe fitted"])
+def test_the_engines_closed_form_of_a_decode_step_is_the_models_own_to_the_bit(tmp_path, kind):
+    """The engine plans a decode run from `decode_params` (twin.engine.scheduler `decode_run_plan`), so its
+    closed form must be each step's time exactly as `decode_run_times` and `step_time` give it; a model that
+    wraps another (forwarding unknown attributes to it) or a subclass is not taken for closed form."""
+    from twin.perf.fitted import closed_form_decode
+    from twin.perf.generation import GenerationModel
+    from twin.specs.vllm_versions import generation
+
+    coef = {"linear": 1.4, "prefill_attn": 1.2, "decode_attn": 1.9, "lm_head": 1.1, "allreduce": 0.8,
+            "step_s": 1.26e-4, "per_request_s": 4e-6, "per_layer_s": 2e-5, "per_request_gpu_s": 1.5e-5}
+    kw = {"cluster.tensor_parallel": 2}
+    if kind == "moe fitted":
+        kw.update({"cluster.model": "gpt-oss-120b"})
+    sc = make_scenario(**kw) if kind == "roofline" else fitted_scenario(write_fit(tmp_path, coef), **kw)
+    m = build_perf(sc)
+    assert closed_form_decode(m)
+    for nd, c0, k in ((37, 37 * 900, 50), (1, 3, 9), (256, 256 * 7000, 20)):
+        attn_s, kv_s, cd, rest = m.decode_params(nd)
+        steps, ctx = [], c0
+        for _ in range(k):
+            a, c = attn_s * ctx, kv_s * (ctx + nd)
+            steps.append((0.0 + cd * (a if a > c else c)) + rest)
+            ctx += nd
+        assert steps == m.decode_run_times(nd, c0, k) == decode_run_times_by_steps(m, nd, c0, k)
+    wrapped = GenerationModel(m, generation("0.5.4"), v0_seq_host_s=1e-4)
+    assert hasattr(wrapped, "decode_params") and not closed_form_decode(wrapped)  # forwarded, not its own
+    assert not closed_form_decode(Doubled(m))  # any other protocol object: its own decode_run_times
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda d: d.pop("basis"), "basis must be 'roofline-groups/1'"),
     (lambda d: d["coefficients"].pop("decode_attn"), "missing decode_attn"),

@@ -115,7 +115,7 @@ class AsyncScheduler(Scheduler):
         self.prev_gpu_s = x - c
         return x - hidden
 
-    def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
+    def decode_run_plan(self, k: int, t0: float) -> list[float]:
         """As the synchronous plan, each step's CPU hidden behind the step before; the last step's finishers
         are freed now, right after the run's first decision (`after_schedule`; `_run_frees_finishers`), which
         takes the first step's blocks and caches its output blocks before them, as `schedule` would."""
@@ -123,21 +123,35 @@ class AsyncScheduler(Scheduler):
             self._take_first_step()
             self.release_finished()
         g = self.group
-        xs = self.perf.decode_run_times(g.num_decode, g.decode_context, k)
-        c = self._host_s(g.num_decode) if self._host_s is not None else 0.0
+        nd = g.num_decode
+        c = self._host_s(nd) if self._host_s is not None else 0.0
         g_prev = self.prev_gpu_s
-        out = []
-        ends = []
+        ends: list[float] = []
         t = t0
+        self.run_c = c
+        if self._closed_form and nd > 0:  # `FittedModel.decode_run_times`, inlined: the same floats
+            # typed, so the compiled loop below runs on C doubles (the protocol does not name decode_params)
+            params: tuple[float, float, float, float] = self.perf.decode_params(nd)  # type: ignore[attr-defined]
+            self.run_params = params
+            attn_s, kv_s, cd, rest = params
+            ctx: int = g.decode_context
+            for _ in range(k):
+                a = attn_s * ctx
+                b = kv_s * (ctx + nd)
+                x = (0.0 + cd * (a if a > b else b)) + rest
+                t += x - (c if c < g_prev else g_prev)
+                ends.append(t)
+                g_prev = x - c
+                ctx += nd
+            self.run_x = []
+            return ends
+        xs = self.perf.decode_run_times(nd, g.decode_context, k)
         for x in xs:
-            d = x - (c if c < g_prev else g_prev)
-            out.append(d)
-            t += d
+            t += x - (c if c < g_prev else g_prev)
             ends.append(t)
             g_prev = x - c
         self.run_x = xs
-        self.run_c = c
-        return out, ends
+        return ends
 
     def _take_first_step(self) -> None:
         """The run's first decision, before the frees: its new blocks (from the front of the free queue, evicting
@@ -152,11 +166,20 @@ class AsyncScheduler(Scheduler):
             for r in g.crossing(d):
                 self._register_member(r, d)
 
-    def _after_run(self, j: int, durations: list[float], ends: list[float]) -> None:
+    def _after_run(self, j: int, ends: list[float], t0: float) -> None:
         """The next decision was made as step j started; step j's GPU time is what the next CPU hides behind."""
-        self.next_decision_t = ends[j - 2] if j >= 2 else ends[0] - durations[0]
-        self.prev_gpu_s = self.run_x[j - 1] - self.run_c
-        self.run_x = []
+        self.next_decision_t = ends[j - 2] if j >= 2 else t0
+        if self.run_x:
+            x = self.run_x[j - 1]
+            self.run_x = []
+        else:  # the closed form of the plan, at step j-1's context (the group has not moved yet)
+            attn_s, kv_s, cd, rest = self.run_params
+            nd = self.group.num_decode
+            ctx = self.group.decode_context + (j - 1) * nd
+            a = attn_s * ctx
+            b = kv_s * (ctx + nd)
+            x = (0.0 + cd * (a if a > b else b)) + rest
+        self.prev_gpu_s = x - self.run_c
 
 
 def make_scheduler(config: SchedulerConfig, pool: BlockPool, perf: StepTimeModel, sink: EngineSink) -> Scheduler:

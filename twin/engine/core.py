@@ -36,8 +36,8 @@ class EngineCore:
         self.name = name
         # work in progress at `now`, each finished as the loop would finish it
         self.pending_step: tuple | None = None  # (SchedulerOutput, t_end): one scheduled step
-        self.pending_run: tuple | None = None  # (k, durations, ends, t0): a fast-forwarded decode run
-        self.pending_tail: tuple | None = None  # (j, durations, ends, t_resume, t0): a run cut at an arrival
+        self.pending_run: tuple | None = None  # (k, ends, t0): a fast-forwarded decode run
+        self.pending_tail: tuple | None = None  # (j, ends, t_resume, t0): a run cut at an arrival
         self.wait_s = 0.0  # from the time the pending work was started or cut to its end: what a timer waits
         self.steps = 0  # steps run by `advance`
         self.drained_at: float | None = None  # when the engine last ran out of work
@@ -59,10 +59,10 @@ class EngineCore:
         self.now = now
         run = self.pending_run
         if run is not None:
-            k, durations, ends, t0 = run
+            k, ends, t0 = run
             j = min(bisect_left(ends, now) + (2 if self.scheduler.async_scheduling else 1), k)
             self.pending_run = None
-            self.pending_tail = (j, durations, ends, now, t0)
+            self.pending_tail = (j, ends, now, t0)
             self.wait_s = ends[j - 1] - now
 
     def arrive(self, r: Request, at: float) -> None:
@@ -83,22 +83,22 @@ class EngineCore:
             self.now = t_end
             sched.update_from_output(out, t_end)
         if self.pending_tail is not None:
-            j, durations, ends, t_resume, _t0 = self.pending_tail
+            j, ends, t_resume, t0 = self.pending_tail
             t = t_resume + (ends[j - 1] - t_resume)
             if t > until:
                 return False
             self.pending_tail = None
             if t > self.now:
                 self.now = t
-            sched.commit_decode_run(j, durations, ends)
+            sched.commit_decode_run(j, ends, t0)
         if self.pending_run is not None:
-            k, durations, ends, t0 = self.pending_run
+            k, ends, t0 = self.pending_run
             t = t0 + (ends[-1] - t0)
             if t > until:
                 return False
             self.pending_run = None
             self.now = t
-            sched.commit_decode_run(k, durations, ends)
+            sched.commit_decode_run(k, ends, t0)
         return True
 
     def advance(self, until: float = math.inf, stop: Callable[[], bool] | None = None) -> float:
@@ -119,16 +119,16 @@ class EngineCore:
             sched.begin_step(now)  # async: an idle engine starts afresh; arrivals by the decision join
             k = sched.plan_decode_run(self.max_run_steps) if self.fast_forward else 0
             if k >= 2:
-                durations, ends = sched.decode_run_plan(k, now)  # ends summed as the clock would add them
+                ends = sched.decode_run_plan(k, now)  # summed as the clock would add the steps
                 wait = ends[-1] - now
                 t = now + wait
                 if t > until:
-                    self.pending_run = (k, durations, ends, now)
+                    self.pending_run = (k, ends, now)
                     self.wait_s = wait
                     self.now = until
                     break
                 self.now = t
-                sched.commit_decode_run(k, durations, ends)
+                sched.commit_decode_run(k, ends, now)
                 self.steps += k
                 continue
             out = sched.schedule(now)

@@ -28,6 +28,7 @@ from twin.engine.decode_group import DecodeGroup, _by_run_seq
 from twin.engine.kv_cache_manager import KVCacheManager, kv_cache_manager
 from twin.engine.request import Request, RequestStatus
 from twin.perf.base import StepTimeModel
+from twin.perf.fitted import closed_form_decode
 from twin.engine.output import SchedulerOutput
 from twin.engine.sink import EngineSink
 from twin.engine.stats import EngineStats
@@ -91,9 +92,12 @@ class Scheduler:
         self.finishing: list[Request] = []  # finished in the last step, blocks held through the next schedule
         self.next_decision_t: float = 0.0  # start of the step in flight: when the next decision is made
         self.prev_gpu_s: float = 0.0  # GPU time of the step in flight, which the next step's CPU hides behind
-        # the planned decode run's step-model times and host time: step s's GPU time is run_x[s] - run_c
+        # the planned decode run's step-model times and host time: step s's GPU time is run_x[s] - run_c; with a
+        # closed-form step model (`closed_form_decode`) run_x stays empty and the times come from run_params
         self.run_x: list[float] = []
         self.run_c: float = 0.0
+        self._closed_form: bool = closed_form_decode(perf)
+        self.run_params: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         # async: blocks the planned run's first step took at its decision, before the last step's finishers were
         # freed (-1: none taken; the commit takes every step's blocks)
         self.run_first_taken: int = -1
@@ -562,19 +566,34 @@ class Scheduler:
         """Tokens the decode group's members attend to in the next step, summed."""
         return self.group.decode_context
 
-    def decode_run_plan(self, k: int, t0: float) -> tuple[list[float], list[float]]:
-        """The run's step durations, each as `step_duration` would give it step by step, and their end times
-        from t0, summed as the clock adds them (so equal to the bit to a step-by-step run's)."""
-        xs = self.perf.decode_run_times(self.group.num_decode, self.group.decode_context, k)
-        ends = []
+    def decode_run_plan(self, k: int, t0: float) -> list[float]:
+        """The run's step end times from t0, each step's duration as `step_duration` would give it step by step,
+        summed as the clock adds them (so equal to the bit to a step-by-step run's). A step's duration is
+        ends[s] - ends[s-1] (ends[0] - t0), as a stepped engine's `t_end - out.t_start`; nothing else per step is
+        kept, and with a closed-form step model (`closed_form_decode`) nothing else per step is made."""
+        g = self.group
+        nd = g.num_decode
+        ends: list[float] = []
         t = t0
-        for x in xs:
+        if self._closed_form and nd > 0:  # `FittedModel.decode_run_times`, inlined: the same floats
+            # typed, so the compiled loop below runs on C doubles (the protocol does not name decode_params)
+            params: tuple[float, float, float, float] = self.perf.decode_params(nd)  # type: ignore[attr-defined]
+            attn_s, kv_s, cd, rest = params
+            ctx: int = g.decode_context
+            for _ in range(k):
+                a = attn_s * ctx
+                c = kv_s * (ctx + nd)
+                t += (0.0 + cd * (a if a > c else c)) + rest
+                ends.append(t)
+                ctx += nd
+            return ends
+        for x in self.perf.decode_run_times(nd, g.decode_context, k):
             t += x
             ends.append(t)
-        return xs, ends
+        return ends
 
-    def commit_decode_run(self, j: int, durations: list[float], ends: list[float]) -> list[Request]:
-        """Apply the first j steps of a planned run that ended at ends[j-1]."""
+    def commit_decode_run(self, j: int, ends: list[float], t0: float) -> list[Request]:
+        """Apply the first j steps of a run planned from t0 (`decode_run_plan`) that ended at ends[j-1]."""
         stats = self.stats
         bs = self.block_size
         pc = self.group.phase_count
@@ -584,9 +603,12 @@ class Scheduler:
         pre = first if first > 0 else 0
         used0 = used = self.num_used_blocks - pre
         block_seconds = 0.0
+        prev = t0
         for s in range(j):  # allocation happens at each step's start, then the step runs
             used += pc[(-(group_step + s)) % bs]
-            block_seconds += used * durations[s]
+            e = ends[s]
+            block_seconds += used * (e - prev)
+            prev = e
         self.pool.allocate(used - used0 - pre)
         if self.group.num_reg_members:  # output blocks filled during the run, step by step in running order
             lag = self._reg_lag
@@ -600,13 +622,13 @@ class Scheduler:
         t_end = ends[j - 1]
         stats.itl.add(ends[0] - self.group.group_last_out, nd)
         if j > 1:
-            stats.itl.add_many(durations[1:j], nd)
+            stats.itl.add_steps(ends, j, nd)
         stats.num_steps += j
-        stats.busy_time_s += t_end - (ends[0] - durations[0])
+        stats.busy_time_s += t_end - t0
         stats.generated_tokens += nd * j
         if self.wants_steps:
-            self.sink.decode_run(nd, self.group.decode_context, durations[:j], ends[:j], used)
-        self._after_run(j, durations, ends)
+            self.sink.decode_run(nd, self.group.decode_context, t0, ends[:j], used)
+        self._after_run(j, ends, t0)
         self.group.group_step += j
         self.group.decode_context += nd * j
         self.group.group_last_out = t_end
@@ -617,5 +639,5 @@ class Scheduler:
             self._finish(r, t_end)
         return finished
 
-    def _after_run(self, j: int, durations: list[float], ends: list[float]) -> None:
+    def _after_run(self, j: int, ends: list[float], t0: float) -> None:
         """The first j steps of a decode run were applied (async: where the next decision stands)."""

@@ -49,10 +49,11 @@ class EngineSink:
         """One scheduled step ran from `out.t_start` to `t_end` (`out.batch()` is its batch); KV blocks in use
         during it."""
 
-    def decode_run(self, num_decode: int, decode_context: int, durations: list[float], ends: list[float],
+    def decode_run(self, num_decode: int, decode_context: int, t0: float, ends: list[float],
                    used_blocks: int) -> None:
-        """A fast-forwarded run of len(durations) decode-only steps of `num_decode` members each; the first
-        step attended `decode_context` tokens, each later one `num_decode` more; KV blocks in use at its end."""
+        """A fast-forwarded run of len(ends) decode-only steps of `num_decode` members each, from t0: step s ran
+        from ends[s-1] (t0 for the first) to ends[s]; the first step attended `decode_context` tokens, each later
+        one `num_decode` more; KV blocks in use at its end."""
 
 
 def overrides(sink: Any, name: str) -> bool:
@@ -98,10 +99,10 @@ class FanOut(EngineSink):
         for f in self._step:
             f(out, t_end, used_blocks)
 
-    def decode_run(self, num_decode: int, decode_context: int, durations: list[float], ends: list[float],
+    def decode_run(self, num_decode: int, decode_context: int, t0: float, ends: list[float],
                    used_blocks: int) -> None:
         for f in self._decode_run:
-            f(num_decode, decode_context, durations, ends, used_blocks)
+            f(num_decode, decode_context, t0, ends, used_blocks)
 
 
 class StepRecorder(EngineSink):
@@ -123,11 +124,13 @@ class StepRecorder(EngineSink):
         self.batches.append(out.batch())
         self.used_blocks.append(used_blocks)
 
-    def decode_run(self, num_decode: int, decode_context: int, durations: list[float], ends: list[float],
+    def decode_run(self, num_decode: int, decode_context: int, t0: float, ends: list[float],
                    used_blocks: int) -> None:
-        for s, (d, e) in enumerate(zip(durations, ends)):
-            self.starts.append(e - d)
+        start = t0
+        for s, e in enumerate(ends):  # as a stepped engine records them: each step starts at the last one's end
+            self.starts.append(start)
             self.ends.append(e)
+            start = e
             self.batches.append(StepBatch(num_decode_tokens=num_decode,
                                           decode_context_tokens=decode_context + s * num_decode))
             self.used_blocks.append(used_blocks)

@@ -15,11 +15,11 @@ ITL_FLUSH = 1 << 16  # values gathered before they move into the arrays
 class ItlRecorder:
     """Inter-token latencies as (value, how many tokens had it), in compact arrays (16 bytes an entry).
 
-    Values gather in a list first, where a decode run's durations go in as one pointer copy, with one
-    (count, weight) pair per run; they move into the float64 arrays in chunks (array.extend converts a
-    list element by element through argument parsing, ~10x slower than numpy)."""
+    Values gather in a list first, with one (count, weight) pair per call; a decode run's steps go in as its end
+    times (one pointer copy), and their gaps are taken when the lists move into the float64 arrays, in chunks
+    (array.extend converts a list element by element through argument parsing, ~10x slower than numpy)."""
 
-    __slots__ = ("values", "weights", "_buf", "_counts", "_wts")
+    __slots__ = ("values", "weights", "_buf", "_counts", "_wts", "_ends", "_runs", "_run_wts")
 
     def __init__(self) -> None:
         self.values = array("d")
@@ -27,6 +27,9 @@ class ItlRecorder:
         self._buf: list[float] = []
         self._counts: list[int] = []
         self._wts: list[int] = []
+        self._ends: list[float] = []
+        self._runs: list[int] = []
+        self._run_wts: list[int] = []
 
     def add(self, value: float, weight: int) -> None:
         if weight > 0:
@@ -44,7 +47,28 @@ class ItlRecorder:
             if len(self._buf) >= ITL_FLUSH:
                 self._flush()
 
+    def add_steps(self, ends: list[float], j: int, weight: int) -> None:
+        """Steps 1..j-1 of a decode run that ended at ends[0..j-1]: each step's gap, ends[s] - ends[s-1] (as a
+        stepped engine's `t_end - group_last_out`), `weight` tokens each."""
+        if weight > 0 and j > 1:
+            self._ends.extend(ends[:j])
+            self._runs.append(j)
+            self._run_wts.append(weight)
+            if len(self._ends) >= ITL_FLUSH:
+                self._flush()
+
     def _flush(self) -> None:
+        if self._ends:
+            e = np.asarray(self._ends, dtype=np.float64)
+            runs = np.asarray(self._runs, dtype=np.int64)
+            gaps = e[1:] - e[:-1]
+            keep = np.ones(len(gaps), dtype=bool)
+            keep[np.cumsum(runs)[:-1] - 1] = False  # a gap across two runs' ends is no step
+            self.values.frombytes(gaps[keep].tobytes())
+            self.weights.frombytes(np.repeat(np.asarray(self._run_wts, dtype=np.int64), runs - 1).tobytes())
+            self._ends = []
+            self._runs = []
+            self._run_wts = []
         if self._buf:
             self.values.frombytes(np.asarray(self._buf, dtype=np.float64).tobytes())
             w = np.repeat(np.asarray(self._wts, dtype=np.int64), np.asarray(self._counts, dtype=np.int64))

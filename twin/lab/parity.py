@@ -378,7 +378,7 @@ def run_twin(wl: Workload, mode: str = "step", max_steps: int = 100_000,
                 if j >= 1:
                     members = {r.idx: 1 for r in sched.running if r.in_decode}
                     ends = [float(step + s + 1) for s in range(k)]
-                    finished = sched.commit_decode_run(j, [1.0] * k, ends)
+                    finished = sched.commit_decode_run(j, ends, float(step))
                     for _ in range(j):
                         tr.steps.append((dict(members), frozenset()))
                     step += j

@@ -54,7 +54,7 @@ import yaml
 from twin.errors import TwinInputError
 from twin.specs.hardware import get_gpu
 from twin.specs.models import get_model
-from twin.perf.base import StepBatch
+from twin.perf.base import StepBatch, StepTimeModel
 from twin.perf.roofline import GROUPS, RooflineModel
 
 BASIS = "roofline-groups/1"
@@ -271,6 +271,13 @@ class FittedModel:
             attn += max(g._attn_s * ctx, g._kv_s * (ctx + nd))
         return (lin, attn, 1.0, float(reqs)), const
 
+    def decode_params(self, num_decode: int) -> tuple[float, float, float, float]:
+        """(attn_s, kv_s, c, rest) such that a decode-only step of `num_decode` members attending ctx tokens takes
+        (0.0 + c x max(attn_s x ctx, kv_s x (ctx + num_decode))) + rest, to the bit as `step_time` computes it: the
+        engine's decode runs compute their end times from these without a list per run (`closed_form_decode`)."""
+        g = self.basis
+        return g._attn_s, g._kv_s, self._c_dec, self._rest(num_decode, num_decode, num_decode)
+
     def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
         """k decode-only steps, each exactly as `step_time` computes it."""
         nd = num_decode
@@ -312,3 +319,13 @@ class FittedModel:
                            + (["compute"] if "compute" in self.coefficients and not self.roofline.model.is_moe
                               and self.roofline.dtype != "bf16" else []),
         }
+
+
+def closed_form_decode(model: StepTimeModel) -> bool:
+    """Does `model.decode_params(n)` give its decode-only steps in closed form, (attn_s, kv_s, c, rest) with a step
+    = (0.0 + c x max(attn_s x ctx, kv_s x (ctx + n))) + rest to the bit (`FittedModel.decode_params`)? True only for
+    exactly a fitted or a roofline model; the engine calls any other's `decode_run_times`. An exact type check, not
+    an attribute lookup: wrappers forward unknown attributes to the model they wrap, whose closed form would leave
+    out their own terms, and a subclass may price steps its own way."""
+    t = type(model)
+    return t is FittedModel or t is RooflineModel

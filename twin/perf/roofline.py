@@ -278,6 +278,11 @@ class RooflineModel:
             dec = a if a > c else c
         return (pre + dec) + self._rest(t, nd + b.num_prefill_sampled, nd + b.num_prefill_reqs)
 
+    def decode_params(self, num_decode: int) -> tuple[float, float, float, float]:
+        """(attn_s, kv_s, 1.0, rest): a decode-only step is (0.0 + 1.0 x max(attn_s x ctx, kv_s x (ctx + n))) + rest,
+        to the bit as `step_time` computes it (x 1.0 changes no float; twin.perf.fitted `closed_form_decode`)."""
+        return self._attn_s, self._kv_s, 1.0, self._rest(num_decode, num_decode, num_decode)
+
     def decode_run_times(self, num_decode: int, context0: int, k: int) -> list[float]:
         """k decode-only steps: the constant groups once, then decode attention per step, as `step_time`
         computes it (same operations in the same order, so the results are equal to the bit).

@@ -128,7 +128,7 @@ class _RunSink:
     def step(self, out: Any, t_end: float, used_blocks: int) -> None:
         pass
 
-    def decode_run(self, num_decode: int, decode_context: int, durations: list[float], ends: list[float],
+    def decode_run(self, num_decode: int, decode_context: int, t0: float, ends: list[float],
                    used_blocks: int) -> None:
         pass
 

@@ -277,10 +277,10 @@ class SimForecaster:
         tail = core.pending_tail
         if tail is not None:
             started += tail[0]
-            t_ref = max(t_ref, tail[2][tail[0] - 1])
+            t_ref = max(t_ref, tail[1][tail[0] - 1])
         run = core.pending_run
         if run is not None:
-            k, _d, ends, _t0 = run
+            k, ends, _t0 = run
             t_first = t_in
             for _r, t in transit.values():
                 if t < t_first:
@@ -515,11 +515,11 @@ class SimForecaster:
         if step is not None and step[1] > end:
             end = step[1]
         tail = core.pending_tail
-        if tail is not None and tail[2][tail[0] - 1] > end:
-            end = tail[2][tail[0] - 1]
+        if tail is not None and tail[1][tail[0] - 1] > end:
+            end = tail[1][tail[0] - 1]
         run = core.pending_run
         if run is not None:
-            k, _d, ends, _t0 = run
+            k, ends, _t0 = run
             j = min(bisect_left(ends, t_first) + (2 if core.scheduler.async_scheduling else 1), k)
             if ends[j - 1] > end:
                 end = ends[j - 1]

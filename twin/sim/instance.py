@@ -126,12 +126,12 @@ class Instance:
 
     @property
     def pending_run(self) -> tuple | None:
-        """(k, durations, ends, t0) of the decode run in progress."""
+        """(k, ends, t0) of the decode run in progress."""
         return self.core.pending_run
 
     @property
     def pending_tail(self) -> tuple | None:
-        """(j, durations, ends, t_resume): a decode run cut at an arrival, its last step still running."""
+        """(j, ends, t_resume, t0): a decode run cut at an arrival, its last step still running."""
         return self.core.pending_tail
 
     def subscribe(self, sink: Any) -> None:
@@ -179,9 +179,9 @@ class Instance:
         free = self.pool.get_num_free_blocks()
         tail = self.core.pending_tail
         if tail is not None:  # a run cut at an arrival: its steps started by t took their blocks (the commit allocates)
-            free -= self.scheduler.decode_blocks_needed(min(bisect_right(tail[2], t) + 1, tail[0]))
+            free -= self.scheduler.decode_blocks_needed(min(bisect_right(tail[1], t) + 1, tail[0]))
         elif self.core.pending_run is not None:  # blocks taken by the decode steps of the run started so far
-            ends = self.core.pending_run[2]
+            ends = self.core.pending_run[1]
             started = min(bisect_right(ends, t) + 1, len(ends))
             free -= self.scheduler.decode_blocks_needed(started)
         return free
@@ -196,13 +196,13 @@ class Instance:
         now = self.env._now
         run = self.pending_run
         if run is not None:  # a fast-forwarded decode run: every step emits one token per member
-            k, _durations, ends, t0 = run
+            k, ends, t0 = run
             j = min(bisect_left(ends, now), k - 1)
             d = ends[j] - (ends[j - 1] if j else t0)
             return self.scheduler.num_decode / d if d > 0 else 0.0
         tail = self.pending_tail
         if tail is not None:  # a run cut at an arrival: the rate of its last step still to run
-            jt, _tdur, ends, _t, t0 = tail
+            jt, ends, _t, t0 = tail
             j = jt - 1
             d = ends[j] - (ends[j - 1] if j else t0)
             return self.scheduler.num_decode / d if d > 0 else 0.0
