@@ -86,7 +86,7 @@ def test_fitted_decode_runs_equal_its_steps_and_it_runs_in_a_cluster(tmp_path):
 def test_the_engines_closed_form_of_a_decode_step_is_the_models_own_to_the_bit(tmp_path, kind):
     """The engine plans a decode run from `decode_params` (twin.engine.scheduler `decode_run_plan`), so its
     closed form must be each step's time exactly as `decode_run_times` and `step_time` give it; a model that
-    wraps another (forwarding unknown attributes to it) or a subclass is not taken for closed form."""
+    wraps another (forwarding unknown attributes to it), or any other protocol object, is not taken for closed form."""
     from twin.perf.fitted import closed_form_decode
     from twin.perf.generation import GenerationModel
     from twin.specs.vllm_versions import generation

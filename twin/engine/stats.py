@@ -15,17 +15,16 @@ ITL_FLUSH = 1 << 16  # values gathered before they move into the arrays
 class ItlRecorder:
     """Inter-token latencies as (value, how many tokens had it), in compact arrays (16 bytes an entry).
 
-    Values gather in a list first, with one (count, weight) pair per call; a decode run's steps go in as its end
-    times (one pointer copy), and their gaps are taken when the lists move into the float64 arrays, in chunks
+    Values gather in lists first, a weight each; a decode run's steps go in as its end times (one pointer copy)
+    with one weight per run, and their gaps are taken when the lists move into the float64 arrays, in chunks
     (array.extend converts a list element by element through argument parsing, ~10x slower than numpy)."""
 
-    __slots__ = ("values", "weights", "_buf", "_counts", "_wts", "_ends", "_runs", "_run_wts")
+    __slots__ = ("values", "weights", "_buf", "_wts", "_ends", "_runs", "_run_wts")
 
     def __init__(self) -> None:
         self.values = array("d")
         self.weights = array("q")
         self._buf: list[float] = []
-        self._counts: list[int] = []
         self._wts: list[int] = []
         self._ends: list[float] = []
         self._runs: list[int] = []
@@ -34,15 +33,6 @@ class ItlRecorder:
     def add(self, value: float, weight: int) -> None:
         if weight > 0:
             self._buf.append(value)
-            self._counts.append(1)
-            self._wts.append(weight)
-            if len(self._buf) >= ITL_FLUSH:
-                self._flush()
-
-    def add_many(self, values: list[float], weight: int) -> None:
-        if weight > 0 and len(values):
-            self._buf.extend(values)
-            self._counts.append(len(values))
             self._wts.append(weight)
             if len(self._buf) >= ITL_FLUSH:
                 self._flush()
@@ -71,10 +61,8 @@ class ItlRecorder:
             self._run_wts = []
         if self._buf:
             self.values.frombytes(np.asarray(self._buf, dtype=np.float64).tobytes())
-            w = np.repeat(np.asarray(self._wts, dtype=np.int64), np.asarray(self._counts, dtype=np.int64))
-            self.weights.frombytes(w.tobytes())
+            self.weights.frombytes(np.asarray(self._wts, dtype=np.int64).tobytes())
             self._buf = []
-            self._counts = []
             self._wts = []
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:

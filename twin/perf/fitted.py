@@ -283,9 +283,7 @@ class FittedModel:
         nd = num_decode
         if nd <= 0:
             return [0.0] * k
-        rest = self._rest(nd, nd, nd)
-        g = self.basis
-        attn_s, kv_s, cd = g._attn_s, g._kv_s, self._c_dec
+        attn_s, kv_s, cd, rest = self.decode_params(nd)
         out = []
         ctx = context0
         for _ in range(k):  # `_dec` inlined: the same operations in the same order, so equal to the bit
