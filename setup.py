@@ -31,6 +31,8 @@ HOT_MODULES = [
     "twin/sim/timeline.py",
     "twin/policy/bookkeeping.py",
     "twin/policy/signals.py",
+    "twin/policy/views.py",
+    "twin/policy/host.py",
     "twin/sim/events.py",
 ]
 

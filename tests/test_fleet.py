@@ -120,8 +120,8 @@ def test_queue_scaler_follows_the_hpa_rule_with_tolerance_and_stabilisation():
     s = QueueScaler(target_waiting=5, stabilization_s=300)
     fleet = fleet_of(*({"id": f"i{k}", "waiting": 10} for k in range(4)))
     assert s.decide(0.0, fleet).target == 8  # ceil(4 x 10 / 5)
-    near = fleet_of(*({"id": f"i{k}", "waiting": 5.2} for k in range(4)))
-    assert s.decide(10.0, near).target is None  # within 10 %
+    near = fleet_of(*({"id": f"i{k}", "waiting": 6 if k == 0 else 5} for k in range(4)))
+    assert s.decide(10.0, near).target is None  # a mean of 5.25 waiting: within 10 % (gauges are integers)
     idle = fleet_of(*({"id": f"i{k}", "waiting": 0} for k in range(8)))
     assert s.decide(20.0, idle).target is None  # the recent recommendation of 8 holds the fleet up
     assert s.decide(400.0, idle).target == 1

@@ -7,16 +7,23 @@ router-side bookkeeping, which is always fresh; a `FleetView` bundles them with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Mapping, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from twin.policy.bookkeeping import Bookkeeping, InstanceLoad
-    from twin.policy.prefix_index import PrefixIndex
-    from twin.policy.signals import RecentWindow
+# imported at run time, not only for type checking: the compiled build (`make compiled`) resolves a
+# dataclass's field types when the module loads. None of these imports this module back.
+from twin.policy.bookkeeping import Bookkeeping, InstanceLoad
+from twin.policy.prefix_index import PrefixIndex
+from twin.policy.signals import RecentWindow
 
 InstanceState = Literal["starting", "serving", "draining", "stopped"]
 ROUTABLE: tuple[str, ...] = ("serving",)
+
+
+def _reduce(obj: Any) -> tuple[Any, tuple[Any, ...]]:
+    """How a frozen view is pickled and copied: rebuilt by its constructor. The compiled build (`make compiled`)
+    needs it; pickle's default would set the frozen fields one by one."""
+    return (type(obj), tuple(getattr(obj, f.name) for f in fields(obj)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,9 @@ class RequestView:
     predicted_output_tokens: float | None = None
     text: str | None = None  # the prompt text where the world has it (live, text traces); else None
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce(self)
+
 
 @dataclass(frozen=True, slots=True)
 class Reject:
@@ -51,6 +61,9 @@ class Reject:
     reason: str
     router_error: bool = False
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce(self)
+
 
 @dataclass(frozen=True, slots=True)
 class Gauges:
@@ -60,6 +73,9 @@ class Gauges:
     num_waiting: int = 0
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
     as_of: float = 0.0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +88,9 @@ class InstanceConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 0
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce(self)
+
 
 class InstanceView:
     """One instance for a policy: lifecycle state, stale gauges, launch config, and fresh bookkeeping.
@@ -83,7 +102,7 @@ class InstanceView:
     __slots__ = ("id", "state", "gauges", "config", "_load", "load", "started_at")
 
     def __init__(self, id: str, state: InstanceState, gauges: Gauges, config: InstanceConfig,
-                 load: "InstanceLoad", started_at: float = 0.0) -> None:
+                 load: InstanceLoad, started_at: float = 0.0) -> None:
         self.id = id
         self.state = state
         self.gauges = gauges
@@ -146,6 +165,10 @@ class InstanceView:
         """Context tokens held by requests here that are past their first token (prompt + output cap)."""
         return self._load.decode_tokens
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled and copied by its constructor (the compiled class needs it)."""
+        return (InstanceView, (self.id, self.state, self.gauges, self.config, self._load, self.started_at))
+
     def with_gauges(self, gauges: Gauges) -> "InstanceView":
         return InstanceView(self.id, self.state, gauges, self.config, self._load, self.started_at)
 
@@ -170,6 +193,9 @@ class Forecast:
     censored: bool = False
     steps: int = 0
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce(self)
+
 
 class Forecaster(Protocol):
     """Runs an instance's model forward without the policy importing the engine (Block-style routing).
@@ -192,11 +218,11 @@ class FleetView:
 
     now: float
     instances: Sequence[InstanceView]
-    bookkeeping: "Bookkeeping"
-    prefix_index: "PrefixIndex | None" = None
+    bookkeeping: Bookkeeping
+    prefix_index: PrefixIndex | None = None
     forecaster: Forecaster | None = None
     all_instances: Sequence[InstanceView] = field(default=())
-    signals: "RecentWindow | None" = None  # recent arrivals and completed requests (scalers read it)
+    signals: RecentWindow | None = None  # recent arrivals and completed requests (scalers read it)
     extras: Mapping[str, Any] = field(default_factory=dict)
 
     def by_id(self, instance_id: str) -> InstanceView | None:

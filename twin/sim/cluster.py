@@ -51,9 +51,10 @@ class SimResult:
     fleet: object | None = None  # twin.sim.fleet.Fleet: lifetimes, scale events, GPU-seconds
 
 
-# RequestView is a frozen dataclass: its generated __init__ sets each field through object.__setattr__ from
-# interpreted code, ~16,000 instructions a request (5 % of a Mooncake replay). Its slots' own setters set the
-# same fields in a fraction of that. The order is the dataclass's, checked at import.
+# RequestView is a frozen dataclass: in pure Python its generated __init__ sets each field through
+# object.__setattr__ from interpreted code, ~16,000 instructions a request (5 % of a Mooncake replay). Its slots'
+# own setters set the same fields in a fraction of that. The order is the dataclass's, checked at import. The
+# compiled build's view (twin.policy.views is compiled) still runs that interpreted __init__; its setters are C.
 _VIEW_FIELDS = ("id", "arrival_time", "num_prompt_tokens", "max_tokens", "prefix", "prefix_block_size", "session_id",
                 "priority", "predicted_output_tokens", "text")
 if tuple(f.name for f in fields(RequestView)) != _VIEW_FIELDS:  # pragma: no cover - a RequestView field changed
@@ -65,7 +66,7 @@ def new_request_view(id: str, arrival_time: float, num_prompt_tokens: int, max_t
                      prefix: Sequence[int] | BlockKeys, prefix_block_size: int, session_id: str | None, priority: int,
                      predicted_output_tokens: float | None, text: str | None) -> RequestView:
     """`RequestView(...)` with every field given, equal to it, built by the slots' setters (see above)."""
-    v = object.__new__(RequestView)
+    v = RequestView.__new__(RequestView)  # (the compiled class refuses `object.__new__`)
     s = _VIEW_SETTERS
     s[0](v, id)
     s[1](v, arrival_time)
