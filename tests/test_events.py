@@ -5,11 +5,15 @@ import random
 import pytest
 import simpy
 
+from twin.sim.environment import Environment
 from twin.sim.events import Proc, Timer, run
 
 
 class SimPyKit:
     """SimPy's own classes."""
+
+    def env(self):
+        return simpy.Environment()
 
     def process(self, env, gen):
         return env.process(gen)
@@ -25,16 +29,19 @@ class SimPyKit:
 
 
 class TwinKit:
-    """twin.sim.events' classes in the same SimPy environment."""
+    """twin.sim.events' classes in SimPy's environment with the twin's clock (twin.sim.environment)."""
+
+    def env(self):
+        return Environment()
 
     def process(self, env, gen):
         return Proc(env, gen)
 
     def timeout(self, env, d):
-        return Timer(env, d)
+        return Timer(env.clock, d)
 
     def call_later(self, env, d, fn):
-        Timer(env, d).then(fn)
+        Timer(env.clock, d).then(fn)
 
     def run(self, env, until=None):
         return run(env, until)
@@ -43,7 +50,7 @@ class TwinKit:
 def world(kit, seed, slices=None):
     """Random processes that wait, wake each other, interrupt each other and set timers; the log of every step."""
     rng = random.Random(seed)
-    env = simpy.Environment()
+    env = kit.env()
     log = []
     procs = {}
     wakeups = {}
@@ -115,7 +122,7 @@ def test_a_stop_inside_a_timers_callbacks_runs_the_rest_first_on_resume():
     """An event whose callback stops the run (StopSimulation, as `Cluster.all_ended` does) keeps the
     callbacks after it for when the run resumes, before anything else at that time."""
     for kit in (SimPyKit(), TwinKit()):
-        env = simpy.Environment()
+        env = kit.env()
         seen = []
         stop = env.event()
         stop.callbacks.append(simpy.core.StopSimulation.callback)
@@ -128,28 +135,33 @@ def test_a_stop_inside_a_timers_callbacks_runs_the_rest_first_on_resume():
 
 
 def test_simpys_own_step_and_run_handle_twin_events():
-    """Tests and forks step a cluster's environment with SimPy's `env.step()` / `env.run()`."""
-    env = simpy.Environment()
+    """Tests and forks step a cluster's environment with `env.step()` / `env.run()`, and call `env.peek()`:
+    the environment's own methods take both queues (a SimPy timeout among the twin's timers here)."""
+    env = Environment()
     seen = []
 
     def loop():
         for d in (0.5, 0.0, 1.0):
-            yield Timer(env, d)
+            yield Timer(env.clock, d)
             seen.append(env.now)
 
     p = Proc(env, loop())
-    Timer(env, 0.75).then(lambda _e: seen.append(("timer", env.now)))
+    Timer(env.clock, 0.75).then(lambda _e: seen.append(("timer", env.now)))
+    env.timeout(0.6).callbacks.append(lambda _e: seen.append(("simpy", env.now)))
+    assert env.peek() == 0.0
     env.step()  # the process's start
+    assert env.peek() == 0.5
     env.run(until=1.0)
     env.run()
-    assert seen == [0.5, 0.5, ("timer", 0.75), 1.5] and not p.is_alive
+    assert seen == [0.5, 0.5, ("simpy", 0.6), ("timer", 0.75), 1.5] and not p.is_alive
+    assert env.peek() == float("inf")
 
 
 def test_a_failing_process_stops_the_run_with_its_exception():
-    env = simpy.Environment()
+    env = Environment()
 
     def bad():
-        yield Timer(env, 1.0)
+        yield Timer(env.clock, 1.0)
         raise KeyError("boom")
 
     Proc(env, bad())
@@ -159,9 +171,9 @@ def test_a_failing_process_stops_the_run_with_its_exception():
 
 
 def test_misuse_is_refused_as_simpy_refuses_it():
-    env = simpy.Environment()
+    env = Environment()
     with pytest.raises(ValueError, match="Negative delay"):
-        Timer(env, -1.0)
+        Timer(env.clock, -1.0)
 
     def yields_junk():
         yield 42
@@ -170,10 +182,10 @@ def test_misuse_is_refused_as_simpy_refuses_it():
     with pytest.raises(RuntimeError, match="Invalid yield value"):
         run(env)
 
-    env = simpy.Environment()
+    env = Environment()
 
     def short():
-        yield Timer(env, 0.1)
+        yield Timer(env.clock, 0.1)
 
     p = Proc(env, short())
     run(env)

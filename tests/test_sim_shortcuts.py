@@ -116,20 +116,19 @@ def test_a_decode_run_starts_over_pending_finishers_as_the_steps_would(caching):
 
 
 def test_a_process_waits_for_a_fresh_timer_instead_of_the_one_it_waited_on():
-    import simpy
-
+    from twin.sim.environment import Environment
     from twin.sim.events import Proc, Timer, run
 
-    env = simpy.Environment()
+    env = Environment()
     seen = []
 
     def loop():
         while True:
-            v = yield Timer(env, 10.0)
+            v = yield Timer(env.clock, 10.0)
             seen.append((env.now, v))
 
     p = Proc(env, loop())
-    Timer(env, 1.0, callback=lambda _e: p.wait_instead(3.0))
+    Timer(env.clock, 1.0, callback=lambda _e: p.wait_instead(3.0))
     run(env, until=25.0)
     # resumed at 4 (not at 10, whose timer fired without it), then every 10 from there
     assert seen == [(4.0, None), (14.0, None), (24.0, None)]

@@ -19,7 +19,8 @@ from twin.sim.api_server import ApiServer
 from twin.engine.config import num_gpu_blocks
 from twin.sim.instance import Instance
 from twin.engine.request import BlockKeys, KeyBases, Request, RequestStatus, engine_block_keys, engine_block_runs
-from twin.sim.events import Proc, Timer
+from twin.sim.environment import Environment
+from twin.sim.events import Clock, Proc, Timer
 from twin.sim.events import run as run_events
 from twin.sim.dispatcher import Dispatcher, RouterError
 from twin.perf.base import StepTimeModel
@@ -144,7 +145,8 @@ class Cluster:
         trace = sc.workload.trace
         # texts without prefix hashes: ids from the text, so shared text prefixes hit (twin.workload.text_prefix)
         with_text_prefixes(stream, trace.chars_per_token if trace is not None else 4.0)
-        self.env = simpy.Environment()
+        self.env = Environment()  # SimPy's, with the twin's clock (twin.sim.environment)
+        self.clock: Clock = self.env.clock
         self.perf: StepTimeModel = build_perf(sc) if perf is None else perf
         self.engine_config = engine_config(sc)
         # KV pool: "segment" (ranges, twin/engine/segment_pool.py) or "per-block" (the reference BlockPool);
@@ -333,7 +335,7 @@ class Cluster:
                 continue  # sent by `_turn_ended` when the turn before it ends
             t = float(arrival[i])
             if t > env._now:
-                yield Timer(env, t - env._now)
+                yield Timer(self.clock, t - env._now)
             self.dispatch(i)
 
     def dispatch(self, i: int) -> None:
@@ -394,7 +396,7 @@ class Cluster:
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
             self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env._now + delay)
             self._cols["status"][i] = RequestStatus.WAITING  # arrived: queued in the API server
-            Timer(self.env, delay, callback=partial(self._to_engine, inst, r))
+            Timer(self.clock, delay, callback=partial(self._to_engine, inst, r))
         else:
             self._enter_engine(inst, r)
 
@@ -426,7 +428,7 @@ class Cluster:
         t = srv.next_done()
         if t < math.inf:
             dt = t - self.env._now
-            Timer(self.env, dt if dt > 0.0 else 0.0, callback=partial(self._api_done, inst, srv, srv.generation))
+            Timer(self.clock, dt if dt > 0.0 else 0.0, callback=partial(self._api_done, inst, srv, srv.generation))
 
     def _api_done(self, inst: Instance, srv: ApiServer, generation: int, _event: object) -> None:
         """Pre-processing ended: the requests go to the engine (after the hand-off)."""
@@ -438,7 +440,7 @@ class Cluster:
             if handoff > 0:
                 r = transit[idx][0]
                 transit[idx] = (r, self.env._now + handoff)
-                Timer(self.env, handoff, callback=partial(self._to_engine, inst, r))
+                Timer(self.clock, handoff, callback=partial(self._to_engine, inst, r))
             else:  # `_to_engine` at once
                 self._enter_engine(inst, transit.pop(idx)[0])
         self._api_wake(inst, srv)
@@ -516,7 +518,7 @@ class Cluster:
             if self.api_cap is not None:
                 think += float(self.api_wait_finish[i])
         if think > 0:
-            Timer(self.env, think).then(partial(self._dispatch_later, j))
+            Timer(self.clock, think).then(partial(self._dispatch_later, j))
         else:
             self.dispatch(j)
 

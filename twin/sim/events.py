@@ -1,38 +1,133 @@
-"""SimPy's timeout, process and run loop for the simulator's hot path, as compiled classes in SimPy's own queue.
+"""SimPy's timeout, process and run loop for the simulator's hot path: compiled classes on a clock of their own.
 
-Every engine step, decode run and API-server timer is one SimPy event. With SimPy's classes each costs five
+Every engine step, decode run and API-server timer is one timer. With SimPy's classes each costs five
 interpreted frames (`env.timeout`, `Timeout.__init__`, `env.schedule`, `Environment.step`,
-`Process._resume`), about 8,000 instructions: a sixth of a compiled replay. These do the same in compiled
-code (`make compiled`; in pure Python they are plain classes, as fast as SimPy's):
+`Process._resume`), and in SimPy's queue every push and pop compares (time, priority, event id) tuples
+through Python's generic comparison, ~250 instructions a comparison. These do the same in compiled code
+(`make compiled`; in pure Python they are plain classes, as fast as SimPy's):
 
-- `Timer` is a `simpy.Timeout`: it goes into the environment's own queue with SimPy's (time, priority, event
-  id) key, so it fires in exactly the order a SimPy timeout made at the same moment would, among SimPy's own
-  events; it has the attributes SimPy's `step` and `Process._resume` read, so `env.step()` and
-  `env.run()` handle it too.
+- `Clock` holds the simulation time and the timers, in a heap of their own beside SimPy's queue, ordered
+  by SimPy's own key (time, priority, event id). It is also the environment's event-id counter (SimPy's
+  `env._eid`), so a timer and a SimPy event made at the same moment are ordered exactly as two SimPy events
+  would be: the two queues are one order, merged at each step.
+- `Environment` is a `simpy.Environment` with a clock: its `step`, `peek` and `run` take the earlier of the
+  two queues' heads. Everything else is SimPy's.
+- `Timer` is a `simpy.Timeout` on the clock: it fires `delay` after now with its callbacks, in exactly
+  the order a SimPy timeout made at the same moment would, among SimPy's own events; it has the attributes
+  SimPy's `Process._resume` reads, so a SimPy process may wait on it.
 - `Proc` is a `simpy.Process` for the simulator's own loops: it starts, resumes, is interrupted (a
   `simpy.Interrupt` is thrown in) and fails as SimPy's does (`simpy/events.py`, `Process` and
   `Interruption`). It may wait on any SimPy event; nothing may wait on it, and an exception it raises
   stops the run at once.
-- `run(env, until)` is `simpy.Environment.run` (`simpy/core.py`) with `step` inlined.
+- `step(env)` and `run(env, until)` are `simpy.Environment.step` and `run` (`simpy/core.py`) over both queues.
 
-The compiled modules read the clock as `env._now`, the field behind SimPy's `env.now`: the property is an
-interpreted call, ~11,000 a replay.
+The compiled modules read the time as `clock.now` (a field, kept equal to SimPy's `env.now`): the property
+is an interpreted call and `env._now` a dictionary lookup.
 
-SimPy stays the environment: scalers, chunk planning, the KV-event bus and users' processes use
-`simpy.Environment` and its events unchanged. `tests/test_events.py` runs the same processes on SimPy's
-classes and on these, and compares every step.
+SimPy stays the environment: scalers, chunk planning, the KV-event bus and users' processes use its events
+unchanged. `tests/test_events.py` runs the same processes on SimPy's classes and on these, and compares
+every step.
 """
 
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from typing import Any, Callable, Generator, Optional, cast
+from typing import Any, Callable, Final, Generator, Optional, cast
 
 import simpy
 from simpy.core import EmptySchedule, StopSimulation
 
 NORMAL = 1  # simpy.events.NORMAL: timeouts
 URGENT = 0  # simpy.events.URGENT: a process's start and its interrupts, before anything else at that time
+RESUMED = -1  # SimPy's priority for an event whose callbacks a stop cut short: the rest run first on resume
+
+
+# The compiled build keeps the timers in a heap of its own code, comparing native fields; pure Python keeps them
+# in `heapq` as SimPy does, (time, priority, event id, timer) tuples compared in C: the other way round, each
+# build would be ~10 % slower (instruction counts, benchmarks/instructions.py).
+NATIVE: Final[bool] = not __file__.endswith(".py")  # (Final: compiled, a C static, not a dict lookup)
+
+
+class Clock:
+    """The simulation time, the timers' heap, and the event-id counter both queues draw from.
+
+    `next(clock)` is SimPy's `next(env._eid)`: the environment's counter is this object."""
+
+    def __init__(self, env: Any, now: float = 0.0) -> None:
+        self.env = env
+        self.now = now
+        self.eid = 0  # SimPy's `itertools.count()` starts at 0
+        self.heap: list[Timer] = []  # compiled build
+        self.entries: list[tuple[float, int, int, Timer]] = []  # pure Python
+
+    def __iter__(self) -> Clock:
+        return self
+
+    def __next__(self) -> Any:  # (`Any`: mypyc's iterator slot returns an object)
+        e = self.eid
+        self.eid = e + 1
+        return e
+
+    def head(self) -> Optional[Timer]:
+        """The earliest timer, left in place; None when there is none."""
+        if NATIVE:
+            return self.heap[0] if self.heap else None
+        return self.entries[0][3] if self.entries else None
+
+    def push(self, t: Timer) -> None:
+        """`heapq.heappush` on SimPy's key: compiled, on the timers' native fields."""
+        if not NATIVE:
+            heappush(self.entries, (t.at, t.priority, t.eid, t))
+            return
+        heap = self.heap
+        heap.append(t)
+        pos = len(heap) - 1
+        while pos > 0:
+            up = (pos - 1) >> 1
+            parent = heap[up]
+            if not _before(t, parent):
+                break
+            heap[pos] = parent
+            pos = up
+        heap[pos] = t
+
+    def pop(self) -> Timer:
+        """`heapq.heappop`: the earliest timer (compiled: CPython's bottom-up variant, fewer comparisons)."""
+        if not NATIVE:
+            return heappop(self.entries)[3]
+        heap = self.heap
+        last = heap.pop()
+        if not heap:
+            return last
+        top = heap[0]
+        n = len(heap)
+        pos = 0
+        child = 1
+        while child < n:  # the smaller child up, to a leaf
+            right = child + 1
+            if right < n and not _before(heap[child], heap[right]):
+                child = right
+            heap[pos] = heap[child]
+            pos = child
+            child = 2 * pos + 1
+        while pos > 0:  # then `last` up from there
+            up = (pos - 1) >> 1
+            parent = heap[up]
+            if not _before(last, parent):
+                break
+            heap[pos] = parent
+            pos = up
+        heap[pos] = last
+        return top
+
+
+def _before(a: Timer, b: Timer) -> bool:
+    """SimPy's queue order, (time, priority, event id) ascending."""
+    if a.at != b.at:
+        return a.at < b.at
+    if a.priority != b.priority:
+        return a.priority < b.priority
+    return a.eid < b.eid
 
 
 class Timer:
@@ -40,17 +135,25 @@ class Timer:
 
     `callback`: the first one, as `then(callback)` adds it, without the second call."""
 
-    def __init__(self, env: Any, delay: float, priority: int = NORMAL,
+    def __init__(self, clock: Clock, delay: float, priority: int = NORMAL,
                  callback: Optional[Callable[[Any], None]] = None) -> None:
         if delay < 0:
             raise ValueError(f"Negative delay {delay}")
-        self.env = env
+        self.env = clock.env
         self.callbacks: Optional[list[Callable[[Any], None]]] = [] if callback is None else [callback]
         self._value: Any = None
         self._ok = True
         self._defused = False
         self._delay = delay
-        heappush(env._queue, (env._now + delay, priority, next(env._eid), self))
+        self.at = clock.now + delay
+        self.priority = priority
+        e = clock.eid
+        clock.eid = e + 1
+        self.eid = e
+        if NATIVE:
+            clock.push(self)
+        else:  # `Clock.push`, inlined: a call per timer counts in pure Python
+            heappush(clock.entries, (self.at, priority, e, self))
 
     def then(self, fn: Callable[[Any], None]) -> Timer:
         """Call `fn(timer)` when it fires (SimPy: `timeout.callbacks.append(fn)`)."""
@@ -86,15 +189,16 @@ class Timer:
 
 class Proc:
     """A `simpy.Process` running `generator`: started now (before anything else at this time), resumed when the
-    event it yielded fires, interrupted by `interrupt()`."""
+    event it yielded fires, interrupted by `interrupt()`. `env`: an `Environment` (twin.sim.environment)."""
 
     def __init__(self, env: Any, generator: Generator[Any, Any, Any]) -> None:
         self.env = env
+        self.clock: Clock = env.clock
         self.generator = generator
         self.alive = True
         self.value: Any = None  # what the generator returned
         self._resume_cb = self._resume  # one bound method: appended to, and removed from, the target's callbacks
-        self.target: Any = Timer(env, 0.0, URGENT, self._resume_cb)  # SimPy's `Initialize`
+        self.target: Any = Timer(self.clock, 0.0, URGENT, self._resume_cb)  # SimPy's `Initialize`
 
     @property
     def is_alive(self) -> bool:
@@ -143,7 +247,7 @@ class Proc:
         """`simpy.Process.interrupt`: a `simpy.Interrupt` is thrown in now, before anything else at this time."""
         if not self.alive:
             raise RuntimeError(f"{self} has terminated and cannot be interrupted.")
-        t = Timer(self.env, 0.0, URGENT, self._interrupt)
+        t = Timer(self.clock, 0.0, URGENT, self._interrupt)
         t._ok = False
         t._value = simpy.Interrupt(cause)
         t._defused = True
@@ -154,7 +258,7 @@ class Proc:
         cbs = self.target.callbacks
         assert cbs is not None, "wait_instead: the event it waits on has fired"
         cbs.remove(self._resume_cb)
-        self.target = Timer(self.env, delay, NORMAL, self._resume_cb)
+        self.target = Timer(self.clock, delay, NORMAL, self._resume_cb)
 
     def _interrupt(self, event: Any) -> None:
         if not self.alive:  # ended meanwhile (SimPy: multiple interrupts, or the process finished)
@@ -163,8 +267,89 @@ class Proc:
         self._resume(event)
 
 
+def peek(env: Any) -> float:
+    """`env.peek()`: the time of the next event in either queue, infinity when both are empty."""
+    clock: Clock = env.clock
+    queue: list = env._queue
+    t = clock.head()
+    if t is not None:
+        return min(t.at, float(queue[0][0])) if queue else t.at
+    return float(queue[0][0]) if queue else float("inf")
+
+
+def step(env: Any) -> None:
+    """`env.step()` (`simpy/core.py`, `Environment.step`): process the earliest event of either queue.
+
+    A `StopSimulation` raised by a callback reschedules the event with its remaining callbacks, to run first
+    when the simulation resumes, as SimPy does."""
+    _step(env, env.clock, env._queue)
+
+
+def _step(env: Any, clock: Clock, queue: list) -> None:
+    """`step`, given the environment's clock and SimPy's queue (a loop reads them once)."""
+    if NATIVE:  # `Clock.head`, inlined
+        t = clock.heap[0] if clock.heap else None
+    else:
+        t = clock.entries[0][3] if clock.entries else None
+    timer_first = False
+    if t is not None:
+        if queue:
+            head = queue[0]
+            at = float(head[0])
+            if t.at != at:
+                timer_first = t.at < at
+            elif t.priority != head[1]:
+                timer_first = t.priority < head[1]
+            else:
+                timer_first = t.eid < head[2]
+        else:
+            timer_first = True
+    elif not queue:
+        raise EmptySchedule
+    if timer_first:
+        t = clock.pop() if NATIVE else heappop(clock.entries)[3]
+        clock.now = t.at
+        env._now = t.at
+        tcbs = t.callbacks
+        t.callbacks = None
+        assert tcbs is not None
+        i = 0
+        try:
+            for cb in tcbs:
+                i += 1
+                cb(t)
+        except StopSimulation:
+            t.callbacks = tcbs[i:]
+            t.priority = RESUMED
+            e = clock.eid
+            clock.eid = e + 1
+            t.eid = e
+            clock.push(t)
+            raise
+        if not t._ok and not t._defused:
+            raise _copy_of(t._value)
+        return
+    entry = heappop(queue)
+    event = entry[3]
+    clock.now = float(entry[0])
+    env._now = entry[0]
+    cbs = event.callbacks
+    event.callbacks = None
+    i = 0
+    try:
+        for cb in cbs:
+            i += 1
+            cb(event)
+    except StopSimulation:
+        event.callbacks = cbs[i:]
+        heappush(queue, (entry[0], RESUMED, next(clock), event))
+        raise
+    if not event._ok and not hasattr(event, "_defused"):
+        raise _copy_of(event._value)
+
+
 def run(env: Any, until: Optional[Any] = None) -> Optional[Any]:
-    """`env.run(until)`: SimPy's loop (`simpy/core.py`, `Environment.run` and `step`), its step inlined."""
+    """`env.run(until)`: SimPy's loop (`simpy/core.py`, `Environment.run`) over `step`."""
     if until is not None:
         if not isinstance(until, simpy.Event):
             at = float(until)
@@ -178,46 +363,12 @@ def run(env: Any, until: Optional[Any] = None) -> Optional[Any]:
         elif until.callbacks is None:
             return until.value
         until.callbacks.append(StopSimulation.callback)
+    clock: Clock = env.clock
     queue: list = env._queue
-    # `Environment.step`'s callback loop, inlined: on a stop inside it (the `until` event's callback), the
-    # event's remaining callbacks run first when the simulation resumes (`entry`, `cbs` and `i` say where)
-    entry: tuple = (0.0, 0, 0, None)
-    cbs: list = []
-    i = -1  # callbacks of `entry` run so far; -1: outside a callback loop
     try:
-        while queue:
-            entry = heappop(queue)
-            event = entry[3]
-            env._now = entry[0]
-            if type(event) is Timer:  # compiled: the fields, not attribute lookups
-                t = cast(Timer, event)
-                tcbs = t.callbacks
-                t.callbacks = None
-                assert tcbs is not None
-                cbs = tcbs
-                i = 0
-                for cb in cbs:
-                    i += 1
-                    cb(event)
-                i = -1
-                if not t._ok and not t._defused:
-                    raise _copy_of(t._value)
-            else:
-                cbs = event.callbacks
-                event.callbacks = None
-                i = 0
-                for cb in cbs:
-                    i += 1
-                    cb(event)
-                i = -1
-                if not event._ok and not hasattr(event, "_defused"):
-                    raise _copy_of(event._value)
-        raise EmptySchedule
+        while True:
+            _step(env, clock, queue)
     except StopSimulation as stop:
-        if i >= 0:
-            event = entry[3]
-            event.callbacks = cbs[i:]
-            heappush(queue, (entry[0], -1, next(env._eid), event))
         return stop.args[0]
     except EmptySchedule:
         if until is not None:

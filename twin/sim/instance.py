@@ -15,7 +15,8 @@ from twin.engine.config import EngineConfig
 from twin.engine.core import EngineCore
 from twin.engine.async_scheduler import make_scheduler
 from twin.engine.sink import FanOut
-from twin.sim.events import Proc, Timer
+from twin.sim.environment import Environment
+from twin.sim.events import Clock, Proc, Timer
 from twin.perf.base import StepTimeModel
 from twin.engine.records import RequestLog
 
@@ -62,10 +63,11 @@ class ScrapeClock:
 class Instance:
     """A vLLM engine as a SimPy process. Also the simulator's `InstanceView` for routers."""
 
-    def __init__(self, env: simpy.Environment, name: str, index: int, config: EngineConfig,
+    def __init__(self, env: Environment, name: str, index: int, config: EngineConfig,
                  perf: StepTimeModel, num_blocks: int, log: RequestLog, fast_forward: bool = True,
                  max_run_steps: int = 4096, segmented: bool = False, sink: Any = None) -> None:
         self.env = env
+        self.clock: Clock = env.clock  # twin.sim.environment: SimPy's environment with the twin's timers
         self.id = name
         self.index = index
         self.config = config
@@ -113,7 +115,7 @@ class Instance:
                 self._wakeup = None
                 continue
             try:
-                yield Timer(env, core.wait_s)
+                yield Timer(self.clock, core.wait_s)
             except simpy.Interrupt:
                 pass  # an arrival: `EngineCore.add_request` cut the run; the loop waits out its last step
             self.touch(env._now)

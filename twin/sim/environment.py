@@ -1,0 +1,33 @@
+"""The simulation's environment: SimPy's, with the twin's clock beside its queue (twin.sim.events).
+
+Its `step`, `peek` and `run` take the earlier of the two queues' heads, so SimPy's events and the twin's
+timers fire in one order, the order SimPy alone would give them. Everything else is `simpy.Environment`:
+scalers, the KV-event bus and users' processes make SimPy events on it as on any environment.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import simpy
+
+from twin.sim import events
+from twin.sim.events import Clock
+
+
+class Environment(simpy.Environment):
+    """`simpy.Environment` with a `clock` (twin.sim.events.Clock): the twin's timers and the event-id counter."""
+
+    def __init__(self, initial_time: float = 0.0) -> None:
+        super().__init__(initial_time)
+        self.clock = Clock(self, float(initial_time))
+        self._eid = self.clock  # type: ignore[assignment]  # one counter for both queues: one order
+
+    def step(self) -> None:
+        events.step(self)
+
+    def peek(self) -> float:
+        return events.peek(self)
+
+    def run(self, until: Optional[Any] = None) -> Optional[Any]:
+        return events.run(self, until)
