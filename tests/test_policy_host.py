@@ -7,13 +7,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import simpy
 
 from conftest import make_scenario, run_checked, stream_of
 from twin.policy import RouterBase
 from twin.policy.host import PolicyHost, RouterError, expected_output_tokens
 from twin.policy.views import Reject, RequestView
 from twin.sim.dispatcher import Dispatcher
+from twin.sim.environment import Environment
 
 pytest.importorskip("aiohttp")
 from live.config import parse_config  # noqa: E402
@@ -56,7 +56,7 @@ SCRIPT = [(0.0, "dispatch", 0, "w0", 0), (1.0, "dispatch", 1, "w1", 0), (1.5, "f
 
 
 def drive_sim(router) -> PolicyHost:
-    env = simpy.Environment()
+    env = Environment()
     d = Dispatcher(env, router, [fake_instance(0), fake_instance(1)], scrape_interval_s=0.0,
                    prefix_index="approximate")
     idx = {r.id: k for k, r in enumerate(REQS)}

@@ -112,16 +112,15 @@ def test_bins_after_the_world_began_watching_count_even_without_arrivals():
 
 def test_the_live_controller_and_the_simulation_watch_from_their_start():
     import pytest
-    import simpy
-
     pytest.importorskip("aiohttp")  # the [live] extra (the compiled build's venv has none)
     from live.config import parse_config
     from live.controller import Controller
     from twin.sim.dispatcher import Dispatcher
+    from twin.sim.environment import Environment
 
     ctl = Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}]}))
     assert ctl.signals.observed_since is not None
-    assert Dispatcher(simpy.Environment(), ctl.router, []).signals.observed_since == 0.0
+    assert Dispatcher(Environment(), ctl.router, []).signals.observed_since == 0.0
 
 
 def test_the_rate_is_over_the_part_of_its_window_observed():

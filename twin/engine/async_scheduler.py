@@ -135,7 +135,7 @@ class AsyncScheduler(Scheduler):
             self.run_params = params
             attn_s, kv_s, cd, rest = params
             ctx: int = g.decode_context
-            for _ in range(k):
+            for _s in range(k):  # (named: mypyc boxes a loop variable called `_`)
                 a = attn_s * ctx
                 b = kv_s * (ctx + nd)
                 x = (0.0 + cd * (a if a > b else b)) + rest

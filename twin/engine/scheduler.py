@@ -580,7 +580,7 @@ class Scheduler:
             params: tuple[float, float, float, float] = self.perf.decode_params(nd)  # type: ignore[attr-defined]
             attn_s, kv_s, cd, rest = params
             ctx: int = g.decode_context
-            for _ in range(k):
+            for _s in range(k):  # (named: mypyc boxes a loop variable called `_`)
                 a = attn_s * ctx
                 c = kv_s * (ctx + nd)
                 t += (0.0 + cd * (a if a > c else c)) + rest

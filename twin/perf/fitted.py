@@ -286,7 +286,7 @@ class FittedModel:
         attn_s, kv_s, cd, rest = self.decode_params(nd)
         out = []
         ctx = context0
-        for _ in range(k):  # `_dec` inlined: the same operations in the same order, so equal to the bit
+        for _s in range(k):  # `_dec` inlined: the same operations in the same order, so equal to the bit
             a = attn_s * ctx
             c = kv_s * (ctx + nd)
             out.append((0.0 + cd * (a if a > c else c)) + rest)

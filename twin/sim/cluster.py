@@ -327,25 +327,25 @@ class Cluster:
 
     def arrivals(self) -> Generator[Any, Any, None]:
         """Each request at its arrival time goes to the router; closed-loop turns wait for their predecessor."""
-        env = self.env
+        clock = self.clock
         arrival = self.stream.arrival_s
         after = self.stream.after
         for i in range(len(arrival)):
             if after is not None and after[i] >= 0:
                 continue  # sent by `_turn_ended` when the turn before it ends
             t = float(arrival[i])
-            if t > env._now:
-                yield Timer(self.clock, t - env._now)
+            if t > clock.now:
+                yield Timer(clock, t - clock.now)
             self.dispatch(i)
 
     def dispatch(self, i: int) -> None:
         """Request i arrives now: checked, routed and queued, or rejected with a reason."""
-        env = self.env
         log = self.log
         self.num_arrived += 1
-        self._cols["arrival_s"][i] = env._now  # the clock's value: t - now + now can differ from t by an ulp
+        now = self.clock.now
+        self._cols["arrival_s"][i] = now  # the clock's value: t - now + now can differ from t by an ulp
         r = self.make_request(i)
-        r.arrival_time = env._now
+        r.arrival_time = now
         max_len = self.max_model_len
         cap = self.max_tokens_cap if self.max_tokens_cap is not None else r.stop_at_tokens
         if r.num_prompt_tokens + cap > max_len:  # vLLM refuses prompt + max_tokens > max_model_len (HTTP 400)
@@ -371,7 +371,6 @@ class Cluster:
         if not inst.fits(r.num_prompt_tokens + r.stop_at_tokens):
             self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
             return
-        now = env._now
         if now >= inst.timeline_next:  # its in-flight count changes: the timeline records the ticks before
             inst.timeline.fill(inst, now)  # (`Instance.touch`; its gauges do not change until the engine sees it)
         self.dispatcher.dispatched(i, view, inst.id)
@@ -390,11 +389,11 @@ class Cluster:
                 self._cols["status"][i] = RequestStatus.WAITING
                 self._api_wake(inst, srv)
                 return
-            delay = srv.preprocess(env._now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(),
-                                   r.idx) - env._now  # FIFO behind earlier requests
+            delay = srv.preprocess(now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(),
+                                   r.idx) - now  # FIFO behind earlier requests
         delay += self.api_handoff_s
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
-            self.in_transit.setdefault(inst.id, {})[r.idx] = (r, self.env._now + delay)
+            self.in_transit.setdefault(inst.id, {})[r.idx] = (r, now + delay)
             self._cols["status"][i] = RequestStatus.WAITING  # arrived: queued in the API server
             Timer(self.clock, delay, callback=partial(self._to_engine, inst, r))
         else:
@@ -427,7 +426,7 @@ class Cluster:
         srv.generation += 1
         t = srv.next_done()
         if t < math.inf:
-            dt = t - self.env._now
+            dt = t - self.clock.now
             Timer(self.clock, dt if dt > 0.0 else 0.0, callback=partial(self._api_done, inst, srv, srv.generation))
 
     def _api_done(self, inst: Instance, srv: ApiServer, generation: int, _event: object) -> None:
@@ -436,10 +435,10 @@ class Cluster:
             return
         transit = self.in_transit[inst.id]
         handoff = self.api_handoff_s
-        for idx in srv.pop_done(self.env._now):
+        for idx in srv.pop_done(self.clock.now):
             if handoff > 0:
                 r = transit[idx][0]
-                transit[idx] = (r, self.env._now + handoff)
+                transit[idx] = (r, self.clock.now + handoff)
                 Timer(self.clock, handoff, callback=partial(self._to_engine, inst, r))
             else:  # `_to_engine` at once
                 self._enter_engine(inst, transit.pop(idx)[0])
@@ -462,7 +461,7 @@ class Cluster:
 
     def api_entry_s(self, instance_id: str, prompt_tokens: int) -> float:
         """When a request sent now to this instance would reach its engine (forecasts; the queue unchanged)."""
-        now = self.env._now
+        now = self.clock.now
         if self.api_cap is None:
             return now + self._api_request_s(prompt_tokens) + self.api_handoff_s
         srv = self.api_server(instance_id)
@@ -556,7 +555,7 @@ class Cluster:
         horizon = self.scenario.sim.max_sim_time_s
         last_arrival = float(self.stream.arrival_s[-1]) if len(self.stream) else 0.0
         step = max((horizon or last_arrival) / (slices if progress is not None else 1), 1e-3)
-        t = env._now  # a run may resume after env.run(until=...) (forks, tests)
+        t = self.clock.now  # a run may resume after env.run(until=...) (forks, tests)
         while not self.done():
             nxt = env.peek()
             if nxt == math.inf:
@@ -567,9 +566,9 @@ class Cluster:
                 break
             run_events(env, until=t)
             if progress is not None:
-                progress(env._now, self.num_arrived)
+                progress(self.clock.now, self.num_arrived)
         if self.timeline is not None:
-            self.timeline.finish(env._now)
+            self.timeline.finish(self.clock.now)
         wall = time.perf_counter() - t_wall
         # client-side times: every token, the first and the last included, reaches the client api_token_s late
         shift = self.api_token_s()
@@ -580,8 +579,8 @@ class Cluster:
             self.log.first_token_s += self.api_wait_first
             self.log.finish_s += self.api_wait_finish
         if progress is not None:
-            progress(env._now, self.num_arrived)
-        return SimResult(self.scenario, self.log, self.instances, float(env._now), wall, self.num_blocks,
+            progress(self.clock.now, self.num_arrived)
+        return SimResult(self.scenario, self.log, self.instances, float(self.clock.now), wall, self.num_blocks,
                          self.perf, self.stream.stats.to_dict(), self.router_info(), self.timeline, self.fleet)
 
     def predictor_info(self) -> dict | None:

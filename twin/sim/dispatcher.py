@@ -16,20 +16,21 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Sequence
 
-import simpy
-
 from twin.policy.host import PolicyHost, RouterError, router_cause
 from twin.policy.kv_events import KVEvent
 from twin.policy.prefix_index import PreciseIndex
 from twin.policy.views import FleetView, Gauges, InstanceConfig, InstanceView, Reject, RequestView
+from twin.sim.environment import Environment
+from twin.sim.events import Clock
 from twin.sim.instance import ScrapeClock
 
 
 class KVEventBus:
     """Delivers each instance's KV events to subscribers `delay_s` later (at once when 0)."""
 
-    def __init__(self, env: simpy.Environment, delay_s: float) -> None:
+    def __init__(self, env: Environment, delay_s: float) -> None:
         self.env = env
+        self.time: Clock = env.clock  # the time, as a native field (twin.sim.events)
         self.delay_s = delay_s
         self.subscribers: list[PreciseIndex] = []
         self._pending: list[tuple[str, KVEvent]] | None = None
@@ -41,7 +42,7 @@ class KVEventBus:
 
     def publish(self, instance_id: str, event: KVEvent) -> None:
         self.published += 1
-        now = self.env._now
+        now = self.time.now
         if self.delay_s <= 0:
             for s in self.subscribers:
                 s.apply(instance_id, event, now)
@@ -62,11 +63,12 @@ class KVEventBus:
 class Dispatcher:
     """Builds the fleet view for each decision and keeps it honest (stale gauges, fresh books)."""
 
-    def __init__(self, env: simpy.Environment, router: Any, instances: Sequence[Any], *,
+    def __init__(self, env: Environment, router: Any, instances: Sequence[Any], *,
                  scrape_interval_s: float = 0.05, prefix_index: str | None = None,
                  prefix_index_capacity_blocks: int = 100_000, kv_event_delay_s: float = 0.0,
                  on_error: str = "raise") -> None:
         self.env = env
+        self.time: Clock = env.clock  # the time, as a native field (twin.sim.events)
         self.router = router
         self.router_name = getattr(router, "name", type(router).__name__)
         self.instances = list(instances)
@@ -74,7 +76,7 @@ class Dispatcher:
         self.scrape_interval_s = scrape_interval_s
         self.host = PolicyHost(router, prefix_index=prefix_index,
                                prefix_index_capacity_blocks=prefix_index_capacity_blocks, on_error=on_error,
-                               observed_since=env._now)
+                               observed_since=self.time.now)
         self.bookkeeping = self.host.bookkeeping
         self.index = self.host.index
         self.bus: KVEventBus | None = None
@@ -87,17 +89,17 @@ class Dispatcher:
         for inst in self.instances:
             self.views[inst.id] = self._new_view(inst)
         self.signals = self.host.signals
-        self.fleet = FleetView(env._now, [], self.bookkeeping, self.index, signals=self.signals)
+        self.fleet = FleetView(self.time.now, [], self.bookkeeping, self.index, signals=self.signals)
         self._refresh_lists()
         self.inflight: dict[int, tuple[RequestView, str]] = {}  # engine idx -> (view, instance id)
         self.explicit_scrapes = 0  # scrapes asked for outside the poller's ticks (the scaler's, exact mode)
         self.clock: ScrapeClock | None = None
-        self._views_tick = env._now  # the tick the views were last brought to (they start fresh now)
+        self._views_tick = self.time.now  # the tick the views were last brought to (they start fresh now)
         # a router that never reads the gauges (`RouterBase.reads_gauges`) gets none kept for it: the instances
         # keep no snapshot at each tick, and a decision brings no view to the last tick (a scaler still scrapes)
         self.reads_gauges: bool = bool(getattr(router, "reads_gauges", True))
         if scrape_interval_s > 0:
-            self.clock = ScrapeClock(env._now, scrape_interval_s)
+            self.clock = ScrapeClock(self.time.now, scrape_interval_s)
             for inst in self.instances:
                 inst.scrape_clock = self._instance_clock()
 
@@ -115,7 +117,7 @@ class Dispatcher:
                             getattr(inst, "serving_since", 0.0))
 
     def _gauges(self, inst: Any) -> Gauges:
-        return Gauges(inst.num_running, inst.num_waiting, inst.kv_usage, self.env._now)
+        return Gauges(inst.num_running, inst.num_waiting, inst.kv_usage, self.time.now)
 
     def _refresh_lists(self) -> None:
         views = [self.views[inst.id] for inst in self.instances]
@@ -125,7 +127,7 @@ class Dispatcher:
     @property
     def scrapes(self) -> int:
         """Scrapes made so far: the poller's ticks through now plus the explicit ones."""
-        ticks = self.clock.ticks_through(self.env._now) if self.clock is not None else 0
+        ticks = self.clock.ticks_through(self.time.now) if self.clock is not None else 0
         return ticks + self.explicit_scrapes
 
     def _follow_state(self, inst: Any) -> InstanceView:
@@ -142,14 +144,14 @@ class Dispatcher:
         for inst in self.instances:
             self._follow_state(inst).gauges = self._gauges(inst)
         if self.clock is not None:
-            self._views_tick = self.clock.last_tick(self.env._now)
+            self._views_tick = self.clock.last_tick(self.time.now)
         self._refresh_lists()
 
     def _bring_to_tick(self) -> None:
         """The views as the poller's last scrape left them: each instance's gauges as of that tick."""
         clock = self.clock
         assert clock is not None
-        tick = clock.last_tick(self.env._now)
+        tick = clock.last_tick(self.time.now)
         if tick <= self._views_tick:
             return  # nothing scraped since the views were last brought up to date
         self._views_tick = tick
@@ -188,7 +190,7 @@ class Dispatcher:
     def route(self, req: RequestView) -> str | Reject:
         """Ask the router, through the host (its error rule: a RouterError, or a rejection with `reject`)."""
         clock = self.clock
-        now = self.env._now
+        now = self.time.now
         if clock is None:
             self.scrape()
         elif self.reads_gauges and not (clock.cur <= now < clock.nxt and clock.cur <= self._views_tick):
@@ -199,7 +201,7 @@ class Dispatcher:
 
     def dispatched(self, idx: int, req: RequestView, instance_id: str) -> None:
         self.inflight[idx] = (req, instance_id)
-        self.host.dispatched(req, instance_id, self.env._now)
+        self.host.dispatched(req, instance_id, self.time.now)
 
     def first_token(self, idx: int, t: float) -> None:
         rec = self.inflight.get(idx)
@@ -209,7 +211,7 @@ class Dispatcher:
     def finished(self, idx: int, output_tokens: int) -> None:
         rec = self.inflight.pop(idx, None)
         if rec is not None:
-            self.host.finished(rec[0], rec[1], self.env._now, output_tokens)
+            self.host.finished(rec[0], rec[1], self.time.now, output_tokens)
 
 
 __all__ = ["Dispatcher", "KVEventBus", "RouterError", "router_cause"]

@@ -21,8 +21,8 @@ through Python's generic comparison, ~250 instructions a comparison. These do th
   stops the run at once.
 - `step(env)` and `run(env, until)` are `simpy.Environment.step` and `run` (`simpy/core.py`) over both queues.
 
-The compiled modules read the time as `clock.now` (a field, kept equal to SimPy's `env.now`): the property
-is an interpreted call and `env._now` a dictionary lookup.
+The time is the clock's `now`, a native field the compiled modules read; the environment's `now` and `_now`
+(SimPy's names) are properties over it, so there is one time and nothing keeps two copies equal.
 
 SimPy stays the environment: scalers, chunk planning, the KV-event bus and users' processes use its events
 unchanged. `tests/test_events.py` runs the same processes on SimPy's classes and on these, and compares
@@ -209,7 +209,7 @@ class Proc:
         gen = self.generator
         while True:
             try:
-                if type(event) is Timer:  # compiled: the fields, not attribute lookups
+                if NATIVE and type(event) is Timer:  # compiled: the fields, not attribute lookups
                     t = cast(Timer, event)
                     ok = t._ok
                     value = t._value
@@ -230,7 +230,7 @@ class Proc:
                 self.alive = False
                 self.target = None
                 raise
-            if type(nxt) is Timer:
+            if NATIVE and type(nxt) is Timer:  # (pure Python: `cast` would be a call)
                 cbs = cast(Timer, nxt).callbacks
             else:
                 try:
@@ -308,8 +308,7 @@ def _step(env: Any, clock: Clock, queue: list) -> None:
         raise EmptySchedule
     if timer_first:
         t = clock.pop() if NATIVE else heappop(clock.entries)[3]
-        clock.now = t.at
-        env._now = t.at
+        clock.now = t.at  # also `env._now` and `env.now` (twin.sim.environment)
         tcbs = t.callbacks
         t.callbacks = None
         assert tcbs is not None
@@ -332,7 +331,6 @@ def _step(env: Any, clock: Clock, queue: list) -> None:
     entry = heappop(queue)
     event = entry[3]
     clock.now = float(entry[0])
-    env._now = entry[0]
     cbs = event.callbacks
     event.callbacks = None
     i = 0
@@ -353,12 +351,12 @@ def run(env: Any, until: Optional[Any] = None) -> Optional[Any]:
     if until is not None:
         if not isinstance(until, simpy.Event):
             at = float(until)
-            if at <= env._now:
+            if at <= env.clock.now:
                 raise ValueError(f"until ({at}) must be greater than the current simulation time")
             ev = simpy.Event(env)
             ev._ok = True
             ev._value = None
-            env.schedule(ev, URGENT, at - env._now)
+            env.schedule(ev, URGENT, at - env.clock.now)
             until = ev
         elif until.callbacks is None:
             return until.value

@@ -78,7 +78,7 @@ class Instance:
         pool_cls = SegmentPool if segmented else BlockPool
         self.pool: BlockPool = pool_cls(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = make_scheduler(config.scheduler_config(), self.pool, perf, log if sink is None else sink)
-        self.core = EngineCore(self.scheduler, perf, env._now, fast_forward, max_run_steps, name)
+        self.core = EngineCore(self.scheduler, perf, self.clock.now, fast_forward, max_run_steps, name)
         self._running = self.scheduler.running  # the same list and deque objects, for cheap views
         self._waiting = self.scheduler.waiting
         self.fast_forward = fast_forward
@@ -86,7 +86,7 @@ class Instance:
         self._wakeup: simpy.Event | None = None
         self.num_dispatched = 0
         self.state = "serving"  # starting | serving | draining | stopped: the fleet's lifecycle
-        self.serving_since = env._now
+        self.serving_since = self.clock.now
         self.num_wakeups = 0  # times the step loop resumed: what simulation cost grows with
         # stale gauges without a scrape process: the dispatcher sets the clock; `touch` keeps the gauges
         # as of the last tick before the first change after it
@@ -103,22 +103,23 @@ class Instance:
         """The engine core's loop (twin.engine.core) on the simulation clock: bring it to now, wait for the
         work it started, and sleep when it has none (an arrival wakes it, or cuts a decode run short)."""
         env = self.env
+        clock = self.clock
         core = self.core
         while True:
-            core.advance(until=env._now)
+            core.advance(until=clock.now)
             if not core.is_busy():
                 if self.on_idle is not None:  # a draining instance stops here (under async scheduling its
                     self.on_idle(self)  # finished requests kept their blocks until the step after they finished)
                 self._wakeup = env.event()
                 yield self._wakeup
-                self.touch(env._now)
+                self.touch(clock.now)
                 self._wakeup = None
                 continue
             try:
-                yield Timer(self.clock, core.wait_s)
+                yield Timer(clock, core.wait_s)
             except simpy.Interrupt:
                 pass  # an arrival: `EngineCore.add_request` cut the run; the loop waits out its last step
-            self.touch(env._now)
+            self.touch(clock.now)
             self.num_wakeups += 1
 
     @property
@@ -144,7 +145,7 @@ class Instance:
 
     def add_request(self, r: Request) -> None:
         """Dispatch: the request joins the waiting queue; a sleeping or fast-forwarding engine is woken."""
-        now = self.env._now
+        now = self.clock.now
         self.touch(now)
         self.num_dispatched += 1
         self._instance_col[r.idx] = self.index
@@ -174,7 +175,7 @@ class Instance:
 
     @property
     def free_blocks(self) -> int:
-        return self.free_blocks_at(self.env._now)
+        return self.free_blocks_at(self.clock.now)
 
     def free_blocks_at(self, t: float) -> int:
         """Free blocks at time t, no change since: the decode run in progress took a block per step started."""
@@ -195,7 +196,7 @@ class Instance:
         A decode run's step lasts `ends[j] - ends[j-1]` (from the run's start for its first), the same floats
         the clock sees when it runs the steps one by one (`t_end - out.t_start`), so a fast-forwarded and a
         stepped engine hand the API server the same rate to the last bit."""
-        now = self.env._now
+        now = self.clock.now
         run = self.pending_run
         if run is not None:  # a fast-forwarded decode run: every step emits one token per member
             k, ends, t0 = run

@@ -22,7 +22,7 @@ class Timeline:
         self.env = env
         self.dispatcher = dispatcher
         self.interval_s = interval_s
-        self.start: float = env._now
+        self.start: float = env.now
         self.clock = ScrapeClock(self.start, interval_s)  # the ticks: start + k x interval_s, as a scrape poller's
         # plain lists: compiled, their appends are native (an array's are method calls)
         self.t: list[float] = []
@@ -48,7 +48,7 @@ class Timeline:
         """Record `inst` from `first_tick` (default: the first tick after now: it did not exist before now)."""
         self._index(inst.id)
         if first_tick is None:
-            self.clock.last_tick(self.env._now)
+            self.clock.last_tick(self.env.now)
             first_tick = self.clock.nxt
         inst.timeline = self
         inst.timeline_next = first_tick
