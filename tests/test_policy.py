@@ -59,6 +59,14 @@ def test_least_outstanding_reads_the_books_and_breaks_ties_at_random():
     assert picks == {"b", "c"}  # both tied instances get picked: ties do not herd onto the lowest index
 
 
+def test_inflight_counts_follow_the_routable_instances_and_the_books():
+    fleet = fleet_of({"id": "a", "inflight": 3}, {"id": "b", "inflight": 1, "state": "draining"},
+                     {"id": "c", "inflight": 5})
+    assert fleet.inflight_counts() == [v.inflight_requests for v in fleet.instances] == [3, 5]
+    fleet.bookkeeping.load("c").requests = 0  # the books, not a copy: the next decision sees the change
+    assert fleet.inflight_counts() == [3, 0]
+
+
 def test_least_outstanding_on_gauges_reads_running_plus_waiting():
     fleet = fleet_of({"id": "a", "running": 1, "waiting": 0, "inflight": 9}, {"id": "b", "running": 3})
     assert LeastOutstanding(signal="gauges").choose(req(), fleet) == "a"

@@ -105,7 +105,7 @@ class LeastOutstanding(RouterBase):
             return NO_INSTANCE
         if self.signal == "gauges":
             return argmin_values(fleet.instances, [v.num_running + v.num_waiting for v in fleet.instances], self._rng)
-        return argmin_values(fleet.instances, [v.inflight_requests for v in fleet.instances], self._rng)
+        return argmin_values(fleet.instances, fleet.inflight_counts(), self._rng)
 
 
 @register_router("least-kv", "least_kv")

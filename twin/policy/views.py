@@ -231,6 +231,10 @@ class FleetView:
                 return v
         return None
 
+    def inflight_counts(self) -> list[int]:
+        """Each routable instance's `inflight_requests`, in `instances` order (one call, not one per view)."""
+        return [v._load.requests for v in self.instances]  # (`inflight_requests`, without a property call each)
+
     def cached_blocks(self, req: RequestView) -> dict[str, int]:
         """Leading prefix blocks of `req` cached per routable instance (0 where none, or no index)."""
         if self.prefix_index is None or not req.prefix:
