@@ -112,6 +112,35 @@ def test_the_engines_closed_form_of_a_decode_step_is_the_models_own_to_the_bit(t
     assert not closed_form_decode(Doubled(m))  # any other protocol object: its own decode_run_times
 
 
+@pytest.mark.parametrize("kind", ["fitted", "roofline"])
+@pytest.mark.parametrize("tp", [1, 8])  # at TP 8 a decode step's GPU time is below the 2 ms of CPU
+def test_an_async_decode_runs_closed_form_plan_is_the_general_plan_to_the_bit(tmp_path, kind, tp):
+    """`AsyncScheduler.decode_run_plan` drops the hidden-CPU selection once a step of the run covers the host
+    time. The step before the run (a prefill, say) may have covered it while the run's first step does not:
+    the plan must still equal, to the bit, the general plan from the model's `decode_run_times`."""
+    kw = {"cluster.engine.async_scheduling": True, "cluster.tensor_parallel": tp}
+    sc = make_scenario(**kw) if kind == "roofline" else fitted_scenario(write_fit(tmp_path), **kw)
+    sched = Cluster(sc, stream_of([0.0], [16], [4])).instances[0].scheduler
+    assert sched.async_scheduling and sched._closed_form
+    g = sched.group
+    checked = 0
+    for nd in (1, 2, 3, 8, 64, 200):
+        c = sched._host_s(nd)
+        attn_s, kv_s, cd, rest = sched.perf.decode_params(nd)
+        x0 = (0.0 + cd * max(attn_s * nd * 50, kv_s * nd * 51)) + rest
+        for ctx in (nd * 50, nd * 900, nd * 4000):
+            for prev in (0.0, c / 2, c, x0 - c, 2 * c, 0.5):  # below, at and above the CPU time, and a long prefill's
+                plans = []
+                for closed in (True, False):
+                    sched._closed_form = closed
+                    g.num_decode, g.decode_context, sched.prev_gpu_s = nd, ctx, prev
+                    plans.append(sched.decode_run_plan(40, 3.0))
+                sched._closed_form = True
+                assert plans[0] == plans[1], (nd, ctx, prev)
+                checked += 1
+    assert checked == 6 * 3 * 6
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda d: d.pop("basis"), "basis must be 'roofline-groups/1'"),
     (lambda d: d["coefficients"].pop("decode_attn"), "missing decode_attn"),

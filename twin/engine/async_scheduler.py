@@ -137,11 +137,12 @@ class AsyncScheduler(Scheduler):
             ctx: int = g.decode_context
             s = 0
             # With non-negative terms a step's time never shrinks as the context grows (rounding is monotone),
-            # so once a step's GPU time covers the CPU (c <= g_prev) every later step hides exactly c; and with
-            # attn_s <= kv_s the KV side is the max at every context. The second loop drops what is then known:
-            # the same operations on the same floats as the general one, fewer of them.
-            settled = cd >= 0.0 and attn_s >= 0.0 and kv_s >= 0.0
-            while s < k and not (settled and c <= g_prev):
+            # so once a step *of this run* has GPU time covering the CPU (c <= g_prev) every later step hides
+            # exactly c (the step before the run, a prefill say, may have covered it while this run's first does
+            # not); and with attn_s <= kv_s the KV side is the max at every context. The second loop drops what
+            # is then known: the same operations on the same floats as the general one, fewer of them.
+            monotone = cd >= 0.0 and attn_s >= 0.0 and kv_s >= 0.0
+            while s < k and not (monotone and s > 0 and c <= g_prev):
                 a = attn_s * ctx
                 b = kv_s * (ctx + nd)
                 x = (0.0 + cd * (a if a > b else b)) + rest
