@@ -238,3 +238,20 @@ def test_views_pickle_and_copy_equal_in_both_builds():
         assert (w.id, w.state, w.gauges, w.config, w.inflight_requests) == ("i0", "serving", view.gauges,
                                                                              view.config, 4)
     assert copy.copy(view).load is view.load  # a shallow copy reads the same live books
+
+
+def test_new_request_view_equals_the_constructor_and_stays_frozen_in_both_builds():
+    """The simulator builds a view per request without the dataclass's interpreted __init__ (compiled: native
+    stores; pure Python: the slots' setters). It must be the very value the constructor gives, and as frozen."""
+    import copy
+    import pickle
+
+    from twin.policy.views import RequestView, new_request_view
+
+    args = ("7", 1.25, 300, None, (11, 12, 13), 16, "s1", 2, 41.5, "hello")
+    v = new_request_view(*args)
+    w = RequestView(*args)
+    assert type(v) is RequestView and v == w and hash(v) == hash(w) and repr(v) == repr(w)
+    assert pickle.loads(pickle.dumps(v)) == w and copy.copy(v) == w
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        v.id = "8"  # type: ignore[misc]

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from functools import partial
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
@@ -27,7 +27,7 @@ from twin.perf.base import StepTimeModel
 from twin.sim.build import build_perf, build_router, engine_config
 from twin.policy.base import Router, prefix_index_kind
 from twin.policy.scalers import Scaler
-from twin.policy.views import Reject, RequestView
+from twin.policy.views import Reject, RequestView, new_request_view
 from twin.engine.records import RequestLog, account
 from twin.scenario import Scenario
 from twin.sim.timeline import Timeline
@@ -50,36 +50,6 @@ class SimResult:
     router_info: dict = field(default_factory=dict)
     timeline: Timeline | None = None  # when sim.timeline_interval_s > 0
     fleet: object | None = None  # twin.sim.fleet.Fleet: lifetimes, scale events, GPU-seconds
-
-
-# RequestView is a frozen dataclass: in pure Python its generated __init__ sets each field through
-# object.__setattr__ from interpreted code, ~16,000 instructions a request (5 % of a Mooncake replay). Its slots'
-# own setters set the same fields in a fraction of that. The order is the dataclass's, checked at import. The
-# compiled build's view (twin.policy.views is compiled) still runs that interpreted __init__; its setters are C.
-_VIEW_FIELDS = ("id", "arrival_time", "num_prompt_tokens", "max_tokens", "prefix", "prefix_block_size", "session_id",
-                "priority", "predicted_output_tokens", "text")
-if tuple(f.name for f in fields(RequestView)) != _VIEW_FIELDS:  # pragma: no cover - a RequestView field changed
-    raise ImportError("twin.sim.cluster.new_request_view must set RequestView's fields: update _VIEW_FIELDS")
-_VIEW_SETTERS = tuple(getattr(RequestView, name).__set__ for name in _VIEW_FIELDS)
-
-
-def new_request_view(id: str, arrival_time: float, num_prompt_tokens: int, max_tokens: int | None,
-                     prefix: Sequence[int] | BlockKeys, prefix_block_size: int, session_id: str | None, priority: int,
-                     predicted_output_tokens: float | None, text: str | None) -> RequestView:
-    """`RequestView(...)` with every field given, equal to it, built by the slots' setters (see above)."""
-    v = RequestView.__new__(RequestView)  # (the compiled class refuses `object.__new__`)
-    s = _VIEW_SETTERS
-    s[0](v, id)
-    s[1](v, arrival_time)
-    s[2](v, num_prompt_tokens)
-    s[3](v, max_tokens)
-    s[4](v, prefix)
-    s[5](v, prefix_block_size)
-    s[6](v, session_id)
-    s[7](v, priority)
-    s[8](v, predicted_output_tokens)
-    s[9](v, text)
-    return v
 
 
 class _RunSink:
