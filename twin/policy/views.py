@@ -278,7 +278,11 @@ class FleetView:
 
     def inflight_counts(self) -> list[int]:
         """Each routable instance's `inflight_requests`, in `instances` order (one call, not one per view)."""
-        return [v._load.requests for v in self.instances]  # (`inflight_requests`, without a property call each)
+        insts = self.instances
+        if type(insts) is list:  # (compiled: a native walk of the list; a Sequence is iterated generically)
+            views: list[InstanceView] = insts
+            return [v._load.requests for v in views]  # (`inflight_requests`, without a property call each)
+        return [v._load.requests for v in insts]
 
     def cached_blocks(self, req: RequestView) -> dict[str, int]:
         """Leading prefix blocks of `req` cached per routable instance (0 where none, or no index)."""

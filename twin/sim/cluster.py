@@ -441,7 +441,7 @@ class Cluster:
 
     def _api_delivery_wait(self, i: int, t: float, which: int) -> float:
         """A token of request i the engine emitted at t waits this long for pre-processing queued ahead of it."""
-        k = self._cols["instance"][i]
+        k: int = self._cols["instance"][i]  # (typed: compiled, the list index and the server's call are native)
         by_index = self._api_by_index
         srv = by_index[k] if k < len(by_index) else None
         return srv.delivery_wait(t, i, which) if srv is not None else 0.0
