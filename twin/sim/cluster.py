@@ -259,21 +259,24 @@ class Cluster:
             self.capacity = cap
 
     def make_request(self, i: int) -> Request:
-        s = self.stream
-        p = int(s.prompt_tokens[i])
-        o = int(s.output_tokens[i])
+        """Request i for the engine, from the log's columns (filled from the stream at the start: the prompt, the
+        length the engine stops at, the session) rather than the stream's numpy arrays, dearer per element."""
+        cols = self._cols
+        p: int = cols["prompt_tokens"][i]
         keys: Sequence[int] | BlockKeys = []
+        s = self.stream
         if s.hash_ids is not None and s.hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
-            covered = p + o if s.hashes_cover_output else p
+            covered = p + int(s.output_tokens[i]) if s.hashes_cover_output else p
             bs = self.engine_config.block_size
             tr = self.trace_runs[i] if self.trace_runs is not None else None
             if self.segmented:  # runs, O(runs): the range pool works on them
                 keys = engine_block_runs(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
             else:
                 keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
-        sid = -1 if s.session_id is None else int(s.session_id[i])
-        cap = self.max_tokens_cap
-        return Request(i, float(s.arrival_s[i]), p, o if cap is None else min(o, cap), keys, sid)
+        stop: int = cols["max_tokens"][i]  # the true length, capped by the client's max_tokens
+        sid: int = cols["session_id"][i]  # -1: none
+        arrival: float = cols["arrival_s"][i]  # `dispatch` set it to the clock's time
+        return Request(i, arrival, p, stop, keys, sid)
 
     def request_view(self, r: Request) -> RequestView:
         """What the router may know: the client's cap, never the true length; the prompt's block hashes."""
