@@ -139,10 +139,10 @@ class AsyncScheduler(Scheduler):
             # With non-negative terms a step's time never shrinks as the context grows (rounding is monotone),
             # so once a step *of this run* has GPU time covering the CPU (c <= g_prev) every later step hides
             # exactly c (the step before the run, a prefill say, may have covered it while this run's first does
-            # not); and with attn_s <= kv_s the KV side is the max at every context. The second loop drops what
-            # is then known: the same operations on the same floats as the general one, fewer of them.
-            monotone = cd >= 0.0 and attn_s >= 0.0 and kv_s >= 0.0
-            while s < k and not (monotone and s > 0 and c <= g_prev):
+            # not); and with 0 <= attn_s <= kv_s (every shipped profile) the KV side is the max at every context.
+            # The second loop drops what is then known: the same operations on the same floats, fewer of them.
+            settles = cd >= 0.0 and 0.0 <= attn_s <= kv_s
+            while s < k and not (settles and s > 0 and c <= g_prev):
                 a = attn_s * ctx
                 b = kv_s * (ctx + nd)
                 x = (0.0 + cd * (a if a > b else b)) + rest
@@ -151,18 +151,10 @@ class AsyncScheduler(Scheduler):
                 g_prev = x - c
                 ctx += nd
                 s += 1
-            if s < k and attn_s <= kv_s:
-                for _s in range(s, k):  # (named: mypyc boxes a loop variable called `_`)
-                    t += ((0.0 + cd * (kv_s * (ctx + nd))) + rest) - c
-                    ends.append(t)
-                    ctx += nd
-            elif s < k:
-                for _s in range(s, k):
-                    a = attn_s * ctx
-                    b = kv_s * (ctx + nd)
-                    t += ((0.0 + cd * (a if a > b else b)) + rest) - c
-                    ends.append(t)
-                    ctx += nd
+            for _s in range(s, k):  # (named: mypyc boxes a loop variable called `_`)
+                t += ((0.0 + cd * (kv_s * (ctx + nd))) + rest) - c
+                ends.append(t)
+                ctx += nd
             return ends  # run_x stays empty: only a plan without the closed form fills it
         xs = self.perf.decode_run_times(nd, g.decode_context, k)
         for x in xs:

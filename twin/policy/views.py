@@ -278,11 +278,9 @@ class FleetView:
 
     def inflight_counts(self) -> list[int]:
         """Each routable instance's `inflight_requests`, in `instances` order (one call, not one per view)."""
-        insts = self.instances
-        if type(insts) is list:  # (compiled: a native walk of the list; a Sequence is iterated generically)
-            views: list[InstanceView] = insts
-            return [v._load.requests for v in views]  # (`inflight_requests`, without a property call each)
-        return [v._load.requests for v in insts]
+        insts = self.instances  # (a list, typed: compiled, a native walk; a Sequence is iterated generically)
+        views: list[InstanceView] = insts if type(insts) is list else list(insts)
+        return [v._load.requests for v in views]  # (`inflight_requests`, without a property call each)
 
     def cached_blocks(self, req: RequestView) -> dict[str, int]:
         """Leading prefix blocks of `req` cached per routable instance (0 where none, or no index)."""

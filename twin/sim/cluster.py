@@ -260,7 +260,8 @@ class Cluster:
 
     def make_request(self, i: int) -> Request:
         """Request i for the engine, from the log's columns (filled from the stream at the start: the prompt, the
-        length the engine stops at, the session) rather than the stream's numpy arrays, dearer per element."""
+        length the engine stops at, the session; its arrival, which `dispatch` sets to the clock's time) rather
+        than the stream's numpy arrays, dearer per element."""
         cols = self._cols
         p: int = cols["prompt_tokens"][i]
         keys: Sequence[int] | BlockKeys = []
@@ -275,7 +276,7 @@ class Cluster:
                 keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
         stop: int = cols["max_tokens"][i]  # the true length, capped by the client's max_tokens
         sid: int = cols["session_id"][i]  # -1: none
-        arrival: float = cols["arrival_s"][i]  # `dispatch` set it to the clock's time
+        arrival: float = cols["arrival_s"][i]
         return Request(i, arrival, p, stop, keys, sid)
 
     def request_view(self, r: Request) -> RequestView:
@@ -317,8 +318,7 @@ class Cluster:
         self.num_arrived += 1
         now = self.clock.now
         self._cols["arrival_s"][i] = now  # the clock's value: t - now + now can differ from t by an ulp
-        r = self.make_request(i)
-        r.arrival_time = now
+        r = self.make_request(i)  # arriving now: its arrival is the column's, just written
         max_len = self.max_model_len
         cap = self.max_tokens_cap if self.max_tokens_cap is not None else r.stop_at_tokens
         if r.num_prompt_tokens + cap > max_len:  # vLLM refuses prompt + max_tokens > max_model_len (HTTP 400)

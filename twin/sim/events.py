@@ -81,15 +81,7 @@ class Clock:
             return
         heap = self.heap
         heap.append(t)
-        pos = len(heap) - 1
-        while pos > 0:
-            up = (pos - 1) >> 1
-            parent = heap[up]
-            if not _before(t, parent):
-                break
-            heap[pos] = parent
-            pos = up
-        heap[pos] = t
+        _sift_up(heap, t, len(heap) - 1)
 
     def pop(self) -> Timer:
         """`heapq.heappop`: the earliest timer (compiled: CPython's bottom-up variant, fewer comparisons)."""
@@ -110,15 +102,20 @@ class Clock:
             heap[pos] = heap[child]
             pos = child
             child = 2 * pos + 1
-        while pos > 0:  # then `last` up from there
-            up = (pos - 1) >> 1
-            parent = heap[up]
-            if not _before(last, parent):
-                break
-            heap[pos] = parent
-            pos = up
-        heap[pos] = last
+        _sift_up(heap, last, pos)  # then `last` up from there
         return top
+
+
+def _sift_up(heap: list[Timer], t: Timer, pos: int) -> None:
+    """Place `t` at `pos` or above it, moving later parents down (heapq's `_siftdown`)."""
+    while pos > 0:
+        up = (pos - 1) >> 1
+        parent = heap[up]
+        if not _before(t, parent):
+            break
+        heap[pos] = parent
+        pos = up
+    heap[pos] = t
 
 
 def _before(a: Timer, b: Timer) -> bool:
