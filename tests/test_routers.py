@@ -520,3 +520,27 @@ def test_load_routers_pick_the_least_and_break_ties_at_random_in_fleet_order():
     picks = [LeastOutstanding(seed=s).choose(req(), tied) for s in range(30)]
     assert set(picks) == {"a", "c", "d"}
     assert picks == [["a", "c", "d"][random.Random(s).randrange(3)] for s in range(30)]
+
+
+def test_argmin_index_is_the_first_least_then_the_drawn_tie():
+    """`argmin_index` (compiled: one typed pass) picks as min, index and count do, with the same draw."""
+    from twin.policy.views import argmin_index
+
+    def reference(values, rng):
+        best = min(values)
+        i = values.index(best)
+        ties = values.count(best)
+        if ties > 1:
+            for _ in range(rng.randrange(ties)):
+                i = values.index(best, i + 1)
+        return i
+
+    gen = random.Random(7)
+    picks = set()
+    for case in range(400):
+        values = [gen.randrange(4) for _ in range(gen.randrange(1, 20))]
+        got = argmin_index(values, random.Random(case))
+        assert got == reference(values, random.Random(case)), values
+        if values.count(min(values)) > 1:
+            picks.add(got != values.index(min(values)))
+    assert picks == {True, False}  # ties went both to the first tied and to a later one

@@ -160,3 +160,16 @@ def test_an_arrival_that_cuts_a_decode_run_resumes_the_loop_once_with_the_same_r
     assert records(new) == records(old)
     assert [i.core.steps for i in new.instances] == [i.core.steps for i in old.instances]
     assert sum(i.num_wakeups for i in old.instances) - sum(i.num_wakeups for i in new.instances) == cuts[0]
+
+
+def test_run_index_is_bisect():
+    """`run_index` (compiled: a typed search on a decode run's ends) equals `bisect_left` / `bisect_right`."""
+    from bisect import bisect_left, bisect_right
+
+    from twin.engine.core import run_index
+
+    ends = [0.5, 1.0, 1.0, 1.0, 2.25, 3.0]
+    for t in (0.0, 0.5, 0.75, 1.0, 1.5, 2.25, 3.0, 4.0):
+        assert run_index(ends, t) == bisect_left(ends, t)
+        assert run_index(ends, t, True) == bisect_right(ends, t)
+    assert run_index([], 1.0) == 0 and run_index([], 1.0, True) == 0

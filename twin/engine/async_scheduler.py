@@ -135,6 +135,7 @@ class AsyncScheduler(Scheduler):
             self.run_params = params
             attn_s, kv_s, cd, rest = params
             ctx: int = g.decode_context
+            ends = [0.0] * k  # filled in place: no append, no regrowth of the list
             s = 0
             # With non-negative terms a step's time never shrinks as the context grows (rounding is monotone),
             # so once a step *of this run* has GPU time covering the CPU (c <= g_prev) every later step hides
@@ -147,13 +148,13 @@ class AsyncScheduler(Scheduler):
                 b = kv_s * (ctx + nd)
                 x = (0.0 + cd * (a if a > b else b)) + rest
                 t += x - (c if c < g_prev else g_prev)
-                ends.append(t)
+                ends[s] = t
                 g_prev = x - c
                 ctx += nd
                 s += 1
-            for _s in range(s, k):  # (named: mypyc boxes a loop variable called `_`)
+            for i in range(s, k):
                 t += ((0.0 + cd * (kv_s * (ctx + nd))) + rest) - c
-                ends.append(t)
+                ends[i] = t
                 ctx += nd
             return ends  # run_x stays empty: only a plan without the closed form fills it
         xs = self.perf.decode_run_times(nd, g.decode_context, k)

@@ -16,11 +16,31 @@ after the next decision (`EngineCore.step_with_batch_queue`, `vllm/v1/engine/cor
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
-from typing import Any, Callable
+from bisect import bisect_left, bisect_right
+from typing import Any, Callable, Final
 
 from twin.engine.request import Request
 from twin.engine.scheduler import Scheduler
+
+
+_NATIVE: Final[bool] = not __file__.endswith(".py")  # (as twin.sim.events.NATIVE; the engine does not import sim)
+
+
+def run_index(ends: list[float], t: float, right: bool = False) -> int:
+    """`bisect_left(ends, t)` (`bisect_right` with `right`) on a decode run's step ends: compiled, a typed search
+    on C doubles instead of a generic comparison per probe; pure Python keeps the C `bisect`."""
+    if not _NATIVE:
+        return bisect_right(ends, t) if right else bisect_left(ends, t)
+    lo = 0
+    hi = len(ends)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        e = ends[mid]
+        if e < t or (right and e == t):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class EngineCore:
@@ -60,7 +80,7 @@ class EngineCore:
         run = self.pending_run
         if run is not None:
             k, ends, t0 = run
-            j = min(bisect_left(ends, now) + (2 if self.scheduler.async_scheduling else 1), k)
+            j = min(run_index(ends, now) + (2 if self.scheduler.async_scheduling else 1), k)
             self.pending_run = None
             self.pending_tail = (j, ends, now, t0)
             self.wait_s = ends[j - 1] - now

@@ -580,11 +580,12 @@ class Scheduler:
             params: tuple[float, float, float, float] = self.perf.decode_params(nd)  # type: ignore[attr-defined]
             attn_s, kv_s, cd, rest = params
             ctx: int = g.decode_context
-            for _s in range(k):  # (named: mypyc boxes a loop variable called `_`)
+            ends = [0.0] * k  # filled in place: no append, no regrowth of the list
+            for s in range(k):
                 a = attn_s * ctx
                 c = kv_s * (ctx + nd)
                 t += (0.0 + cd * (a if a > c else c)) + rest
-                ends.append(t)
+                ends[s] = t
                 ctx += nd
             return ends
         for x in self.perf.decode_run_times(nd, g.decode_context, k):

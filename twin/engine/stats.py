@@ -41,7 +41,7 @@ class ItlRecorder:
         """Steps 1..j-1 of a decode run that ended at ends[0..j-1]: each step's gap, ends[s] - ends[s-1] (as a
         stepped engine's `t_end - group_last_out`), `weight` tokens each."""
         if weight > 0 and j > 1:
-            self._ends.extend(ends[:j])
+            self._ends.extend(ends if j == len(ends) else ends[:j])  # a whole run: no slice copied
             self._runs.append(j)
             self._run_wts.append(weight)
             if len(self._ends) >= ITL_FLUSH:

@@ -10,7 +10,7 @@ import random
 from typing import Callable, Sequence
 
 from twin.policy.base import RouterBase, register_router
-from twin.policy.views import FleetView, InstanceView, Reject, RequestView
+from twin.policy.views import FleetView, InstanceView, Reject, RequestView, argmin_index
 
 NO_INSTANCE = Reject("no instance is serving")
 
@@ -37,13 +37,7 @@ def argmin_values(instances: Sequence[InstanceView], values: list[int], rng: ran
     """`argmin_random` over integer values given as a list (one per instance, in order): the same pick and the
     same draw, without a key function called per instance. Integers only: `min` does not skip NaN as
     `argmin_random` does."""
-    best_v = min(values)
-    i = values.index(best_v)
-    ties = values.count(best_v)
-    if ties > 1:  # the k-th tied one in fleet order, k drawn as `randrange(number tied)`
-        for _ in range(rng.randrange(ties)):
-            i = values.index(best_v, i + 1)
-    return instances[i].id
+    return instances[argmin_index(values, rng)].id  # the k-th tied in fleet order, k = `randrange(number tied)`
 
 
 @register_router("round-robin", "round_robin", "rr")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
 from typing import Any, Callable, Generator
 
 import simpy
@@ -12,7 +11,7 @@ from twin.engine.block_pool import BlockPool
 from twin.engine.request import Request
 from twin.engine.segment_pool import SegmentPool
 from twin.engine.config import EngineConfig
-from twin.engine.core import EngineCore
+from twin.engine.core import EngineCore, run_index
 from twin.engine.async_scheduler import make_scheduler
 from twin.engine.sink import FanOut
 from twin.sim.environment import Environment
@@ -182,10 +181,10 @@ class Instance:
         free = self.pool.get_num_free_blocks()
         tail = self.core.pending_tail
         if tail is not None:  # a run cut at an arrival: its steps started by t took their blocks (the commit allocates)
-            free -= self.scheduler.decode_blocks_needed(min(bisect_right(tail[1], t) + 1, tail[0]))
+            free -= self.scheduler.decode_blocks_needed(min(run_index(tail[1], t, True) + 1, tail[0]))
         elif self.core.pending_run is not None:  # blocks taken by the decode steps of the run started so far
             ends = self.core.pending_run[1]
-            started = min(bisect_right(ends, t) + 1, len(ends))
+            started = min(run_index(ends, t, True) + 1, len(ends))
             free -= self.scheduler.decode_blocks_needed(started)
         return free
 
@@ -200,7 +199,7 @@ class Instance:
         run = self.pending_run
         if run is not None:  # a fast-forwarded decode run: every step emits one token per member
             k, ends, t0 = run
-            j = min(bisect_left(ends, now), k - 1)
+            j = min(run_index(ends, now), k - 1)
             d = ends[j] - (ends[j - 1] if j else t0)
             return self.scheduler.num_decode / d if d > 0 else 0.0
         tail = self.pending_tail
