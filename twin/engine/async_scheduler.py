@@ -130,8 +130,8 @@ class AsyncScheduler(Scheduler):
         t = t0
         self.run_c = c
         if self._closed_form and nd > 0:  # `FittedModel.decode_run_times`, inlined: the same floats
-            # typed, so the compiled loop below runs on C doubles (the protocol does not name decode_params)
-            params: tuple[float, float, float, float] = self.perf.decode_params(nd)  # type: ignore[attr-defined]
+            # typed (`Scheduler.decode_params`), so the compiled loop below runs on C doubles
+            params = self.decode_params(nd)
             self.run_params = params
             attn_s, kv_s, cd, rest = params
             ctx: int = g.decode_context

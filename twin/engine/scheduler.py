@@ -98,6 +98,9 @@ class Scheduler:
         self.run_c: float = 0.0
         self._closed_form: bool = closed_form_decode(perf)
         self.run_params: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        # `perf.decode_params` by number of decodes: a generic call into the step model once per size, not per run
+        # (the closed-form models are fixed once built; a fork shares the dict, as it shares the model)
+        self.decode_params_memo: dict[int, tuple[float, float, float, float]] = {}
         # async: blocks the planned run's first step took at its decision, before the last step's finishers were
         # freed (-1: none taken; the commit takes every step's blocks)
         self.run_first_taken: int = -1
@@ -576,8 +579,8 @@ class Scheduler:
         ends: list[float] = []
         t = t0
         if self._closed_form and nd > 0:  # `FittedModel.decode_run_times`, inlined: the same floats
-            # typed, so the compiled loop below runs on C doubles (the protocol does not name decode_params)
-            params: tuple[float, float, float, float] = self.perf.decode_params(nd)  # type: ignore[attr-defined]
+            # typed (`Scheduler.decode_params`), so the compiled loop below runs on C doubles
+            params = self.decode_params(nd)
             attn_s, kv_s, cd, rest = params
             ctx: int = g.decode_context
             ends = [0.0] * k  # filled in place: no append, no regrowth of the list
@@ -592,6 +595,14 @@ class Scheduler:
             t += x
             ends.append(t)
         return ends
+
+    def decode_params(self, nd: int) -> tuple[float, float, float, float]:
+        """The closed-form step model's `decode_params(nd)` (`closed_form_decode`), computed once per nd."""
+        memo = self.decode_params_memo
+        params = memo.get(nd)
+        if params is None:
+            params = memo[nd] = self.perf.decode_params(nd)  # type: ignore[attr-defined]
+        return params
 
     def commit_decode_run(self, j: int, ends: list[float], t0: float) -> list[Request]:
         """Apply the first j steps of a run planned from t0 (`decode_run_plan`) that ended at ends[j-1]."""
