@@ -225,7 +225,7 @@ _SCHED_RULES = {
                     "$.free_blocks, $.num_registrations)",
     "inbox": "[(R(r), t) for r, t in $]",
     "run_x": "list($)",
-    "decode_params_memo": "$",  # shared on purpose: values of the same (immutable) step model, which the fork shares
+    "decode_params_memo": None,  # the fork's own, empty: it fills from the same step model
 }
 
 

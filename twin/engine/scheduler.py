@@ -99,7 +99,7 @@ class Scheduler:
         self._closed_form: bool = closed_form_decode(perf)
         self.run_params: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         # `perf.decode_params` by number of decodes: a generic call into the step model once per size, not per run
-        # (the closed-form models are fixed once built; a fork shares the dict, as it shares the model)
+        # (the closed-form models are fixed once built; a fork starts its own)
         self.decode_params_memo: dict[int, tuple[float, float, float, float]] = {}
         # async: blocks the planned run's first step took at its decision, before the last step's finishers were
         # freed (-1: none taken; the commit takes every step's blocks)
