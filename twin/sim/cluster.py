@@ -200,6 +200,7 @@ class Cluster:
         self.api_cap, self.api_handoff_s, self.api_discipline = self._api_queue_settings()
         self.api_servers: dict[str, ApiServer] = {}
         self._api_by_index: list[ApiServer | None] = []  # the same servers by instance index (delivery waits)
+        self._api_timer_cb = self._api_timer  # one bound method for every wake-up timer (its value says whose)
         self.api_record: bool = False  # the fit's gradients (twin.lab.calibrate)
         n_api = len(stream) if self.api_cap is not None else 0
         self.api_wait_first = np.zeros(n_api)
@@ -400,9 +401,14 @@ class Cluster:
         t = srv.next_done()
         if t < math.inf:
             dt = t - self.clock.now
-            Timer(self.clock, dt if dt > 0.0 else 0.0, callback=partial(self._api_done, inst, srv, srv.generation))
+            wake = Timer(self.clock, dt if dt > 0.0 else 0.0, callback=self._api_timer_cb)
+            wake._value = (inst, srv, srv.generation)  # (no process waits on it: its value is only this)
 
-    def _api_done(self, inst: Instance, srv: ApiServer, generation: int, _event: object) -> None:
+    def _api_timer(self, event: Timer) -> None:
+        inst, srv, generation = event._value
+        self._api_done(inst, srv, generation)
+
+    def _api_done(self, inst: Instance, srv: ApiServer, generation: int) -> None:
         """Pre-processing ended: the requests go to the engine (after the hand-off)."""
         if generation != srv.generation:
             return
