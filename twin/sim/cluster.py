@@ -405,6 +405,7 @@ class Cluster:
             wake._value = (inst, srv, srv.generation)  # (no process waits on it: its value is only this)
 
     def _api_timer(self, event: Timer) -> None:
+        """A wake-up timer of an API server fired (`_api_wake` put whose it is in its value)."""
         inst, srv, generation = event._value
         self._api_done(inst, srv, generation)
 
