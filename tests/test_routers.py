@@ -544,3 +544,17 @@ def test_argmin_index_is_the_first_least_then_the_drawn_tie():
         if values.count(min(values)) > 1:
             picks.add(got != values.index(min(values)))
     assert picks == {True, False}  # ties went both to the first tied and to a later one
+
+
+def test_draw_below_is_randrange():
+    """`draw_below(rng, n)` gives `rng.randrange(n)`'s draws, in sequence, for a `random.Random` and a subclass."""
+    from twin.policy.views import draw_below
+
+    class OwnRandom(random.Random):
+        def random(self):  # a subclass that draws from random() alone: randrange takes another path
+            return super().random()
+
+    for cls in (random.Random, OwnRandom):
+        a, b = cls(11), cls(11)
+        for n in [1, 2, 3, 5, 7, 8, 16, 17, 100, 2**40 + 3] * 20:
+            assert draw_below(a, n) == b.randrange(n)

@@ -8,6 +8,7 @@ router-side bookkeeping, which is always fresh; a `FleetView` bundles them with 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from random import Random
 from typing import Any, Final, Literal, Mapping, Protocol, Sequence
 
 # imported at run time, not only for type checking: the compiled build (`make compiled`) resolves a
@@ -63,6 +64,19 @@ if tuple(f.name for f in fields(RequestView)) != _VIEW_FIELDS:  # pragma: no cov
 _VIEW_SETTERS = tuple(getattr(RequestView, name).__set__ for name in _VIEW_FIELDS)
 
 
+def draw_below(rng: Any, n: int) -> int:
+    """`rng.randrange(n)` for n > 0, the same draw: for a `random.Random` itself, CPython's algorithm behind it
+    (`Random._randbelow_with_getrandbits`: k = n.bit_length() bits until one is below n) without the two
+    interpreted calls; any other generator (a subclass may draw from `random()` instead) is asked as before."""
+    if type(rng) is Random:
+        k = n.bit_length()
+        r: int = rng.getrandbits(k)
+        while r >= n:
+            r = rng.getrandbits(k)
+        return r
+    return rng.randrange(n)
+
+
 def argmin_index(values: list[int], rng: Any) -> int:
     """The index of the least of `values`, ties broken as the k-th tied in order with k = `rng.randrange(number
     tied)`: the routers' `argmin_values` pick. Compiled, one typed pass; pure Python, C's min, index and count."""
@@ -71,7 +85,7 @@ def argmin_index(values: list[int], rng: Any) -> int:
         i = values.index(best)
         ties = values.count(best)
         if ties > 1:
-            for _k in range(rng.randrange(ties)):
+            for _k in range(draw_below(rng, ties)):
                 i = values.index(best, i + 1)
         return i
     n = len(values)
@@ -85,7 +99,7 @@ def argmin_index(values: list[int], rng: Any) -> int:
         elif x == best:
             ties += 1
     if ties > 1:
-        k: int = rng.randrange(ties)
+        k = draw_below(rng, ties)
         j = i + 1
         while k:
             if values[j] == best:
