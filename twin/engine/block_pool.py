@@ -163,7 +163,8 @@ class BlockPool:
             return
         if n > self.num_anon_free + self.num_lru_free:
             raise RuntimeError(f"allocate({n}) with only {self.get_num_free_blocks()} free blocks")
-        take = min(n, self.num_anon_free)
+        free = self.num_anon_free
+        take = free if free < n else n  # min(n, free): a conditional, not a builtin call (pure Python)
         self.num_anon_free -= take
         n -= take
         if n == 0:
@@ -175,7 +176,7 @@ class BlockPool:
             while n > 0:
                 entry, _ = lru.popitem(last=False)
                 if isinstance(entry, Run):
-                    k = min(n, entry.count)
+                    k = entry.count if entry.count < n else n
                     entry.count -= k
                     n -= k
                     self.num_lru_free -= k
@@ -192,7 +193,7 @@ class BlockPool:
         while n > 0:
             entry, _ = lru.popitem(last=False)
             if isinstance(entry, Run):
-                k = min(n, entry.count)
+                k = entry.count if entry.count < n else n
                 entry.count -= k
                 n -= k
                 self.num_lru_free -= k

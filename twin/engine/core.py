@@ -80,7 +80,9 @@ class EngineCore:
         run = self.pending_run
         if run is not None:
             k, ends, t0 = run
-            j = min(run_index(ends, now) + (2 if self.scheduler.async_scheduling else 1), k)
+            j = run_index(ends, now) + (2 if self.scheduler.async_scheduling else 1)
+            if k < j:
+                j = k
             self.pending_run = None
             self.pending_tail = (j, ends, now, t0)
             self.wait_s = ends[j - 1] - now

@@ -173,7 +173,7 @@ class Scheduler:
             n = thr
         if not cfg.enable_chunked_prefill and n > budget:
             return None
-        n = min(n, budget)
+        n = budget if budget < n else n  # min(n, budget), without a builtin call (pure Python)
         if cfg.scheduler_reserve_full_isl:  # vLLM 0.32: room for the whole current sequence
             total = -(-r.num_tokens // bs)
         else:
@@ -502,12 +502,18 @@ class Scheduler:
                                             self.kv.num_registrations)
         d_fin = self.group.next_finish()
         assert d_fin is not None  # every member has a live heap entry
-        k = min(d_fin - self.group.group_step, max_steps)
+        k = d_fin - self.group.group_step
+        if max_steps < k:  # min(...): conditionals, not builtin calls, on this per-wake-up path (pure Python)
+            k = max_steps
         if self.waiting and self.group.num_reg_members:
-            k = min(k, self._steps_until_head_may_hit_more())
+            h = self._steps_until_head_may_hit_more()
+            if h < k:
+                k = h
         bs = self.block_size
         if free < self.group.num_decode * -(-k // bs):  # some member may run out of blocks within k steps
-            k = min(k, self.group.steps_until_blocks_run_out(free))
+            b = self.group.steps_until_blocks_run_out(free)
+            if b < k:
+                k = b
         return k if k >= 2 else 0
 
     def _run_frees_finishers(self) -> bool:

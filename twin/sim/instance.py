@@ -199,7 +199,9 @@ class Instance:
         run = self.pending_run
         if run is not None:  # a fast-forwarded decode run: every step emits one token per member
             k, ends, t0 = run
-            j = min(run_index(ends, now), k - 1)
+            j = run_index(ends, now)
+            if k - 1 < j:
+                j = k - 1
             d = ends[j] - (ends[j - 1] if j else t0)
             return self.scheduler.num_decode / d if d > 0 else 0.0
         tail = self.pending_tail
