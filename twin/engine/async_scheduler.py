@@ -126,7 +126,6 @@ class AsyncScheduler(Scheduler):
         nd = g.num_decode
         c = self._host_s(nd) if self._host_s is not None else 0.0
         g_prev = self.prev_gpu_s
-        ends: list[float] = []
         t = t0
         self.run_c = c
         if self._closed_form and nd > 0:  # `FittedModel.decode_run_times`, inlined: the same floats
@@ -135,7 +134,7 @@ class AsyncScheduler(Scheduler):
             self.run_params = params
             attn_s, kv_s, cd, rest = params
             ctx: int = g.decode_context
-            ends = [0.0] * k  # filled in place: no append, no regrowth of the list
+            ends: list[float] = [0.0] * k  # filled in place: no append, no regrowth of the list
             s = 0
             # With non-negative terms a step's time never shrinks as the context grows (rounding is monotone),
             # so once a step *of this run* has GPU time covering the CPU (c <= g_prev) every later step hides
@@ -158,6 +157,7 @@ class AsyncScheduler(Scheduler):
                 ctx += nd
             return ends  # run_x stays empty: only a plan without the closed form fills it
         xs = self.perf.decode_run_times(nd, g.decode_context, k)
+        ends = []
         for x in xs:
             t += x - (c if c < g_prev else g_prev)
             ends.append(t)

@@ -582,14 +582,13 @@ class Scheduler:
         kept, and with a closed-form step model (`closed_form_decode`) nothing else per step is made."""
         g = self.group
         nd = g.num_decode
-        ends: list[float] = []
         t = t0
         if self._closed_form and nd > 0:  # `FittedModel.decode_run_times`, inlined: the same floats
             # typed (`Scheduler.decode_params`), so the compiled loop below runs on C doubles
             params = self.decode_params(nd)
             attn_s, kv_s, cd, rest = params
             ctx: int = g.decode_context
-            ends = [0.0] * k  # filled in place: no append, no regrowth of the list
+            ends: list[float] = [0.0] * k  # filled in place: no append, no regrowth of the list
             for s in range(k):
                 a = attn_s * ctx
                 c = kv_s * (ctx + nd)
@@ -597,6 +596,7 @@ class Scheduler:
                 ends[s] = t
                 ctx += nd
             return ends
+        ends = []
         for x in self.perf.decode_run_times(nd, g.decode_context, k):
             t += x
             ends.append(t)
