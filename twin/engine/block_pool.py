@@ -174,34 +174,38 @@ class BlockPool:
         removed: list[int] | None = [] if self.event_sink is not None else None
         if not self.dups and removed is None:  # the common case: first copies and runs only
             while n > 0:
-                entry, _ = lru.popitem(last=False)
+                entry = next(iter(lru))  # the front, left in place: a run partly used stays there
                 if isinstance(entry, Run):
-                    k = entry.count if entry.count < n else n
+                    k = entry.count
+                    if k > n:
+                        k = n
+                    else:
+                        del lru[entry]
                     entry.count -= k
                     n -= k
                     self.num_lru_free -= k
                     self.num_evictions += k
-                    if entry.count:
-                        lru[entry] = None
-                        lru.move_to_end(entry, last=False)
                 else:  # without Dups alive, every other entry is a first copy's key
+                    del lru[entry]
                     del m[cast(int, entry)]
                     n -= 1
                     self.num_lru_free -= 1
                     self.num_evictions += 1
             return
         while n > 0:
-            entry, _ = lru.popitem(last=False)
+            entry = next(iter(lru))  # the front, left in place: a run partly used stays there
             if isinstance(entry, Run):
-                k = entry.count if entry.count < n else n
+                k = entry.count
+                if k > n:
+                    k = n
+                else:
+                    del lru[entry]
                 entry.count -= k
                 n -= k
                 self.num_lru_free -= k
                 self.num_evictions += k
-                if entry.count:  # partly used: the rest stays at the front
-                    lru[entry] = None
-                    lru.move_to_end(entry, last=False)
                 continue
+            del lru[entry]
             if isinstance(entry, Dup):
                 key = entry.key
                 copies = self.dups[key]

@@ -65,7 +65,7 @@ class SessionAffinity(RouterBase):
             sessions[sid] = target
             sessions.move_to_end(sid)
             if len(sessions) > self.max_sessions:
-                sessions.popitem(last=False)
+                sessions.popitem(False)
         return target
 
     def on_dispatch(self, req: RequestView, instance_id: str, now: float) -> None:

@@ -286,7 +286,7 @@ class ApproxPrefixIndex:
                 chains.gained(instance_id, h, holders)
             prev = h
         while len(lru) > self.capacity_blocks:
-            h, _ = lru.popitem(last=False)
+            h, _ = lru.popitem(False)
             s = holders[h]
             s.discard(instance_id)
             chains.lost(instance_id, h)
