@@ -136,8 +136,8 @@ def test_the_runs_compiled_sink_writes_what_the_request_log_writes():
 
 
 def test_the_log_columns_are_views_of_the_arrays_the_run_writes():
-    """RequestLog's columns (numpy, what every reader takes) and `buffers` (array.array, what the run writes one element
-    at a time) are the same memory, column by column, with the same dtype and initial values."""
+    """RequestLog's columns (numpy, what every reader takes) and `buffers` (memoryviews of array.array, what the run
+    writes one element at a time) are the same memory, column by column, with the same dtype and initial values."""
     import numpy as np
 
     from twin.engine.records import RequestLog

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -23,9 +24,10 @@ class RequestLog(EngineSink):
 
     def __init__(self, n: int) -> None:
         self.n = n
-        # each column is a numpy view of an `array.array` (`buffers`): the simulator writes one element at a time
-        # into the array, several times a request, at a small part of what numpy's indexing costs per element
-        self.buffers: dict[str, array] = {}
+        # each column is a numpy view of an `array.array`, written through a memoryview of it (`buffers`): the
+        # simulator writes one element at a time, several times a request, at a small part of what numpy's
+        # indexing costs per element (and under the array's own item assignment, which parses its argument)
+        self.buffers: dict[str, Any] = {}  # memoryviews (typeshed types their items as ints only)
         nan = float("nan")
         self.arrival_s = self._column("arrival_s", "d", np.float64, nan)
         self.scheduled_s = self._column("scheduled_s", "d", np.float64, nan)
@@ -43,7 +45,7 @@ class RequestLog(EngineSink):
         self.reject_counts: dict[str, int] = {}
 
     def _column(self, name: str, code: str, dtype, fill) -> np.ndarray:
-        buf = array(code, [fill]) * self.n
+        buf = memoryview(array(code, [fill]) * self.n)
         assert buf.itemsize == np.dtype(dtype).itemsize
         self.buffers[name] = buf
         return np.frombuffer(buf, dtype=dtype)

@@ -61,7 +61,7 @@ class _RunSink:
 
     def __init__(self, cluster: "Cluster") -> None:
         self.cluster = cluster
-        buf = cluster.log.buffers  # the columns' arrays (twin.engine.records): cheaper per element than numpy
+        buf = cluster.log.buffers  # the columns' memoryviews (twin.engine.records): cheaper per element than numpy
         self.status = buf["status"]
         self.scheduled_s = buf["scheduled_s"]
         self.cached_tokens = buf["cached_tokens"]
@@ -132,7 +132,7 @@ class Cluster:
             self.perf.kv_bytes_per_token_per_gpu,
         )
         self.log = RequestLog(len(stream))
-        self._cols = self.log.buffers  # the log's columns as arrays: the per-request writes and reads below
+        self._cols = self.log.buffers  # the log's columns as memoryviews: the per-request writes and reads below
         self.log.arrival_s[:] = stream.arrival_s
         self.log.prompt_tokens[:] = stream.prompt_tokens
         cap = sc.workload.max_tokens

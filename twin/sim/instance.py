@@ -72,7 +72,7 @@ class Instance:
         self.config = config
         self.perf = perf
         self.log = log
-        self._instance_col = log.buffers["instance"]  # its column's array (twin.engine.records)
+        self._instance_col = log.buffers["instance"]  # its column's memoryview (twin.engine.records)
         # segmented: the range pool for keys given as runs (prefix-heavy traces); else the per-block reference
         pool_cls = SegmentPool if segmented else BlockPool
         self.pool: BlockPool = pool_cls(num_blocks, config.block_size, config.enable_prefix_caching)
