@@ -132,7 +132,15 @@ class Cluster:
             self.perf.kv_bytes_per_token_per_gpu,
         )
         self.log = RequestLog(len(stream))
-        self._cols = self.log.buffers  # the log's columns as memoryviews: the per-request writes and reads below
+        cols = self.log.buffers  # the log's columns as memoryviews: the per-request writes and reads below, each
+        self._arrival_col = cols["arrival_s"]  # one field (compiled: native, where a dict lookup by name was not)
+        self._prompt_col = cols["prompt_tokens"]
+        self._max_tokens_col = cols["max_tokens"]
+        self._session_col = cols["session_id"]
+        self._instance_col = cols["instance"]
+        self._status_col = cols["status"]
+        self._finish_col = cols["finish_s"]
+        self._output_col = cols["output_tokens"]
         self.log.arrival_s[:] = stream.arrival_s
         self.log.prompt_tokens[:] = stream.prompt_tokens
         cap = sc.workload.max_tokens
@@ -263,8 +271,7 @@ class Cluster:
         """Request i for the engine, from the log's columns (filled from the stream at the start: the prompt, the
         length the engine stops at, the session; its arrival, which `dispatch` sets to the clock's time) rather
         than the stream's numpy arrays, dearer per element."""
-        cols = self._cols
-        p: int = cols["prompt_tokens"][i]
+        p: int = self._prompt_col[i]
         keys: Sequence[int] | BlockKeys = []
         s = self.stream
         if s.hash_ids is not None and s.hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
@@ -275,9 +282,9 @@ class Cluster:
                 keys = engine_block_runs(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
             else:
                 keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
-        stop: int = cols["max_tokens"][i]  # the true length, capped by the client's max_tokens
-        sid: int = cols["session_id"][i]  # -1: none
-        arrival: float = cols["arrival_s"][i]
+        stop: int = self._max_tokens_col[i]  # the true length, capped by the client's max_tokens
+        sid: int = self._session_col[i]  # -1: none
+        arrival: float = self._arrival_col[i]
         return Request(i, arrival, p, stop, keys, sid)
 
     def request_view(self, r: Request) -> RequestView:
@@ -318,7 +325,7 @@ class Cluster:
         log = self.log
         self.num_arrived += 1
         now = self.clock.now
-        self._cols["arrival_s"][i] = now  # the clock's value: t - now + now can differ from t by an ulp
+        self._arrival_col[i] = now  # the clock's value: t - now + now can differ from t by an ulp
         r = self.make_request(i)  # arriving now: its arrival is the column's, just written
         max_len = self.max_model_len
         cap = self.max_tokens_cap if self.max_tokens_cap is not None else r.stop_at_tokens
@@ -360,7 +367,7 @@ class Cluster:
                 if transit is None:
                     transit = self.in_transit[inst.id] = {}
                 transit[r.idx] = (r, srv.backlog_end()[0] + self.api_handoff_s)
-                self._cols["status"][i] = RequestStatus.WAITING
+                self._status_col[i] = RequestStatus.WAITING
                 self._api_wake(inst, srv)
                 return
             delay = srv.preprocess(now, delay, r.num_prompt_tokens, self.api_token_s(), inst.token_rate(),
@@ -368,7 +375,7 @@ class Cluster:
         delay += self.api_handoff_s
         if delay > 0:  # the API server's work (HTTP, tokenization) before the engine sees the request
             self.in_transit.setdefault(inst.id, {})[r.idx] = (r, now + delay)
-            self._cols["status"][i] = RequestStatus.WAITING  # arrived: queued in the API server
+            self._status_col[i] = RequestStatus.WAITING  # arrived: queued in the API server
             Timer(self.clock, delay, callback=partial(self._to_engine, inst, r))
         else:
             self._enter_engine(inst, r)
@@ -451,7 +458,7 @@ class Cluster:
 
     def _api_delivery_wait(self, i: int, t: float, which: int) -> float:
         """A token of request i the engine emitted at t waits this long for pre-processing queued ahead of it."""
-        k: int = self._cols["instance"][i]  # (typed: compiled, the list index and the server's call are native)
+        k: int = self._instance_col[i]  # (typed: compiled, the list index and the server's call are native)
         by_index = self._api_by_index
         srv = by_index[k] if k < len(by_index) else None
         return srv.delivery_wait(t, i, which) if srv is not None else 0.0
@@ -468,8 +475,8 @@ class Cluster:
     def _finished(self, i: int) -> None:
         """The engine finished request i: the books and the router's hook hear of it, then the session."""
         if self.api_cap is not None:
-            self.api_wait_finish[i] = self._api_delivery_wait(i, self._cols["finish_s"][i], 2)
-        self.dispatcher.finished(i, self._cols["output_tokens"][i])
+            self.api_wait_finish[i] = self._api_delivery_wait(i, self._finish_col[i], 2)
+        self.dispatcher.finished(i, self._output_col[i])
         planner = self.fleet.chunk_planner
         if planner is not None:
             planner.observe(float(self.log.arrival_s[i]), int(self.log.prompt_tokens[i]), int(self.log.output_tokens[i]))
@@ -492,7 +499,7 @@ class Cluster:
         think_s = self.stream.think_s
         assert think_s is not None  # set together with `after`
         think = float(think_s[j])
-        if self._cols["status"][i] == 4:  # the client sees the last token after the API server streamed it
+        if self._status_col[i] == 4:  # the client sees the last token after the API server streamed it
             think += self.api_token_s()
             if self.api_cap is not None:
                 think += float(self.api_wait_finish[i])
