@@ -62,7 +62,7 @@ class PoolMachine(RuleBasedStateMachine):
         p = 1 if (partial and h.anon) else 0
         self.pool.release_anon(p)
         self.pool.release_run(h.anon - p)
-        self.pool.release_keyed(reversed(h.keyed))
+        self.pool.release_keyed(h.keyed)
 
     @invariant()
     def conserved(self):
@@ -100,7 +100,7 @@ def test_eviction_is_lru_by_release_time_and_unhashed_blocks_go_first():
         assert pool.register(k) == k
     # release request A: keyed 1,2,3 (tail first) and one partial block
     pool.release_anon(1)
-    pool.release_keyed(reversed([1, 2, 3]))
+    pool.release_keyed([1, 2, 3])
     pool.release_run(2)
     assert pool.get_num_free_blocks() == 10
     pool.allocate(5)  # 4 never-used + 1 partial: no eviction yet
@@ -153,7 +153,7 @@ def test_events_tell_a_precise_index_every_stored_and_evicted_copy():
     c = pool.register(2, parent=1)
     assert events == [BlockStored([1], None, None, 16), BlockStored([1], None, None, 16),
                       BlockStored([2], 1, None, 16)]
-    pool.release_keyed([c, b, a])
+    pool.release_keyed([a, b, c])
     events.clear()
     pool.allocate(2)  # the LRU front: 2, then the second copy of 1
     assert events == [BlockRemoved([2, 1])]

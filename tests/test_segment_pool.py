@@ -223,7 +223,7 @@ def test_pool_ops_match_the_reference_block_by_block():
                 holders.append((keys, h_ref, h_seg))
             elif holders:
                 keys, h_ref, h_seg = holders.pop(rng.randrange(len(holders)))
-                ref.release_keyed(reversed(h_ref))
+                ref.release_keyed(h_ref)
                 seg.release_held(h_seg)
             if rng.random() < 0.3:
                 k = rng.randint(0, ref.get_num_free_blocks())

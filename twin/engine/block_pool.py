@@ -174,7 +174,8 @@ class BlockPool:
         removed: list[int] | None = [] if self.event_sink is not None else None
         if not self.dups and removed is None:  # the common case: first copies and runs only
             while n > 0:
-                entry = next(iter(lru))  # the front, left in place: a run partly used stays there
+                for entry in lru:  # the front, left in place: a run partly used stays there (a loop: compiled,
+                    break  # `next(iter(...))` looks `next` up in builtins and calls it generically)
                 if isinstance(entry, Run):
                     k = entry.count
                     if k > n:
@@ -193,7 +194,8 @@ class BlockPool:
                     self.num_evictions += 1
             return
         while n > 0:
-            entry = next(iter(lru))  # the front, left in place: a run partly used stays there
+            for entry in lru:  # the front, left in place: a run partly used stays there
+                break
             if isinstance(entry, Run):
                 k = entry.count
                 if k > n:
@@ -246,13 +248,15 @@ class BlockPool:
             self.event_sink(BlockStored([key], parent, None, self.block_size))
         return h
 
-    def release_keyed(self, held_reversed: Iterable[Handle]) -> None:
-        """Drop one reference per held copy (tail first); copies reaching zero go to the tail of the LRU."""
+    def release_keyed(self, held: list[Handle]) -> None:
+        """Drop one reference per held copy, tail first (a request's copies, head first); copies reaching zero go
+        to the tail of the LRU. (`reversed` inside the loop: compiled, a native walk; passed as an argument it
+        was a builtin looked up and called, and a generic iterator.)"""
         m = self.cached_block_hash_to_ref
         lru = self.free_lru
         freed = 0
         if not self.dups:  # no second copy is alive, so every held copy is a first copy (an int key)
-            for h0 in held_reversed:
+            for h0 in reversed(held):
                 key = cast(int, h0)
                 ref = m[key] - 1
                 m[key] = ref
@@ -261,7 +265,7 @@ class BlockPool:
                     freed += 1
             self.num_lru_free += freed
             return
-        for h in held_reversed:
+        for h in reversed(held):
             if isinstance(h, Dup):
                 h.ref -= 1
                 if not h.ref:

@@ -14,7 +14,7 @@ bookkeeping of the same schedule (tested step by step against vLLM's scheduler, 
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush
 
 from twin.engine.request import Request
 
@@ -58,7 +58,7 @@ class DecodeGroup:
         self.decode_context += computed + 1
         self.heap_seq += 1
         r.heap_seq = self.heap_seq
-        heapq.heappush(self.finish_heap, (self.group_step + r.stop_at_tokens - r.out_base, self.heap_seq, r))
+        heappush(self.finish_heap, (self.group_step + r.stop_at_tokens - r.out_base, self.heap_seq, r))
         if r.next_reg < len(r.block_keys) and self.enable_caching:
             r.reg_pending = True
             self.reg_buckets[r.phase][r] = None
@@ -103,7 +103,7 @@ class DecodeGroup:
         self.phase_count[r.phase] += 1
         self.heap_seq += 1
         r.heap_seq = self.heap_seq
-        heapq.heappush(self.finish_heap, (r.d_base + r.stop_at_tokens - r.out_base, self.heap_seq, r))
+        heappush(self.finish_heap, (r.d_base + r.stop_at_tokens - r.out_base, self.heap_seq, r))
         if r not in self.stale:
             self.stale[r] = self.group_last_out
 
@@ -129,7 +129,7 @@ class DecodeGroup:
     def next_finish(self) -> int | None:
         h = self.finish_heap
         while h and h[0][2].heap_seq != h[0][1]:
-            heapq.heappop(h)
+            heappop(h)
         return h[0][0] if h else None
 
     def steps_until_blocks_run_out(self, free: int) -> int:
@@ -167,11 +167,11 @@ class DecodeGroup:
         while h:
             d_fin, seq, r = h[0]
             if r.heap_seq != seq:
-                heapq.heappop(h)
+                heappop(h)
                 continue
             if d_fin > group_step:
                 break
-            heapq.heappop(h)
+            heappop(h)
             self.leave(r)
             finished.append(r)
         return finished

@@ -90,7 +90,7 @@ class KVCacheManager:
         return len(r.keyed)
 
     def _release_held(self, r: Request) -> None:
-        self.pool.release_keyed(reversed(r.keyed))
+        self.pool.release_keyed(r.keyed)
 
     def free(self, r: Request, preempted: bool, in_flight: int = 0) -> None:
         """Release all blocks in vLLM's order: tail first; hashed blocks to the LRU tail

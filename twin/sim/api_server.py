@@ -29,7 +29,7 @@ record them per request (`record`).
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush
 import math
 from dataclasses import dataclass, field
 
@@ -119,7 +119,7 @@ class ApiServer:
         if self.record is not None:
             gtag = _add(self.gv, gw)
             self.sum_gtags = _add(self.sum_gtags, gtag)
-        heapq.heappush(self.jobs, (tag, self.num_requests, gtag, idx))
+        heappush(self.jobs, (tag, self.num_requests, gtag, idx))
         self.sum_tags += tag
         self.num_requests += 1
         self.busy_s += service
@@ -139,7 +139,7 @@ class ApiServer:
             t_done = self.t_last + (tag - self.v) * n
             if t_done > now + 1e-12 * max(1.0, abs(now)):
                 break
-            heapq.heappop(self.jobs)
+            heappop(self.jobs)
             if self.record is not None:
                 self.gt = _add(self.gt, _add(gtag, self.gv, -1.0), float(n))
                 self.sum_gtags = _add(self.sum_gtags, gtag, -1.0)
