@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 
 
-ITL_FLUSH = 1 << 16  # values gathered before they move into the arrays
+ITL_FLUSH: Final = 1 << 16  # values gathered before they move into the arrays (Final: compiled, a constant)
 
 
 class ItlRecorder:

@@ -112,6 +112,11 @@ class Cluster:
                  scaler: Scaler | None = None, perf: StepTimeModel | None = None, pool: str = "auto") -> None:
         self.scenario = sc
         self.stream = stream
+        # what the per-request paths read of the stream, once (compiled: a field, not an attribute lookup or a
+        # Python-level __len__ each time)
+        self._hash_ids = stream.hash_ids
+        self._texts = stream.texts
+        self._num_requests = len(stream)
         trace = sc.workload.trace
         # texts without prefix hashes: ids from the text, so shared text prefixes hit (twin.workload.text_prefix)
         with_text_prefixes(stream, trace.chars_per_token if trace is not None else 4.0)
@@ -217,6 +222,7 @@ class Cluster:
 
         c = sc.cluster
         self.fleet = Fleet(self, c.min_instances, c.max_instances, c.startup_delay_s, c.tensor_parallel)
+        self._chunk_online = sc.chunk_plan.online  # the fleet's planner starts with its process (`chunk_process`)
         if scaler is not None:
             self.fleet.scaler = scaler
         for inst in self.instances:
@@ -274,14 +280,15 @@ class Cluster:
         p: int = self._prompt_col[i]
         keys: Sequence[int] | BlockKeys = []
         s = self.stream
-        if s.hash_ids is not None and s.hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
+        hash_ids = self._hash_ids
+        if hash_ids is not None and hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
             covered = p + int(s.output_tokens[i]) if s.hashes_cover_output else p
             bs = self.engine_config.block_size
             tr = self.trace_runs[i] if self.trace_runs is not None else None
             if self.segmented:  # runs, O(runs): the range pool works on them
-                keys = engine_block_runs(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
+                keys = engine_block_runs(hash_ids[i], s.hash_block_size, bs, covered, tr)
             else:
-                keys = engine_block_keys(s.hash_ids[i], s.hash_block_size, bs, covered, tr)
+                keys = engine_block_keys(hash_ids[i], s.hash_block_size, bs, covered, tr)
         stop: int = self._max_tokens_col[i]  # the true length, capped by the client's max_tokens
         sid: int = self._session_col[i]  # -1: none
         arrival: float = self._arrival_col[i]
@@ -294,7 +301,7 @@ class Cluster:
         n_prompt = r.num_prompt_tokens // bs
         # runs stay runs (a `BlockKeys` prefix, O(runs)): expanded to per-block hashes only if a router reads them
         prefix = keys if len(keys) <= n_prompt else keys[:n_prompt]
-        texts = self.stream.texts
+        texts = self._texts
         sid = None if r.session_id < 0 else str(r.session_id)
         text = None if texts is None else texts[r.idx]
         view = new_request_view(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix, bs,
@@ -477,7 +484,7 @@ class Cluster:
         if self.api_cap is not None:
             self.api_wait_finish[i] = self._api_delivery_wait(i, self._finish_col[i], 2)
         self.dispatcher.finished(i, self._output_col[i])
-        planner = self.fleet.chunk_planner
+        planner = self.fleet.chunk_planner if self._chunk_online else None
         if planner is not None:
             planner.observe(float(self.log.arrival_s[i]), int(self.log.prompt_tokens[i]), int(self.log.output_tokens[i]))
         self._turn_ended(i)  # a draining instance stops when its engine runs out of work (`_instance_idle`)
@@ -491,7 +498,7 @@ class Cluster:
     def _turn_ended(self, i: int) -> None:
         """Request i finished or was rejected: the session's next turn is sent after its think time."""
         self.num_ended += 1
-        if self.num_ended == len(self.stream):
+        if self.num_ended == self._num_requests:
             self.all_ended.succeed()  # stops env.run at this instant (StopSimulation)
         j = int(self._next_turn[i]) if self._next_turn is not None else -1
         if j < 0:
