@@ -112,14 +112,14 @@ class Cluster:
                  scaler: Scaler | None = None, perf: StepTimeModel | None = None, pool: str = "auto") -> None:
         self.scenario = sc
         self.stream = stream
-        # what the per-request paths read of the stream, once (compiled: a field, not an attribute lookup or a
-        # Python-level __len__ each time)
-        self._hash_ids = stream.hash_ids
-        self._texts = stream.texts
-        self._num_requests = len(stream)
         trace = sc.workload.trace
         # texts without prefix hashes: ids from the text, so shared text prefixes hit (twin.workload.text_prefix)
         with_text_prefixes(stream, trace.chars_per_token if trace is not None else 4.0)
+        # what the per-request paths read of the stream, once it is complete (compiled: a field, not an attribute
+        # lookup or a Python-level __len__ each time)
+        self._hash_ids = stream.hash_ids
+        self._texts = stream.texts
+        self._num_requests = len(stream)
         self.env = Environment()  # SimPy's, with the twin's clock (twin.sim.environment)
         self.clock: Clock = self.env.clock
         self.perf: StepTimeModel = build_perf(sc) if perf is None else perf
