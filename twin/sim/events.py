@@ -192,6 +192,7 @@ class Proc:
         self.env = env
         self.clock: Clock = env.clock
         self.generator = generator
+        self._send: Callable[[Any], Any] = generator.send  # bound once: compiled, `gen.send(v)` looked `send` up by name
         self.alive = True
         self.value: Any = None  # what the generator returned
         self._resume_cb = self._resume  # one bound method: appended to, and removed from, the target's callbacks
@@ -214,7 +215,7 @@ class Proc:
                     ok = event._ok
                     value = event._value
                 if ok:
-                    nxt = gen.send(value)
+                    nxt = self._send(value)
                 else:  # the process handles the failure (or fails itself) on its own copy of the exception
                     event._defused = True
                     nxt = gen.throw(_copy_of(value))
