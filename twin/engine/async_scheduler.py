@@ -133,7 +133,10 @@ class AsyncScheduler(Scheduler):
             params = self.decode_params(nd)
             self.run_params = params
             attn_s, kv_s, cd, rest = params
-            ctx: int = g.decode_context
+            # the context as a float: exact (an integer below 2**53), so the same products, without an int add and
+            # an int-to-float conversion per step when compiled
+            ctx = float(g.decode_context)
+            ndf = float(nd)
             ends: list[float] = [0.0] * k  # filled in place: no append, no regrowth of the list
             s = 0
             # With non-negative terms a step's time never shrinks as the context grows (rounding is monotone),
@@ -144,17 +147,17 @@ class AsyncScheduler(Scheduler):
             settles = cd >= 0.0 and 0.0 <= attn_s <= kv_s
             while s < k and not (settles and s > 0 and c <= g_prev):
                 a = attn_s * ctx
-                b = kv_s * (ctx + nd)
+                b = kv_s * (ctx + ndf)
                 x = (0.0 + cd * (a if a > b else b)) + rest
                 t += x - (c if c < g_prev else g_prev)
                 ends[s] = t
                 g_prev = x - c
-                ctx += nd
+                ctx += ndf
                 s += 1
             for i in range(s, k):
-                t += ((0.0 + cd * (kv_s * (ctx + nd))) + rest) - c
+                t += ((0.0 + cd * (kv_s * (ctx + ndf))) + rest) - c
                 ends[i] = t
-                ctx += nd
+                ctx += ndf
             return ends  # run_x stays empty: only a plan without the closed form fills it
         xs = self.perf.decode_run_times(nd, g.decode_context, k)
         ends = []

@@ -587,14 +587,15 @@ class Scheduler:
             # typed (`Scheduler.decode_params`), so the compiled loop below runs on C doubles
             params = self.decode_params(nd)
             attn_s, kv_s, cd, rest = params
-            ctx: int = g.decode_context
+            ctx = float(g.decode_context)  # exact (an integer below 2**53): the same products, no int-to-float per step
+            ndf = float(nd)
             ends: list[float] = [0.0] * k  # filled in place: no append, no regrowth of the list
             for s in range(k):
                 a = attn_s * ctx
-                c = kv_s * (ctx + nd)
+                c = kv_s * (ctx + ndf)
                 t += (0.0 + cd * (a if a > c else c)) + rest
                 ends[s] = t
-                ctx += nd
+                ctx += ndf
             return ends
         ends = []
         for x in self.perf.decode_run_times(nd, g.decode_context, k):
