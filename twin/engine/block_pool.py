@@ -176,6 +176,8 @@ class BlockPool:
             while n > 0:
                 for entry in lru:  # the front, left in place: a run partly used stays there (a loop: compiled,
                     break  # `next(iter(...))` looks `next` up in builtins and calls it generically)
+                else:
+                    raise RuntimeError(f"allocate: the free queue is empty with {n} blocks still to take")
                 if isinstance(entry, Run):
                     k = entry.count
                     if k > n:
@@ -196,6 +198,8 @@ class BlockPool:
         while n > 0:
             for entry in lru:  # the front, left in place: a run partly used stays there
                 break
+            else:
+                raise RuntimeError(f"allocate: the free queue is empty with {n} blocks still to take")
             if isinstance(entry, Run):
                 k = entry.count
                 if k > n:
