@@ -19,6 +19,7 @@ import math
 from bisect import bisect_left, bisect_right
 from typing import Any, Callable, Final
 
+from twin.engine.output import SchedulerOutput
 from twin.engine.request import Request
 from twin.engine.scheduler import Scheduler
 
@@ -55,9 +56,11 @@ class EngineCore:
         self.max_run_steps = max_run_steps
         self.name = name
         # work in progress at `now`, each finished as the loop would finish it
-        self.pending_step: tuple | None = None  # (SchedulerOutput, t_end): one scheduled step
-        self.pending_run: tuple | None = None  # (k, ends, t0): a fast-forwarded decode run
-        self.pending_tail: tuple | None = None  # (j, ends, t_resume, t0): a run cut at an arrival
+        # (typed: compiled, their parts unpack to native ints and doubles, not objects added and compared generically)
+        self.pending_step: tuple[SchedulerOutput, float] | None = None  # (SchedulerOutput, t_end): one scheduled step
+        self.pending_run: tuple[int, list[float], float] | None = None  # (k, ends, t0): a fast-forwarded decode run
+        # (j, ends, t_resume, t0): a run cut at an arrival
+        self.pending_tail: tuple[int, list[float], float, float] | None = None
         self.wait_s = 0.0  # from the time the pending work was started or cut to its end: what a timer waits
         self.steps = 0  # steps run by `advance`
         self.drained_at: float | None = None  # when the engine last ran out of work

@@ -8,6 +8,7 @@ from typing import Any, Callable, Generator
 import simpy
 
 from twin.engine.block_pool import BlockPool
+from twin.engine.output import SchedulerOutput
 from twin.engine.request import Request
 from twin.engine.segment_pool import SegmentPool
 from twin.engine.config import EngineConfig
@@ -122,17 +123,17 @@ class Instance:
             self.num_wakeups += 1
 
     @property
-    def pending_step(self) -> tuple | None:
+    def pending_step(self) -> tuple[SchedulerOutput, float] | None:
         """(SchedulerOutput, t_end) of the step being computed (twin.engine.core)."""
         return self.core.pending_step
 
     @property
-    def pending_run(self) -> tuple | None:
+    def pending_run(self) -> tuple[int, list[float], float] | None:
         """(k, ends, t0) of the decode run in progress."""
         return self.core.pending_run
 
     @property
-    def pending_tail(self) -> tuple | None:
+    def pending_tail(self) -> tuple[int, list[float], float, float] | None:
         """(j, ends, t_resume, t0): a decode run cut at an arrival, its last step still running."""
         return self.core.pending_tail
 
