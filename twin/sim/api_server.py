@@ -59,7 +59,8 @@ class ApiServer:
     gt: Grad = ZERO
     v: float = 0.0
     gv: Grad = ZERO
-    jobs: list = field(default_factory=list, repr=False)  # heap of (tag, seq, tag gradient, request index)
+    # heap of (tag, seq, tag gradient, request index); typed: compiled, an entry unpacks to native parts
+    jobs: list[tuple[float, int, Grad, int]] = field(default_factory=list, repr=False)
     sum_tags: float = 0.0
     sum_gtags: Grad = ZERO
     # request index -> (engine entry time, its gradient), and (wait, gradient of the delivery time) at the
