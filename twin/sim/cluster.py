@@ -218,6 +218,9 @@ class Cluster:
         n_api = len(stream) if self.api_cap is not None else 0
         self.api_wait_first = np.zeros(n_api)
         self.api_wait_finish = np.zeros(n_api)
+        # written a request at a time through memoryviews (numpy's item assignment is the dearer per element)
+        self._wait_first_col: Any = self.api_wait_first.data  # (a memoryview of the array)
+        self._wait_finish_col: Any = self.api_wait_finish.data
         from twin.sim.fleet import Fleet
 
         c = sc.cluster
@@ -259,7 +262,7 @@ class Cluster:
     def _first_token(self, i: int, t: float) -> None:
         self.dispatcher.first_token(i, t)
         if self.api_cap is not None:
-            self.api_wait_first[i] = self._api_delivery_wait(i, t, 1)
+            self._wait_first_col[i] = self._api_delivery_wait(i, t, 1)
 
     def _prepare_scaler(self) -> None:
         """Scalers that need a measured per-instance capacity get it from the twin before the run."""
@@ -482,7 +485,7 @@ class Cluster:
     def _finished(self, i: int) -> None:
         """The engine finished request i: the books and the router's hook hear of it, then the session."""
         if self.api_cap is not None:
-            self.api_wait_finish[i] = self._api_delivery_wait(i, self._finish_col[i], 2)
+            self._wait_finish_col[i] = self._api_delivery_wait(i, self._finish_col[i], 2)
         self.dispatcher.finished(i, self._output_col[i])
         planner = self.fleet.chunk_planner if self._chunk_online else None
         if planner is not None:
@@ -509,7 +512,7 @@ class Cluster:
         if self._status_col[i] == 4:  # the client sees the last token after the API server streamed it
             think += self.api_token_s()
             if self.api_cap is not None:
-                think += float(self.api_wait_finish[i])
+                think += float(self._wait_finish_col[i])
         if think > 0:
             Timer(self.clock, think).then(partial(self._dispatch_later, j))
         else:
