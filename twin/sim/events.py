@@ -283,8 +283,10 @@ def step(env: Any) -> None:
     _step(env, env.clock, env._queue)
 
 
-def _step(env: Any, clock: Clock, queue: list) -> None:
-    """`step`, given the environment's clock and SimPy's queue (a loop reads them once)."""
+def _step(env: Any, clock: Clock, queue: list[tuple[float, int, int, Any]]) -> None:
+    """`step`, given the environment's clock and SimPy's queue (a loop reads them once). The queue's entries are
+    SimPy's (time, priority, event id, event), its time a float (`Environment._now` is one): typed, compiled, the
+    head unpacks to native parts (it is read at every step: the run's end event waits there)."""
     if NATIVE:  # `Clock.head`, inlined
         t = clock.heap[0] if clock.heap else None
     else:
