@@ -413,7 +413,8 @@ class CacheAware(RouterBase):
       SGLang: matched characters / text characters) is above `cache_threshold`;
     - else `fallback`: `smallest-cache` (SGLang's `get_smallest_tenant`, the instance holding the fewest
       blocks in the index: most room) or `least-loaded`.
-    Ties go at random (SGLang takes the first found); ties for the smallest cache go to the least loaded.
+    Ties go at random among the tied in fleet order (SGLang takes the first found), the same pick in every
+    process; ties for the smallest cache go to the least loaded.
 
     The prefix is SGLang's text by another name: SGLang's tree holds the prompt characters, the twin's index
     chained block hashes (`RequestView.prefix`). Where a trace has no prefix hashes but the prompt text
@@ -462,7 +463,9 @@ class CacheAware(RouterBase):
                 best = max(mine)[0]
                 if best * req.prefix_block_size / max(req.num_prompt_tokens, 1) > self.cache_threshold:
                     self.cache_hits += 1
-                    tied = [k for c, k in mine if c == best]
+                    # in fleet order: the index's dict comes in the order of a set of instance ids, which
+                    # Python's salted str hash changes from process to process (PYTHONHASHSEED)
+                    tied = sorted(k for c, k in mine if c == best)
                     return insts[tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]].id
         idx = fleet.prefix_index
         if self.fallback == "smallest-cache" and idx is not None and hasattr(idx, "blocks_held"):
