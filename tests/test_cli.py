@@ -15,7 +15,7 @@ QUICKSTART = ROOT / "scenarios" / "quickstart.yaml"
 runner = CliRunner()
 
 SUMMARY_FIELDS = ["requests_total", "requests_finished", "requests_rejected", "sim_time_s", "wall_time_s",
-                  "throughput_output_tok_s", "prefix_cache_hit_rate", "preemptions", "goodput_req_s"]
+                  "throughput_output_tok_s", "prefix_cache_hit_rate", "preemptions", "goodput_req_s", "build"]
 
 
 def invoke(*args):
@@ -42,6 +42,25 @@ def test_quickstart_writes_summary_and_requests(tmp_path):
         assert col in df.columns
     fin = df[df.status == "finished"]
     assert (fin.ttft_s <= fin.e2e_s).all()
+
+
+def test_the_summary_names_the_build_and_a_long_pure_run_points_to_the_compiled_one(tmp_path):
+    from rich.console import Console
+
+    import twin.sim.events
+    from twin.cli.common import SLOW_PURE_RUN_S, print_summary
+
+    out = tmp_path / "out"
+    r = invoke("simulate", QUICKSTART, "--out", out, "--set", "workload.num_requests=50")
+    assert r.exit_code == 0, r.output
+    s = json.loads((out / "summary.json").read_text())
+    assert s["build"] == ("pure Python" if twin.sim.events.__file__.endswith(".py") else "compiled")
+    assert f"{s['build']} build)" in " ".join(r.output.split())
+    for build, wall, hint in (("pure Python", SLOW_PURE_RUN_S, True), ("pure Python", SLOW_PURE_RUN_S / 2, False),
+                              ("compiled", 10 * SLOW_PURE_RUN_S, False)):
+        console = Console(record=True, width=200)
+        print_summary({**s, "build": build, "wall_time_s": wall}, console)
+        assert ("make compiled" in console.export_text()) == hint, (build, wall)
 
 
 def test_seed_flag_and_set_override_apply(tmp_path):
