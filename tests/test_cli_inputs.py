@@ -87,9 +87,12 @@ def test_spec_entry_missing_a_field(monkeypatch):
 
 # --- small things --------------------------------------------------------------------------------------------
 
-def test_version_from_the_installed_package():
+def test_version_from_the_installed_package_with_its_build():
+    import twin.sim.events
+
+    build = "pure Python" if twin.sim.events.__file__.endswith(".py") else "compiled"
     r = invoke("--version")
-    assert r.exit_code == 0 and r.output.strip() == f"llmtwin {version('llmtwin')}"
+    assert r.exit_code == 0 and r.output.strip() == f"llmtwin {version('llmtwin')} ({build} build)"
 
 
 def test_no_out_writes_to_a_named_default_folder(tmp_path, monkeypatch):

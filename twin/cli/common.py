@@ -45,13 +45,15 @@ def _version(value: bool) -> None:
             v = version("llmtwin")
         except PackageNotFoundError:  # run from a source tree that was never installed
             v = "unknown (not installed)"
-        typer.echo(f"llmtwin {v}")
+        from twin.sim.events import NATIVE
+
+        typer.echo(f"llmtwin {v} ({'compiled' if NATIVE else 'pure Python'} build)")
         raise typer.Exit()
 
 
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="print the installed llmtwin version and exit"),
+                                       help="print the installed llmtwin version and build and exit"),
           spec_files: List[Path] = typer.Option([], "--specs", metavar="FILE",
                                                 help="your own GPU/model specs (YAML with hardware: and/or "
                                                      "models:), merged over the built-ins; repeatable; also "
