@@ -45,9 +45,9 @@ def _version(value: bool) -> None:
             v = version("llmtwin")
         except PackageNotFoundError:  # run from a source tree that was never installed
             v = "unknown (not installed)"
-        from twin.sim.events import NATIVE
+        from twin.sim.events import BUILD
 
-        typer.echo(f"llmtwin {v} ({'compiled' if NATIVE else 'pure Python'} build)")
+        typer.echo(f"llmtwin {v} ({BUILD} build)")
         raise typer.Exit()
 
 
@@ -110,7 +110,7 @@ def print_summary(s: dict, console: Console) -> None:
         f"goodput {s['goodput_req_s']:.2f} req/s; prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}; "
         f"preemptions {s['preemptions']:,}; KV use mean {s['kv_usage_mean']:.1%} peak {s['kv_usage_peak']:.1%}"
     )
-    build = s.get("build", "pure Python")
+    build = s["build"]
     console.print(
         f"simulated {s['sim_time_s']:,.1f} s in {s['wall_time_s']:.2f} s wall "
         f"({s['sim_speedup'] or 0:,.0f}x real time, {s['requests_per_wall_s'] or 0:,.0f} requests/s, {build} build)"

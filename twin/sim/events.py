@@ -46,6 +46,7 @@ RESUMED = -1  # SimPy's priority for an event whose callbacks a stop cut short: 
 # in `heapq` as SimPy does, (time, priority, event id, timer) tuples compared in C: the other way round, each
 # build would be ~10 % slower (instruction counts, benchmarks/instructions.py).
 NATIVE: Final[bool] = not __file__.endswith(".py")  # (Final: compiled, a C static, not a dict lookup)
+BUILD: Final[str] = "compiled" if NATIVE else "pure Python"  # what `summary.json` and `twin --version` report
 
 
 class Clock:

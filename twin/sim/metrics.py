@@ -10,7 +10,7 @@ from twin.engine.config import EngineConfig, num_gpu_blocks
 from twin.engine.records import RequestLog, account
 from twin.perf.base import StepTimeModel
 from twin.sim.build import build_perf, engine_config
-from twin.sim.events import NATIVE
+from twin.sim.events import BUILD
 
 if TYPE_CHECKING:
     from twin.sim.cluster import SimResult
@@ -183,7 +183,7 @@ def summarize(result: SimResult) -> dict:
         "wall_time_s": result.wall_time_s,
         "requests_per_wall_s": (log.n - counts["pending"]) / result.wall_time_s if result.wall_time_s > 0 else None,
         "sim_speedup": result.sim_time_s / result.wall_time_s if result.wall_time_s > 0 else None,
-        "build": "compiled" if NATIVE else "pure Python",  # the wall figures above depend on it (about 6x)
+        "build": BUILD,  # the wall figures above depend on it (about 6x)
         "ttft_s": describe(ttft),
         "tpot_s": describe(tpot),
         "itl_s": describe_parts([inst.scheduler.stats.itl.arrays() for inst in result.instances]),
