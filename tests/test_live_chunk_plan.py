@@ -157,7 +157,9 @@ def test_the_loop_plans_on_what_the_proxy_finished(tmp_path):
                     break
             async with c.get(url + "/workers") as r:
                 status = await r.json()
-            return ctl, status
+        for w in ws:
+            await w.stop()
+        return ctl, status
 
     ctl, status = asyncio.run(main())
     cp = ctl.chunk_plan

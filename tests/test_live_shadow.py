@@ -233,6 +233,8 @@ def test_controller_shadow_end_to_end_with_fake_workers():
             async with c.get(url + "/shadow") as r:
                 status = await r.json()
             assert sh.mirror.total == sent
+        for w in ws:
+            await w.stop()
         return page, status, scored
 
     page, status, scored = asyncio.run(main())

@@ -141,7 +141,8 @@ def test_cli_train_and_eval_xgboost(tmp_path):
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "MAE" in text and "mean error rate" in text and "Acc-100" in text and "training examples" not in text
-    rows = list(csv.DictReader(open(tmp_path / "p.csv")))
+    with open(tmp_path / "p.csv") as f:
+        rows = list(csv.DictReader(f))
     assert len(rows) == 60 and {"output_tokens", "predicted", "q0.1", "q0.9"} <= set(rows[0])
     r = runner.invoke(app, ["predictor", "train", "--data", str(data), "--kind", "xgboost", "--epochs", "3",
                             "--out", str(tmp_path / "m2")])
