@@ -101,6 +101,39 @@ def test_when_no_size_reaches_the_target_the_largest_is_chosen():
     fc = Scores(0.0)  # hopeless behind a backlog: every size scores 0
     assert s.decide(30.0, fleet, fc).target == 5  # was 2: the best score, ties to the smallest, drained
     assert fc.asked == [3, 4, 5]  # from the current size outward: 2 cannot meet what 3 does not
+    assert s.last["best_effort"] is None  # nothing starting: the largest, without more forecasts
+
+
+class BySize:
+    """A forecast with a given attainment per size, recording the sizes asked and whether to the end."""
+
+    def __init__(self, scores):
+        self.scores, self.asked = scores, []
+
+    def attainment(self, n, horizon_s, rate, slo, oracle=False, target=None):
+        self.asked.append((n, target is None))
+        return self.scores[n]
+
+
+def test_while_instances_start_a_short_fleet_grows_only_as_far_as_the_forecast_gains():
+    # 2 serving and 1 starting; no size reaches 0.95: the requests before the starting one serves miss anyway
+    fleet = fleet_of({"id": "i0"}, {"id": "i1"}, {"id": "i2", "state": "starting"}, now=30.0)
+    fleet.signals = window_at(10.0, 30.0)
+
+    def decide(scores, **kw):
+        s = TwinScaler(horizon_s=30.0, interval_s=10.0, slo=make_scenario().slo, **kw)
+        fc = BySize(scores)
+        return s.decide(30.0, fleet, fc).target, fc.asked, s
+
+    # 4 gains 0.1 on 3, 5 only 0.005 more: 4 (the rule before took 5, and 5 again at the next decision)
+    target, asked, s = decide({2: 0.5, 3: 0.6, 4: 0.7, 5: 0.705})
+    assert target == 4 and s.last["best_effort"] == {"largest": 5, "best": 0.705, "choice": 4}
+    assert asked[:3] == [(3, False), (4, False), (5, False)] and asked[3] == (5, True)  # the largest to its end
+    assert "4 is the smallest within 0.01" in s.decide(30.0, fleet, BySize({2: 0.5, 3: 0.6, 4: 0.7, 5: 0.705})).reason
+    assert decide({2: 0.5, 3: 0.6, 4: 0.65, 5: 0.70})[0] == 5  # each size still gains: the largest
+    assert decide({2: 0.9, 3: 0.6, 4: 0.6, 5: 0.6})[0] is None  # no gain: it waits for the starting one
+    assert decide({2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0})[0] is None  # hopeless: it holds, never drains
+    assert decide({2: 0.5, 3: 0.6, 4: 0.7, 5: 0.705}, tolerance=0.0)[0] == 5  # the tolerance is the user's
 
 
 class Grows:
@@ -202,3 +235,29 @@ def test_pattern_arrivals_keep_the_observed_bursts():
     busiest = lambda t: max(np.sum((t >= x) & (t < x + 0.5)) for x in t)  # noqa: E731
     assert busiest(pattern) >= 20 > busiest(poisson)  # the bursts stay bursts
     assert att_pattern < att_poisson  # and one instance serves them worse than it serves Poisson arrivals
+
+
+class Largest(TwinScaler):
+    """The rule before: when no size reaches the target, the largest, whether or not instances are starting."""
+
+    def _best_effort(self, n, sizes, forecast, rate, starting):
+        return sizes[-1], None
+
+
+def test_a_fleet_short_of_instances_does_not_run_away_while_they_start():
+    # one instance under a load two serve (fixed 1: 2 % within the TTFT bound), a start-up as long as the horizon:
+    # every size misses the target until the new ones serve, and the rule before added 2 at every decision
+    from twin.sim.metrics import summarize
+
+    def run(cls):
+        sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 8, "cluster.startup_delay_s": 60.0,
+                              "scaler.interval_s": 10.0, "slo.ttft_s": 1.0, "scaler.name": "twin"})
+        s = cls(horizon_s=60.0, interval_s=10.0, slo=sc.slo)
+        cl = Cluster(sc, steady(2400, 20.0, 4000, 20), scaler=s)
+        out = summarize(cl.run())
+        return out["slo_attainment"], out["gpu_seconds"], out["fleet"]["peak_active"]
+
+    att_before, gpu_before, peak_before = run(Largest)
+    att, gpu, peak = run(TwinScaler)
+    assert peak_before == 8 and peak < 8, (peak_before, peak)
+    assert gpu < 0.7 * gpu_before and att >= att_before, (att, gpu, att_before, gpu_before)
