@@ -127,13 +127,18 @@ def test_while_instances_start_a_short_fleet_grows_only_as_far_as_the_forecast_g
 
     # 4 gains 0.1 on 3, 5 only 0.005 more: 4 (the rule before took 5, and 5 again at the next decision)
     target, asked, s = decide({2: 0.5, 3: 0.6, 4: 0.7, 5: 0.705})
-    assert target == 4 and s.last["best_effort"] == {"largest": 5, "best": 0.705, "choice": 4}
+    assert target == 4 and s.last["best_effort"] == {"rule": "gain", "largest": 5, "best": 0.705, "choice": 4}
     assert asked[:3] == [(3, False), (4, False), (5, False)] and asked[3] == (5, True)  # the largest to its end
     assert "4 is the smallest within 0.01" in s.decide(30.0, fleet, BySize({2: 0.5, 3: 0.6, 4: 0.7, 5: 0.705})).reason
     assert decide({2: 0.5, 3: 0.6, 4: 0.65, 5: 0.70})[0] == 5  # each size still gains: the largest
     assert decide({2: 0.9, 3: 0.6, 4: 0.6, 5: 0.6})[0] is None  # no gain: it waits for the starting one
     assert decide({2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0})[0] is None  # hopeless: it holds, never drains
     assert decide({2: 0.5, 3: 0.6, 4: 0.7, 5: 0.705}, tolerance=0.0)[0] == 5  # the tolerance is the user's
+    # the other rules: wait for the starting instances, or the largest again (the rule before); neither forecasts more
+    target, asked, s = decide({2: 0.5, 3: 0.6, 4: 0.7, 5: 0.705}, when_short="hold")
+    assert target is None and asked == [(3, False), (4, False), (5, False)] and s.last["best_effort"]["rule"] == "hold"
+    target, asked, s = decide({2: 0.5, 3: 0.6, 4: 0.7, 5: 0.705}, when_short="largest")
+    assert target == 5 and len(asked) == 3 and s.last["best_effort"] is None
 
 
 class Grows:
@@ -237,27 +242,21 @@ def test_pattern_arrivals_keep_the_observed_bursts():
     assert att_pattern < att_poisson  # and one instance serves them worse than it serves Poisson arrivals
 
 
-class Largest(TwinScaler):
-    """The rule before: when no size reaches the target, the largest, whether or not instances are starting."""
-
-    def _best_effort(self, n, sizes, forecast, rate, starting):
-        return sizes[-1], None
-
-
 def test_a_fleet_short_of_instances_does_not_run_away_while_they_start():
     # one instance under a load two serve (fixed 1: 2 % within the TTFT bound), a start-up as long as the horizon:
     # every size misses the target until the new ones serve, and the rule before added 2 at every decision
     from twin.sim.metrics import summarize
 
-    def run(cls):
+    def run(when_short):
         sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 8, "cluster.startup_delay_s": 60.0,
                               "scaler.interval_s": 10.0, "slo.ttft_s": 1.0, "scaler.name": "twin"})
-        s = cls(horizon_s=60.0, interval_s=10.0, slo=sc.slo)
+        s = TwinScaler(horizon_s=60.0, interval_s=10.0, slo=sc.slo, when_short=when_short)
         cl = Cluster(sc, steady(2400, 20.0, 4000, 20), scaler=s)
         out = summarize(cl.run())
         return out["slo_attainment"], out["gpu_seconds"], out["fleet"]["peak_active"]
 
-    att_before, gpu_before, peak_before = run(Largest)
-    att, gpu, peak = run(TwinScaler)
-    assert peak_before == 8 and peak < 8, (peak_before, peak)
-    assert gpu < 0.7 * gpu_before and att >= att_before, (att, gpu, att_before, gpu_before)
+    att_before, gpu_before, peak_before = run("largest")  # the rule before
+    for rule in ("gain", "hold"):
+        att, gpu, peak = run(rule)
+        assert peak_before == 8 and peak < 8, (rule, peak_before, peak)
+        assert gpu < 0.7 * gpu_before and att >= att_before, (rule, att, gpu, att_before, gpu_before)

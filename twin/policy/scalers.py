@@ -348,13 +348,17 @@ class ThroughputScaler(ScalerBase):
         return ScaleAction(want, f"forecast {rate:.2f} req/s, capacity {self.capacity_req_s:.2f} req/s/instance")
 
 
+WHEN_SHORT = ("gain", "hold", "largest")  # TwinScaler: no size reaches the target while instances start
+
+
 @register_scaler("twin")
 class TwinScaler(ScalerBase):
     """Ours: look ahead with the twin. At each decision, run the fleet forward over `horizon_s` with
     N-1, N, N+1, ... N+`max_step` instances (new ones paying the start-up delay) and choose the smallest whose
-    forecast SLO attainment reaches `target`; when none does, the largest, or while instances are starting the
-    smallest within `tolerance` of the largest's attainment (`_best_effort`; the earlier rule, the best attainment
-    with ties to the smallest, could drain the fleet when every size scored the same, e.g. 0 behind a backlog). `search: outward` (default) forecasts N first, then goes down
+    forecast SLO attainment reaches `target`; when none does, the largest, or while instances are starting what
+    `when_short` says (`_best_effort`; default `gain`: the smallest within `tolerance` of the largest's
+    attainment). The earlier rule, the best attainment with ties to the smallest, could drain the fleet when
+    every size scored the same, e.g. 0 behind a backlog. `search: outward` (default) forecasts N first, then goes down
     while sizes meet the target or up until one does: with attainment growing with the fleet that is the
     same choice for fewer forecasts (at most 3, not 4; a scale-up skips N-1); `upward` forecasts N-1, N, ...
     in turn, as before, and is exact without that assumption. Sizes outside `min_instances`..`max_instances` (the world's
@@ -381,9 +385,13 @@ class TwinScaler(ScalerBase):
                  interval_s: float = 30.0, history: int = 10, oracle: bool = False, slo: Any = None,
                  early_stop: bool = True, min_instances: int | None = None,
                  max_instances: int | None = None, arrivals: str = "poisson",
-                 stabilization_s: float = 0.0, search: str = "outward", tolerance: float = 0.01) -> None:
+                 stabilization_s: float = 0.0, search: str = "outward", when_short: str = "gain",
+                 tolerance: float = 0.01) -> None:
         if not 0 < target <= 1:
             raise ValueError("target must be in (0, 1]")
+        if when_short not in WHEN_SHORT:
+            raise ValueError(f"when_short must be one of {', '.join(WHEN_SHORT)}, got {when_short!r}")
+        self.when_short = when_short
         if not 0 <= tolerance < 1:
             raise ValueError("tolerance must be in [0, 1)")
         self.tolerance = tolerance
@@ -464,7 +472,7 @@ class TwinScaler(ScalerBase):
             return ScaleAction(choice, f"twin forecast: {chosen} would do; held at {choice} by the "
                                        f"{self.stabilization_s:g} s stabilisation window")
         tail = f" (rate {rate:.2f} req/s{', oracle' if self.oracle else ''})"
-        if best_effort is not None:
+        if best_effort is not None and best_effort["rule"] == "gain":
             return ScaleAction(choice, f"twin forecast over {self.horizon_s:.0f} s: none of {sizes[0]}-{sizes[-1]} "
                                        f"reaches {self.target:g}, instances are starting; {best_effort['largest']} "
                                        f"would reach {best_effort['best']:.2f}, {choice} is the smallest within "
@@ -476,21 +484,27 @@ class TwinScaler(ScalerBase):
                                    f"{tail}")
 
     def _best_effort(self, n: int, sizes: range, forecast: Any, rate: float, starting: bool) -> tuple[int, dict | None]:
-        """No size reaches the target. With no instance starting: the largest size (attainment grows with the
-        fleet, and the forecast may not see a new instance serve: a horizon no longer than the start-up delay
-        scores every size alike). While instances are starting: the smallest size, not below the current one,
-        whose forecast attainment is within `tolerance` of the largest size's (that one forecast to its end);
-        the second element says so (None: the largest, without those forecasts).
+        """No size reaches the target: the size `when_short` picks, and what it read (None: nothing more).
 
-        Taking the largest size while earlier starts were still on their way ran away: the requests that arrive
-        before the new instances serve miss the target whatever the size, so every decision added `max_step`
-        more until the first ones served. A ServeGen burst (`scenarios/servegen-autoscale.yaml` at
-        `workload.trace.sample=0.05`) took the fleet from 1 to 12 instances and 4,361 GPU-s; with this rule 5
-        instances and 2,598 GPU-s, at the same 66.6 % attainment."""
+        With no instance starting, every rule takes the largest size: attainment grows with the fleet, and the
+        forecast may not see a new instance serve (a horizon no longer than the start-up delay scores every size
+        alike). While instances are starting:
+        - `gain` (default): the smallest size, not below the current one, whose forecast attainment is within
+          `tolerance` of the largest size's (that one forecast to its end): grow as far as the forecast still gains;
+        - `hold`: the current size: wait for the starting instances (cheapest; slowest on a large step of load);
+        - `largest`: the largest again (the rule before; quickest on a large step of load).
+
+        Taking the largest while earlier starts were on their way ran away: the requests that arrive before the
+        new instances serve miss the target whatever the size, so every decision added `max_step` more until the
+        first ones served. On a ServeGen burst (`scenarios/servegen-autoscale.yaml` at
+        `workload.trace.sample=0.05`) that took the fleet from 1 to 12 instances and 4,361 GPU-s; `gain` peaks at
+        5 and 2,598 GPU-s, at the same 66.6 % attainment (README, "Scaling", has the comparison)."""
         hi = sizes[-1]
         lo = min(max(n, sizes[0]), hi)
-        if not starting or lo == hi:
+        if not starting or lo == hi or self.when_short == "largest":
             return hi, None
+        if self.when_short == "hold":
+            return lo, {"rule": "hold", "largest": hi, "best": None, "choice": lo}
         best = forecast.attainment(hi, self.horizon_s, rate, self.slo, self.oracle)
         bar = best - self.tolerance
         choice = lo
@@ -498,4 +512,4 @@ class TwinScaler(ScalerBase):
             kw = {"target": bar} if self.early_stop else {}
             choice = next((c for c in range(lo, hi)
                            if forecast.attainment(c, self.horizon_s, rate, self.slo, self.oracle, **kw) >= bar), hi)
-        return choice, {"largest": hi, "best": best, "choice": choice}
+        return choice, {"rule": "gain", "largest": hi, "best": best, "choice": choice}
