@@ -63,6 +63,27 @@ def test_the_summary_names_the_build_and_a_long_pure_run_points_to_the_compiled_
         assert ("make compiled" in console.export_text()) == hint, (build, wall)
 
 
+def test_the_summary_prints_slo_attainment_gpu_time_and_what_a_scaler_did(tmp_path):
+    out = tmp_path / "out"
+    r = invoke("simulate", QUICKSTART, "--out", out, "--set", "workload.num_requests=300", "--set", "scaler.name=twin",
+               "--set", "cluster.num_instances=3", "--set", "scaler.interval_s=5")
+    assert r.exit_code == 0, r.output
+    s = json.loads((out / "summary.json").read_text())
+    text = " ".join(r.output.split())
+    assert f"SLO attainment {s['slo_attainment']:.1%} of finished requests (TTFT <= " in text
+    assert f"{s['gpu_seconds'] / 3600:,.2f} GPU-hours ({s['gpu_seconds']:,.0f} GPU-s)" in text
+    f = s["fleet"]
+    started, drained = (sum(e["action"] == a for e in f["scale_events"]) for a in ("start", "drain"))
+    assert f["decisions"] and f"fleet (twin scaler, {f['decisions']} decisions): 3 at the start, peak " \
+                              f"{f['peak_active']}, {f['final_active']} at the end; {started} started, {drained} " \
+                              "drained" in text
+    r = invoke("simulate", QUICKSTART, "--out", tmp_path / "b", "--set", "workload.num_requests=50",
+               "--set", "slo.ttft_s=null", "--set", "slo.tpot_s=null")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "no SLO bound set;" in text and "fleet (" not in text  # a fixed fleet: no scaler line
+
+
 def test_seed_flag_and_set_override_apply(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for out, seed in ((a, 1), (b, 2)):

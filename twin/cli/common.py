@@ -110,6 +110,15 @@ def print_summary(s: dict, console: Console) -> None:
         f"goodput {s['goodput_req_s']:.2f} req/s; prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}; "
         f"preemptions {s['preemptions']:,}; KV use mean {s['kv_usage_mean']:.1%} peak {s['kv_usage_peak']:.1%}"
     )
+    console.print(_slo_and_cost(s), highlight=False)
+    fleet = s.get("fleet")
+    if fleet and (fleet["scaler"] != "none" or fleet["scale_events"]):
+        ev = fleet["scale_events"]
+        n_start, n_drain = (sum(e["action"] == a for e in ev) for a in ("start", "drain"))
+        console.print(f"fleet ({fleet['scaler']} scaler, {fleet['decisions']} decisions): {fleet['initial_instances']} "
+                      f"at the start, peak {fleet['peak_active']}, {fleet['final_active']} at the end; {n_start} "
+                      f"started, {n_drain} drained (summary.json: fleet.scale_events, with each reason)",
+                      highlight=False)
     build = s["build"]
     console.print(
         f"simulated {s['sim_time_s']:,.1f} s in {s['wall_time_s']:.2f} s wall "
@@ -127,6 +136,17 @@ def print_summary(s: dict, console: Console) -> None:
         console.print("what-if: " + ", ".join(notes) + "; accuracy not simulated"
                       + (f" (your note: {acc})" if acc else "")
                       + (f"; ASSUMPTIONS: {', '.join(assumed)}" if assumed else ""), highlight=False, soft_wrap=True)
+
+
+def _slo_and_cost(s: dict) -> str:
+    """SLO attainment against the bounds set, and the GPU time paid: what a fleet size or a scaler is judged on."""
+    bounds = [f"{label} <= {_fmt(s['slo'][key])}" for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"),
+                                                                     ("e2e_s", "E2E")) if s["slo"].get(key) is not None]
+    att = s["slo_attainment"]
+    head = (f"SLO attainment {att:.1%} of finished requests ({', '.join(bounds)})" if bounds and att is not None
+            else "no SLO bound set" if not bounds else "SLO attainment: no request finished")
+    gpu_s = s["gpu_seconds"]
+    return f"{head}; {gpu_s / 3600:,.2f} GPU-hours ({gpu_s:,.0f} GPU-s)"
 
 
 def default_out(name: str, root: Path = Path("runs")) -> Path:
