@@ -789,9 +789,10 @@ class FleetForecaster:
         # still working off a backlog (`_backlog_free_at`)
         k_all = np.arange(len(t))
         rate_each = len(cl.dispatcher.signals.recent(now, 60.0)) / 60.0 / max(1, len(serving))
-        takes = _backlog_free_at(ready, [books.load(i.id).requests for i in serving][:n_instances], rate_each, now)
-        order = np.argsort(np.asarray(takes), kind="stable")
-        avail = np.searchsorted(np.asarray(takes)[order], t, side="right")
+        takes = np.asarray(_backlog_free_at(ready, [books.load(i.id).requests for i in serving][:n_instances],
+                                            rate_each, now))
+        order = np.argsort(takes, kind="stable")
+        avail = np.searchsorted(takes[order], t, side="right")
         where = order[np.where(avail > 0, k_all % np.maximum(avail, 1), k_all % n_instances)]
         shares = [np.flatnonzero(where == pos).tolist() for pos in rep_pos]
         total = sum(len(m) for m in shares)
@@ -850,11 +851,11 @@ def _backlog_free_at(ready: list[float], loads: list[int], rate_each: float, now
     A balanced router (least-outstanding, the shipped default) sends an instance nothing while it has more requests
     in flight than the others; with the others near the serving fleet's mean, it rejoins once its surplus over
     that mean has drained at `rate_each`, the fleet's completions per second per serving instance over the last
-    minute. Before this, the forecast
-    gave every serving instance an equal share from now on: a backlog kept missing its share of forecast requests,
-    so every added instance looked like a gain and a fleet behind a backlog saw its target out of reach. On the
-    runs of `benchmarks/scaler_short.py` the twin scaler then paid 8-53 % more GPU-seconds for the same SLO
-    attainment. No completions yet (nothing to measure a rate from): `ready` as it is."""
+    minute. Before this, the forecast gave every serving instance an equal share from now on: a backlog kept
+    missing its share of forecast requests, so every added instance looked like a gain and a fleet behind a backlog
+    saw its target out of reach. On the runs of `benchmarks/scaler_short.py` the twin scaler then paid 8-53 % more
+    GPU-seconds for the same SLO attainment. No completions yet (nothing to measure a rate from): `ready` as it
+    is."""
     if not loads or rate_each <= 0:
         return list(ready)
     mean = sum(loads) / len(loads)
