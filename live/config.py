@@ -145,6 +145,10 @@ class ShadowSpec(_Spec):
     carry_in_flight: bool = Field(True, description=(
         "start each forecast from the requests in flight now (else from idle engines); see live.shadow"))
     alternatives: bool = Field(True, description="also forecast +1 / -1 instance and the chunk sizes")
+    startup_delay_s: Optional[float] = Field(None, ge=0, description=(
+        "how long a new worker takes to serve, in the forecasts of a larger fleet (instances+1, the twin "
+        "scaler) and for workers still starting (default: the median of the launcher's measured start-ups; "
+        "0 before any, an ASSUMPTION the /shadow page names)"))
     slo: SLOSpec = Field(default_factory=SLOSpec, description="goodput and the twin scaler's attainment use it")
     load: ShadowLoadSpec = Field(default_factory=ShadowLoadSpec)
     executor: Literal["thread", "process"] = Field("thread", description=(

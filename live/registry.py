@@ -8,6 +8,8 @@ registry keeps health: a serving worker that fails (connection refused, a 5xx, a
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -30,7 +32,8 @@ class Worker:
     counters: dict[str, float] = field(default_factory=dict)
     models: tuple[str, ...] = ()
     kv_events_endpoint: str | None = None
-    started_at: float = 0.0
+    started_at: float = 0.0  # when it began serving (monotonic)
+    created_at: float = 0.0  # when the controller registered it: a launched worker's launch (monotonic)
     failures: int = 0
     retry_at: float = 0.0
     last_error: str = ""
@@ -68,10 +71,15 @@ class Registry:
         self._views: dict[str, InstanceView] = {}
         self.fleet = FleetView(0.0, [], bookkeeping, prefix_index)
         self.version = 0
+        # launched workers' measured start-ups (launch to serving, seconds), the latest last: the shadow twin's
+        # start-up delay when `shadow.startup_delay_s` is not set
+        self.startups: deque[float] = deque(maxlen=16)
 
     def add(self, worker: Worker) -> Worker:
         if worker.id in self.workers:
             raise ValueError(f"worker id {worker.id!r} is registered already")
+        if not worker.created_at:
+            worker.created_at = time.monotonic()
         self.workers[worker.id] = worker
         self.bookkeeping.load(worker.id)
         self.changed()
@@ -102,6 +110,8 @@ class Registry:
             raise ValueError(state)
         if state == "serving" and worker.state != "serving" and now is not None:
             worker.started_at = now
+            if worker.state == "starting" and worker.handle is not None and now > worker.created_at > 0:
+                self.startups.append(now - worker.created_at)  # a launch's start-up (not a static URL's)
         worker.state = state
         self.changed()
 

@@ -15,9 +15,11 @@ simulator's `twin.sim.forecaster.FleetForecaster`.
 
 ASSUMPTIONS of the forecast (documented in the README, "Shadow mode"; each is settable or pluggable): the
 next window's arrivals come from the load model (`shadow.load`); each simulation starts from idle engines
-plus the requests in flight now (`shadow.carry_in_flight`, see `with_in_flight`); every instance of a variant
-serves from the window's start (no start-up delay); requests still running when a window is cut get the
-client's `max_tokens`, else the window's mean output length.
+plus the requests in flight now (`shadow.carry_in_flight`, see `with_in_flight`), each kept on the instance
+standing for its worker (`placed`); a worker still starting serves `shadow.startup_delay_s` after its launch and
+a new one (instances+1, the twin scaler's larger sizes) that long after the window's start (default: the median
+of the launcher's measured start-ups, 0 before any; `fleet_slots`); requests still running when a window is cut
+get the client's `max_tokens`, else the window's mean output length.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class WindowLoad:
     hash_block_size: int = 16
     carried: int = 0  # the first `carried` entries are requests in flight now (offset 0), not the window's
     tpot_s: float | None = None  # the observed window's median TPOT (streamed requests), when known
+    carried_on: list | None = None  # the worker serving each carried request (None: not known), to pin it there
 
     def __len__(self) -> int:
         return len(self.offsets) - self.carried
@@ -238,10 +241,11 @@ def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, ma
     if load.hash_ids is not None or any(r.prefix for r in running):
         window_h = load.hash_ids if load.hash_ids is not None else [None] * len(load.offsets)
         hashes = [list(r.prefix) or None for r in running] + list(window_h)
+    on = [r.worker for r in running] + (list(load.carried_on) if load.carried_on is not None else [None] * load.carried)
     return WindowLoad(np.concatenate([np.zeros(len(running)), load.offsets]),
                       np.concatenate([prompt, load.prompt_tokens]),
                       np.concatenate([np.array(left, dtype=np.int64), load.output_tokens]), load.window_s, hashes,
-                      load.hash_block_size, load.carried + len(running), load.tpot_s)
+                      load.hash_block_size, load.carried + len(running), load.tpot_s, on)
 
 
 def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests: int) -> WindowLoad:
@@ -250,7 +254,7 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
     c = load.carried
     ct, cp, co, ch = load.part(np.arange(c))
     if len(load) == 0 or (rate is not None and rate <= 0):
-        return WindowLoad(ct, cp, co, horizon_s, ch, load.hash_block_size, c)
+        return WindowLoad(ct, cp, co, horizon_s, ch, load.hash_block_size, c, carried_on=load.carried_on)
     scale = 1.0 if rate is None or load.rate <= 0 else load.rate / rate
     span = load.window_s * scale
     reps = max(1, math.ceil(horizon_s / span))
@@ -262,7 +266,92 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
     _, p, o, h = load.part(idx)
     hashes = None if h is None else (ch or []) + h
     return WindowLoad(np.concatenate([ct, t]), np.concatenate([cp, p]), np.concatenate([co, o]), horizon, hashes,
-                      load.hash_block_size, c)
+                      load.hash_block_size, c, carried_on=load.carried_on)
+
+
+# -- the fleet a forecast runs: who serves from when, and where the requests in flight stay ------------------
+@dataclass(frozen=True)
+class Slot:
+    """One instance of a forecast fleet: the live worker it stands for (None: a new one) and when it takes
+    requests, in seconds from the forecast's start."""
+
+    worker: str | None
+    ready_s: float = 0.0
+
+
+def fleet_slots(workers: Sequence[Any], inflight: Callable[[str], int], now: float,
+                startup_delay_s: float) -> list[Slot]:
+    """The live fleet in the order the planner keeps it (`twin.policy.scalers.plan_scale`; the simulator's
+    `FleetForecaster` orders its candidates alike): serving workers by requests in flight, most first (the least
+    loaded drain first, the newest on ties), then starting ones by when they serve, `startup_delay_s` after their
+    launch (the newest are cancelled first). A fleet of N is the first N slots, then new ones (`sized`)."""
+    serving = sorted((w for w in workers if w.routable), key=lambda w: (-inflight(w.id), w.started_at))
+    starting = sorted((max(0.0, w.created_at + startup_delay_s - now), w.created_at, w.id)
+                      for w in workers if w.state == "starting")
+    return [Slot(w.id) for w in serving] + [Slot(wid, ready) for ready, _, wid in starting]
+
+
+def sized(slots: Sequence[Slot], n: int, startup_delay_s: float) -> list[Slot]:
+    """The fleet of `n`: the first `n` slots, then new instances serving after the start-up delay."""
+    return list(slots[:n]) + [Slot(None, startup_delay_s)] * max(0, n - len(slots))
+
+
+def placed(load: WindowLoad, slots: Sequence[Slot]) -> tuple[WindowLoad, dict[str, int]]:
+    """The load a fleet of `slots` runs, and the pins: a request in flight stays on the instance standing for
+    its worker (stream index -> slot), as the proxy never moves one; one whose worker is not in the fleet
+    (draining, down, or left out of a smaller fleet) leaves the forecast with it. One whose worker is not known
+    is routed. The window's own arrivals are routed."""
+    c = load.carried
+    if c == 0 or load.carried_on is None:
+        return load, {}
+    pos = {sl.worker: k for k, sl in enumerate(slots) if sl.worker is not None}
+    keep: list[int] = []
+    pins: dict[str, int] = {}
+    for i, w in enumerate(load.carried_on):
+        k = None if w is None else pos.get(w)
+        if w is not None and k is None:
+            continue
+        if k is not None:
+            pins[str(len(keep))] = k  # the stream keeps the carried requests first, in order (`to_stream`)
+        keep.append(i)
+    idx = np.concatenate([np.array(keep, dtype=np.int64), np.arange(c, len(load.offsets))])
+    t, p, o, h = load.part(idx)
+    return WindowLoad(t, p, o, load.window_s, h, load.hash_block_size, len(keep), load.tpot_s,
+                      [load.carried_on[i] for i in keep]), pins
+
+
+class PinnedRouter:
+    """The shadow twin's router: a pinned request (in flight on a worker now) goes to its instance; the rest to
+    the configured router, whose hooks hear of every request."""
+
+    def __init__(self, inner: Any, pins: dict[str, int]) -> None:
+        self.inner = inner
+        self.pins = pins
+        self.ids: list[str] = []  # the twin's instance ids by slot, set once the cluster is built
+
+    def __getattr__(self, name: str) -> Any:  # the router's name, prefix index, gauges it reads, ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def choose(self, req: Any, fleet: Any) -> Any:
+        k = self.pins.get(req.id)
+        return self.inner.choose(req, fleet) if k is None else self.ids[k]
+
+    def on_dispatch(self, *args: Any) -> None:
+        fn = getattr(self.inner, "on_dispatch", None)
+        if fn is not None:
+            fn(*args)
+
+    def on_first_token(self, *args: Any) -> None:
+        fn = getattr(self.inner, "on_first_token", None)
+        if fn is not None:
+            fn(*args)
+
+    def on_finish(self, *args: Any) -> None:
+        fn = getattr(self.inner, "on_finish", None)
+        if fn is not None:
+            fn(*args)
 
 
 # -- the twin: scenario, variants, one run ------------------------------------------------------------------
@@ -402,15 +491,31 @@ class ShadowJob:
     load: WindowLoad
     api: dict = field(default_factory=dict)
     max_sim_time_s: float | None = None
+    # the live fleet (`fleet_slots`); empty: every instance of a variant serves from the start, and the requests
+    # in flight are routed like the window's
+    fleet: list[Slot] = field(default_factory=list)
+    startup_delay_s: float = 0.0  # a new instance's, in a variant larger than the fleet
 
 
-def simulate(job: ShadowJob, v: Variant) -> Any:
+def simulate(job: ShadowJob, v: Variant) -> tuple[Any, int]:
+    """One variant's run, and how many requests in flight it carried (load, not counted in its metrics)."""
+    from twin.sim.build import build_router
     from twin.sim.cluster import Cluster
 
     sc = shadow_scenario(job.cfg, v.num_instances, {**job.engine, **v.engine}, v.label, job.api)
     if job.max_sim_time_s is not None:
         sc = sc.model_copy(update={"sim": sc.sim.model_copy(update={"max_sim_time_s": job.max_sim_time_s})})
-    return Cluster(sc, job.load.to_stream()).run()
+    slots = sized(job.fleet, v.num_instances, job.startup_delay_s) if job.fleet else []
+    load, pins = placed(job.load, slots) if slots else (job.load, {})
+    router = build_router(sc)
+    if pins:
+        router = PinnedRouter(router, pins)
+    cl = Cluster(sc, load.to_stream(), router)
+    if pins:
+        router.ids = [inst.id for inst in cl.instances]
+    for inst, sl in zip(list(cl.instances), slots):
+        cl.fleet.serve_after(inst, sl.ready_s)
+    return cl.run(), load.carried
 
 
 def run_job(job: ShadowJob) -> dict[str, dict]:
@@ -419,11 +524,11 @@ def run_job(job: ShadowJob) -> dict[str, dict]:
     for v in job.variants:
         t0 = time.perf_counter()
         try:
-            res = simulate(job, v)
+            res, carried = simulate(job, v)
         except (TwinInputError, ValueError) as e:  # a variant vLLM would refuse (e.g. chunk < max_num_seqs)
             out[v.label] = {"error": str(e).splitlines()[0]}
             continue
-        m = forecast_metrics(res, job.load.window_s, res.scenario.slo, job.load.carried)
+        m = forecast_metrics(res, job.load.window_s, res.scenario.slo, carried)
         m["num_instances"] = v.num_instances
         m["engine"] = dict(v.engine)
         m["sim_wall_s"] = time.perf_counter() - t0
@@ -433,8 +538,8 @@ def run_job(job: ShadowJob) -> dict[str, dict]:
 
 def attainment_job(job: ShadowJob) -> float:
     """SLO attainment of the job's single variant (the scaler's question)."""
-    res = simulate(job, job.variants[0])
-    return float(forecast_metrics(res, job.load.window_s, res.scenario.slo, job.load.carried)["attainment"])
+    res, carried = simulate(job, job.variants[0])
+    return float(forecast_metrics(res, job.load.window_s, res.scenario.slo, carried)["attainment"])
 
 
 # -- realised: what the proxy measured -----------------------------------------------------------------------
@@ -519,9 +624,26 @@ class Shadow:
 
     # -- one run
     def fleet_size_and_engine(self) -> tuple[int, dict]:
+        """The active workers (serving and healthy, or starting) and the engine settings a twin instance takes."""
         serving = [w for w in self.ctl.registry if w.routable]
-        wcfg = serving[0].config if serving else None
-        return len(serving), base_engine(self.ctl.cfg, wcfg)
+        starting = [w for w in self.ctl.registry if w.state == "starting"]
+        wcfg = (serving or starting)[0].config if serving or starting else None
+        return len(serving) + len(starting), base_engine(self.ctl.cfg, wcfg)
+
+    def startup_delay(self) -> tuple[float, str]:
+        """A new worker's start-up delay in the forecasts, and where it comes from."""
+        if self.spec.startup_delay_s is not None:
+            return float(self.spec.startup_delay_s), "shadow.startup_delay_s"
+        measured = sorted(self.ctl.registry.startups)
+        if not measured:
+            return 0.0, "no start-up measured yet: ASSUMED 0 (set shadow.startup_delay_s)"
+        return float(np.median(measured)), f"median of the last {len(measured)} measured start-ups"
+
+    def fleet(self, now: float) -> tuple[list[Slot], float]:
+        """The live fleet as forecast slots (`fleet_slots`), and the start-up delay they assume."""
+        delay, _ = self.startup_delay()
+        books = self.ctl.registry.bookkeeping
+        return fleet_slots(list(self.ctl.registry), lambda wid: books.load(wid).requests, now, delay), delay
 
     def window_load(self, now: float, count: bool = True) -> WindowLoad:
         """The next window's load from the last one (the load model), plus what is in flight now."""
@@ -550,8 +672,9 @@ class Shadow:
         if len(load) == 0:
             self.metrics.skipped.labels("no_requests").inc()
             return None
+        slots, delay = self.fleet(now)
         return ShadowJob(self.ctl.cfg, engine, variants(self.ctl.cfg, n, engine), load, self.api,
-                         max_sim_time_s=max(60.0, 20 * self.window_s))
+                         max_sim_time_s=max(60.0, 20 * self.window_s), fleet=slots, startup_delay_s=delay)
 
     async def run_once(self, now: float | None = None) -> dict[str, dict] | None:
         """Score what is due, then forecast the next window (off the event loop) and export it."""
@@ -634,8 +757,9 @@ class Shadow:
 
     def status(self) -> dict:
         """The `/shadow` page: the latest forecasts by variant, pending windows, the scored history."""
+        delay, source = self.startup_delay()
         return {"interval_s": self.spec.interval_s, "window_s": self.window_s, "load_model": self.load_model.name,
-                "runs": self.runs, "mirrored_requests": self.mirror.total,
+                "startup_delay_s": delay, "startup_delay_from": source, "runs": self.runs, "mirrored_requests": self.mirror.total,
                 "latest_age_s": None if self.latest_at is None else time.monotonic() - self.latest_at,
                 "forecasts": self.latest, "pending": [{"seq": p.seq, "ends_in_s": p.end - time.monotonic()}
                                                       for p in self.pending],
@@ -647,22 +771,29 @@ class Shadow:
 
     def fleet_forecaster(self, now: float) -> "ShadowFleetForecaster":
         """A forecaster over the last window, for a scaler decision (its simulations run where it is called)."""
-        n, engine = self.fleet_size_and_engine()
+        _, engine = self.fleet_size_and_engine()
         load = self.window_load(now, count=False)
-        return ShadowFleetForecaster(self.ctl.cfg, engine, load, self.api, self.spec.max_requests)
+        slots, delay = self.fleet(now)
+        return ShadowFleetForecaster(self.ctl.cfg, engine, load, self.api, self.spec.max_requests, slots, delay)
 
 
 class ShadowFleetForecaster:
     """The live twin scaler's `forecast` argument: `attainment(n_instances, horizon_s, rate, slo, oracle)`, as
     `twin.sim.forecaster.FleetForecaster` answers it in the simulator, from the observed window's pattern at the
-    predicted rate (`reshape`). Blocking: the controller calls the scaler in a thread."""
+    predicted rate (`reshape`). As there, a size is the live fleet in the planner's order (`fleet_slots`): starting
+    workers serve when their start-up ends, new ones after the start-up delay, and the requests in flight stay on
+    their workers (a backlogged worker takes new requests once the configured router sends it some). Blocking: the
+    controller calls the scaler in a thread."""
 
-    def __init__(self, cfg: Any, engine: dict, load: WindowLoad, api: dict, max_requests: int) -> None:
+    def __init__(self, cfg: Any, engine: dict, load: WindowLoad, api: dict, max_requests: int,
+                 fleet: Sequence[Slot] = (), startup_delay_s: float = 0.0) -> None:
         self.cfg = cfg
         self.engine = engine
         self.load = load
         self.api = api
         self.max_requests = max_requests
+        self.fleet = list(fleet)
+        self.startup_delay_s = startup_delay_s
         self.calls = 0
         self._cache: dict[tuple, float] = {}
 
@@ -685,7 +816,8 @@ class ShadowFleetForecaster:
         cfg = self.cfg.model_copy(update={"shadow": self.cfg.shadow.model_copy(
             update={"slo": self.cfg.shadow.slo.model_copy(update=slo_raw)})})
         job = ShadowJob(cfg, self.engine, [Variant(f"scaler-n{n_instances}", n_instances)], load, self.api,
-                        max_sim_time_s=max(60.0, 4 * horizon_s))
+                        max_sim_time_s=max(60.0, 4 * horizon_s), fleet=self.fleet,
+                        startup_delay_s=self.startup_delay_s)
         att = attainment_job(job)
         self._cache[key] = att
         return att

@@ -17,8 +17,12 @@ aiohttp = pytest.importorskip("aiohttp")
 from live.config import parse_config  # noqa: E402
 from live.controller import Controller  # noqa: E402
 from live.registry import Worker  # noqa: E402
-from live.shadow import (Mirror, Mirrored, PoissonLoad, ReplayLoad, ShadowJob, WindowLoad, base_engine,  # noqa: E402
-                         error_ratios, realised_metrics, reshape, run_job, variants, with_in_flight)
+from live.registry import Registry  # noqa: E402
+from live.shadow import (Mirror, Mirrored, PoissonLoad, ReplayLoad, ShadowJob, Slot, Variant,  # noqa: E402
+                         WindowLoad, base_engine, error_ratios, fleet_slots, placed, realised_metrics, reshape,
+                         run_job, simulate, sized, variants, with_in_flight)
+from twin.policy.bookkeeping import Bookkeeping  # noqa: E402
+from twin.policy.scalers import ScaleAction, plan_scale  # noqa: E402
 from twin.errors import TwinInputError  # noqa: E402
 from twin.policy.views import InstanceConfig, RequestView  # noqa: E402
 from test_live_proxy import fakes, proxy  # noqa: E402
@@ -95,6 +99,78 @@ def test_in_flight_requests_are_carried_as_backlog_not_counted():
     assert long.carried == 2 and long.offsets.tolist() == [0.0, 0.0, 1.0, 6.0, 11.0, 16.0]
     stream = load.to_stream()
     assert stream.prompt_tokens.tolist()[:2] == [50, 60]  # carried ones first: the metrics skip them
+
+
+def test_fleet_slots_keep_the_planners_order():
+    """A forecast of N instances is the first N slots: what is left out is exactly what `plan_scale` cancels
+    or drains to reach N (starting ones newest first, then the least loaded serving ones)."""
+    reg = Registry(Bookkeeping())
+    for wid, state, created in (("a", "serving", 1.0), ("b", "serving", 2.0), ("c", "starting", 90.0),
+                                ("d", "starting", 98.0), ("e", "serving", 3.0)):
+        w = Worker(wid, "http://127.0.0.1:1", state=state)
+        w.created_at = created
+        reg.add(w)
+    for wid, n in (("a", 3), ("b", 5), ("e", 3)):
+        for k in range(n):
+            reg.bookkeeping.dispatched(f"{wid}{k}", wid, 10)
+    reg.get("e").started_at = 5.0  # a and e tie on load: e is newer
+    slots = fleet_slots(list(reg), lambda wid: reg.bookkeeping.load(wid).requests, 100.0, 30.0)
+    assert slots == [Slot("b"), Slot("a"), Slot("e"), Slot("c", 20.0), Slot("d", 28.0)]
+    for n in range(1, 5):
+        plan = plan_scale(ScaleAction(n), reg.fleet)
+        assert set(plan.drain) == {sl.worker for sl in slots[n:]}, n
+    assert sized(slots, 6, 30.0)[-1] == Slot(None, 30.0) and sized(slots, 2, 30.0) == slots[:2]
+
+
+def test_in_flight_requests_are_placed_on_their_workers_or_leave_with_them():
+    base = WindowLoad(np.array([0.0, 2.0]), np.array([30, 40]), np.array([5, 5]), 10.0)
+    running = [Mirrored(f"r{i}", 9.0, 10 + i, None, worker=w) for i, w in enumerate(["w0", "w1", "gone", None])]
+    load = with_in_flight(base, running, 10.0, 100)
+    assert load.carried_on == ["w0", "w1", "gone", None]
+    assert reshape(load, 20.0, None, 100).carried_on == load.carried_on
+    kept, pins = placed(load, [Slot("w1"), Slot("w0")])
+    assert kept.carried == 3 and len(kept) == 2  # the request on a worker outside the fleet is not load there
+    assert kept.prompt_tokens.tolist() == [10, 11, 13, 30, 40] and kept.carried_on == ["w0", "w1", None]
+    assert pins == {"0": 1, "1": 0}  # stream index -> slot; the unknown worker's request is routed
+
+
+def _stacked_job(n_backlog: int, fleet: list, delay: float = 0.0, variant: int = 2):
+    cfg = cfg_of(alternatives=False)
+    eng = base_engine(cfg, WCFG)
+    backlog = [Mirrored(f"b{i}", 0.0, 300, 100, worker="w0") for i in range(n_backlog)]
+    load = with_in_flight(_load(30, 6.0, seed=3), backlog, 1.0, 1000)
+    return ShadowJob(cfg, eng, [Variant("v", variant)], load, fleet=fleet, startup_delay_s=delay)
+
+
+def test_requests_in_flight_stay_on_their_worker_and_the_router_sends_new_ones_elsewhere():
+    """The proxy never moves a request: the forecast keeps each one in flight on its worker's instance, and the
+    configured router (least-outstanding) sends the window's arrivals to the other one. Routed like the window
+    (the forecast before), the backlog was spread over both instances."""
+    res, carried = simulate(_stacked_job(40, [Slot("w0"), Slot("w1")]), Variant("v", 2))
+    inst = np.asarray(res.log.instance)
+    assert carried == 40 and set(inst[:40].tolist()) == {0}
+    assert set(inst[40:45].tolist()) == {1}  # while w0 works off its backlog
+    spread, _ = simulate(_stacked_job(40, []), Variant("v", 2))
+    assert set(np.asarray(spread.log.instance)[:40].tolist()) == {0, 1}
+
+
+def test_a_new_or_starting_instance_takes_requests_only_once_it_serves():
+    """A variant larger than the fleet pays the start-up delay, as the simulator's FleetForecaster does; a worker
+    still starting serves at its slot's ready time. The attainment of the window's requests falls with the delay."""
+    for fleet in ([Slot("w0")], [Slot("w0"), Slot("w1", 3.0)]):
+        res, _ = simulate(_stacked_job(10, fleet, delay=3.0), Variant("v", 2))
+        lg = res.log
+        on_new = np.asarray(lg.instance) == 1
+        assert on_new.any() and (np.asarray(lg.arrival_s)[on_new] >= 3.0).all()
+    now, _ = simulate(_stacked_job(10, [Slot("w0")], delay=0.0), Variant("v", 2))
+    assert (np.asarray(now.log.arrival_s)[np.asarray(now.log.instance) == 1] < 3.0).any()
+    cfg = cfg_of(alternatives=False, slo={"ttft_s": 0.2})
+    att = []
+    for delay in (0.0, 2.0, 100.0):
+        job = _stacked_job(80, [Slot("w0")], delay=delay)
+        job.cfg = cfg
+        att.append(run_job(job)["v"]["attainment"])
+    assert att[0] > att[1] >= att[2], att  # w0's backlog: the arrivals before a second instance serves queue
 
 
 def test_a_backlog_slows_the_forecast_and_is_not_counted_as_window_requests():
@@ -283,8 +359,40 @@ def test_twin_scaler_decides_from_shadow_forecasts():
     busy, last = asyncio.run(decide(400))
     assert busy.start >= 1 and "twin forecast" in busy.reason
     assert last["attainment"][1] < 0.9  # one worker: the forecast misses the SLO
+    assert last["attainment"][2] > last["attainment"][1]  # no start-up measured: a new worker serves at once
     idle, last_idle = asyncio.run(decide(3))
     assert idle.is_noop and last_idle["attainment"][1] >= 0.9
+    # a new worker that takes longer to start than the forecast runs takes none of its requests: no gain
+    cfg = parse_config({**raw, "shadow": {**raw["shadow"], "startup_delay_s": 1000.0}})
+    _, slow = asyncio.run(decide(400))
+    assert slow["attainment"][2] == slow["attainment"][1] < 0.9
+
+
+def test_start_up_delay_is_configured_or_measured_from_launches():
+    """The launcher's workers are timed from launch to serving (static URLs are not launches); the forecasts
+    take the median, or `shadow.startup_delay_s`, and say which (`/shadow`). Before any: 0, named an assumption."""
+
+    def shadow_of(**extra):
+        async def build():
+            return Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}],
+                                            "shadow": {**SHADOW, **extra}}))
+        return asyncio.run(build())
+
+    ctl = shadow_of()
+    reg, sh = ctl.registry, ctl.shadow
+    delay, source = sh.startup_delay()
+    assert delay == 0.0 and "ASSUMED" in source
+    for wid, launched, created, ready in (("l0", True, 10.0, 25.0), ("s0", False, 10.0, 40.0),
+                                          ("l1", True, 30.0, 41.0), ("l2", True, 50.0, 90.0)):
+        w = Worker(wid, "http://127.0.0.1:1", state="starting")
+        w.created_at = created
+        w.handle = object() if launched else None
+        reg.add(w)
+        reg.set_state(w, "serving", ready)
+    assert list(reg.startups) == [15.0, 11.0, 40.0]
+    assert sh.startup_delay() == (15.0, "median of the last 3 measured start-ups")
+    assert sh.status()["startup_delay_s"] == 15.0
+    assert shadow_of(startup_delay_s=7.0).shadow.startup_delay() == (7.0, "shadow.startup_delay_s")
 
 
 def test_block_runs_live_on_the_shadow_twins_per_instance_forecasts():

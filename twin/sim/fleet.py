@@ -72,6 +72,15 @@ class Fleet:
         self.events.append(ScaleEvent(now, "start", inst.id, len(self.active()), reason))
         self.env.timeout(self.startup_delay_s).callbacks.append(lambda _e, inst=inst: self._ready(inst))
 
+    def serve_after(self, inst, delay_s: float) -> None:
+        """An initial instance still starting: routable after `delay_s` (the live shadow twin forecasts a fleet
+        whose workers are mid-start, `live.shadow.Slot`). Billed from the run's start, as the other initial ones."""
+        if delay_s <= 0:
+            return
+        inst.state = "starting"
+        self.cluster.dispatcher.lifecycle_changed()
+        self.env.timeout(delay_s).callbacks.append(lambda _e, inst=inst: self._ready(inst))
+
     def _ready(self, inst) -> None:
         if inst.state != "starting":
             return  # drained (cancelled) while starting
