@@ -30,6 +30,10 @@ Workloads (fixed fleets, sizes where attainment is neither always 1 nor always 0
 - `poisson/2`: steady Poisson at `--poisson-rate` (16.5) req/s for 600 s, ShareGPT lengths, Llama-3-8B on 2
   H100s, SLO TTFT 1 s / TPOT 50 ms: near the fleet's capacity, so attainment wanders around 0.95.
 
+Then, for what a forecast error costs, the twin scaler itself (its defaults, a 120 s horizon, decisions every
+30 s, `poisson` and `pattern` arrivals) on the steady Poisson workload at `--scaler-rates` (12, 16.5 and 22 req/s,
+from 2 instances): GPU-seconds and SLO attainment.
+
 Per workload and mode it prints: decisions scored, mean forecast, mean realised, mean absolute error, bias
 (forecast - realised: > 0 optimistic), the share of decisions on different sides of `--target` (0.95, the twin
 scaler's default: what changes a decision; split into optimistic / pessimistic), and for the predicted modes the
@@ -179,6 +183,7 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=10, help="bins of history (TwinScaler.history)")
     ap.add_argument("--target", type=float, default=0.95, help="the twin scaler's target: sides compared")
     ap.add_argument("--poisson-rate", type=float, default=16.5, help="req/s of the steady Poisson workload")
+    ap.add_argument("--scaler-rates", default="12,16.5,22", help="req/s of the twin scaler runs (empty: none)")
     ap.add_argument("--only", default=",".join(WORKLOADS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out", default="benchmarks/results/forecast_accuracy")
@@ -230,9 +235,12 @@ def main() -> None:
     print(f"total {time.perf_counter() - t_all:.0f} s wall; every probe run's log equals its plain run's: "
           f"{all(r['log_matches_plain_run'] for r in rows)}")
 
+    scaled = scaler_runs(args)
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
-    for fname, table in (("forecast_accuracy.csv", rows), ("decisions.csv", decisions)):
+    for fname, table in (("forecast_accuracy.csv", rows), ("decisions.csv", decisions), ("twin_scaler.csv", scaled)):
+        if not table:
+            continue
         with open(out / fname, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
             w.writeheader()
@@ -265,6 +273,31 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(out / "forecast_accuracy.png", dpi=110)
     print(f"wrote {out / 'forecast_accuracy.csv'}, {out / 'decisions.csv'} and {out / 'forecast_accuracy.png'}")
+
+
+def scaler_runs(args) -> list[dict]:
+    """The twin scaler on the steady Poisson workload: GPU-seconds and attainment per rate and arrivals."""
+    from twin.sim.cluster import Cluster
+    from twin.sim.metrics import slo_mask
+
+    rates = [float(x) for x in args.scaler_rates.split(",") if x]
+    if not rates:
+        return []
+    print("\nthe twin scaler (horizon 120 s, decisions every 30 s) on poisson/2's workload, from 2 instances:")
+    out = []
+    for rate in rates:
+        sc, stream = workload("poisson/2", argparse.Namespace(poisson_rate=rate, interval=30.0))
+        for arrivals in ("poisson", "pattern"):
+            s2 = sc.model_copy(update={"scaler": sc.scaler.model_copy(update={
+                "name": "twin", "interval_s": 30.0, "params": {"horizon_s": 120.0, "arrivals": arrivals}})})
+            res = Cluster(s2, stream).run()
+            row = {"rate": rate, "arrivals": arrivals, "gpu_s": round(res.fleet.gpu_seconds(res.sim_time_s), 1),
+                   "attainment": round(float(slo_mask(res.log, s2.slo).mean()), 4),
+                   "peak": max([e.fleet_active for e in res.fleet.events] + [2])}
+            out.append(row)
+            print(f"  {rate:5.1f} req/s  {arrivals:<8} {row['gpu_s']:7.0f} GPU-s  attainment {row['attainment']:.1%}"
+                  f"  peak {row['peak']}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -224,19 +224,22 @@ def make_load_model(name: str, params: dict) -> LoadModel:
 def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, max_requests: int) -> WindowLoad:
     """Prepend the requests in flight at `now` (offset 0), so the forecast starts from the backlog rather than
     idle engines. ASSUMPTIONS: one still waiting for its first token needs its whole prompt; one decoding is
-    re-prefilled (the twin cannot copy a worker's KV cache) and needs its expected output (the client's cap,
-    else the window's mean) less what it produced at the window's median TPOT."""
+    re-prefilled (the twin cannot copy a worker's KV cache) and needs its expected output less what it produced
+    at the window's median TPOT. Its expected output is the simulator's (`expected_stop`): the mean of the
+    window's output lengths above what it produced, within the client's cap (the window's mean at first)."""
+    from twin.policy.predictors import ResidualLengths, expected_stop
+
     running = list(running)[-max_requests:]
     if not running:
         return load
     outs = [int(x) for x in load.output_tokens[load.carried:]] or [16]
     mean_out = max(1, round(sum(outs) / len(outs)))
+    lengths = ResidualLengths(outs)
     prompt = np.array([max(1, r.prompt_tokens) for r in running], dtype=np.int64)
     left = []
     for r in running:
-        expect = min(r.max_tokens, mean_out) if r.max_tokens else mean_out
         made = 0 if r.first_token is None or load.tpot_s is None else int((now - r.first_token) / load.tpot_s)
-        left.append(max(1, expect - made))
+        left.append(max(1, expected_stop(None, r.max_tokens or None, made, lengths, mean_out) - made))
     hashes = None
     if load.hash_ids is not None or any(r.prefix for r in running):
         window_h = load.hash_ids if load.hash_ids is not None else [None] * len(load.offsets)
@@ -872,11 +875,13 @@ class ShadowInstanceForecaster:
         keep = np.arange(load.carried)  # only what is on this worker now; the window's arrivals are not
         offsets, prompts, outs, hashes = load.part(keep)
         if extra_request is not None:
+            from twin.policy.predictors import expected_stop
+
             window_outs = [int(x) for x in base.output_tokens] or [16]
             mean_out = max(1, round(sum(window_outs) / len(window_outs)))
-            expect = extra_request.predicted_output_tokens or extra_request.max_tokens or mean_out
-            if extra_request.max_tokens:
-                expect = min(int(expect), int(extra_request.max_tokens))
+            # as the simulator's forecaster runs the extra request (`SimForecaster._output_tokens`)
+            expect = expected_stop(extra_request.predicted_output_tokens, extra_request.max_tokens or None, 0, None,
+                                   mean_out)
             offsets = np.append(offsets, 0.0)
             prompts = np.append(prompts, max(1, int(extra_request.num_prompt_tokens)))
             outs = np.append(outs, max(1, int(expect)))

@@ -87,18 +87,21 @@ def test_reshape_scales_rate_repeats_and_caps():
 
 
 def test_in_flight_requests_are_carried_as_backlog_not_counted():
-    base = WindowLoad(np.array([1.0, 6.0]), np.array([30, 40]), np.array([10, 10]), 10.0, tpot_s=0.1)
-    running = [Mirrored("w", 99.0, 50, None),  # waiting: whole prompt, the window's mean output
-               Mirrored("d", 98.0, 60, 100, first_token=99.0)]  # decoding for 1 s at 0.1 s/token: 10 made
+    base = WindowLoad(np.array([1.0, 6.0]), np.array([30, 40]), np.array([5, 30]), 10.0, tpot_s=0.1)
+    running = [Mirrored("w", 99.0, 50, None),  # waiting: whole prompt, the window's mean output (17.5)
+               Mirrored("d", 98.0, 60, 100, first_token=99.0),  # decoding for 1 s at 0.1 s/token: 10 made
+               Mirrored("c", 98.0, 70, 25, first_token=99.0)]  # the same, capped at 25
     load = with_in_flight(base, running, 100.0, 100)
-    assert load.carried == 2 and len(load) == 2 and load.rate == pytest.approx(0.2)
-    assert load.offsets.tolist() == [0.0, 0.0, 1.0, 6.0]
-    assert load.prompt_tokens.tolist() == [50, 60, 30, 40]
-    assert load.output_tokens.tolist() == [10, 1, 10, 10]  # min(cap 100, mean 10) - 10 made -> at least 1
+    assert load.carried == 3 and len(load) == 2 and load.rate == pytest.approx(0.2)
+    assert load.offsets.tolist() == [0.0, 0.0, 0.0, 1.0, 6.0]
+    assert load.prompt_tokens.tolist() == [50, 60, 70, 30, 40]
+    # past 10 tokens, the window's lengths above 10 (30), within the cap: 20 and 15 left (the plain mean gave 8
+    # and 8: a request past the mean was forecast to end at once, as in the simulator's forks before)
+    assert load.output_tokens.tolist() == [18, 20, 15, 5, 30]
     long = reshape(load, 20.0, None, 100)  # the backlog once, the window's pattern repeated
-    assert long.carried == 2 and long.offsets.tolist() == [0.0, 0.0, 1.0, 6.0, 11.0, 16.0]
+    assert long.carried == 3 and long.offsets.tolist() == [0.0, 0.0, 0.0, 1.0, 6.0, 11.0, 16.0]
     stream = load.to_stream()
-    assert stream.prompt_tokens.tolist()[:2] == [50, 60]  # carried ones first: the metrics skip them
+    assert stream.prompt_tokens.tolist()[:3] == [50, 60, 70]  # carried ones first: the metrics skip them
 
 
 def test_fleet_slots_keep_the_planners_order():

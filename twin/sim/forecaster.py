@@ -2,8 +2,9 @@
 
 Block-style routers ask "what would this instance do with this request added?" A fork (twin.engine.fork)
 copies the engine state; each request in it is then given the length the world predicted for it at arrival
-(`RequestView.predicted_output_tokens`; the client's cap or the recent mean when no predictor is set), never
-its true length unless the predictor is the oracle. Policies reach this only through the `Forecaster`
+(`RequestView.predicted_output_tokens`), or without one or once past it the mean recent length above what it
+made, within the client's cap (`twin.policy.predictors.expected_stop`), never its true length unless the
+predictor is the oracle. Policies reach this only through the `Forecaster`
 protocol in twin.policy.views.
 """
 
@@ -20,6 +21,7 @@ from twin.sim.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.perf.base import StepBatch
+from twin.policy.predictors import ResidualLengths, expected_stop
 from twin.policy.views import Forecast, RequestView
 from twin.sim.floors import (_exact_model, decode_gpu_s, decode_steps_floor_s, fork_finish_floor, is_dense,
                              least_prompt_work, least_step_gpu_s, prefill_floor_s, prompt_pairs)
@@ -27,14 +29,6 @@ from twin.sim.floors import (_exact_model, decode_gpu_s, decode_steps_floor_s, f
 # a fork's clock adds durations to the time it resumed from, so it can land an ulp or so off the ends a lower
 # bound reads; a forecast is cut off only when the bound passes its horizon by more than this (relative)
 _BOUND_MARGIN = 1e-9
-
-
-def _predicted(view: RequestView | None, fallback: float) -> float:
-    if view is not None and view.predicted_output_tokens is not None:
-        return view.predicted_output_tokens
-    if view is not None and view.max_tokens is not None:
-        return view.max_tokens
-    return fallback
 
 
 def stop_for(predicted: float, done: int) -> int:
@@ -48,30 +42,42 @@ def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callab
 
     `lengths` maps a request index to its predicted output length, or is a function of the index giving it
     (None: no prediction, the request keeps its length)."""
+    predict = lengths if callable(lengths) else lengths.get
+
+    def stop(idx: int, done: int) -> int | None:
+        x = predict(idx)
+        return None if x is None else stop_for(x, done)
+
+    apply_stop_lengths(f, stop)
+
+
+def apply_stop_lengths(f: EngineFork, stop: Callable[[int, int], int | None]) -> None:
+    """Replace each forked request's stop length by `stop(index, tokens it made)` (None: it keeps its length)."""
     s = f.scheduler
     g = s.group
-    predict = lengths if callable(lengths) else lengths.get
     member_output = g.member_output
     heap = []  # the decode group's finish heap is keyed by each member's stop length: rebuilt
     seq = g.heap_seq
     for r in s.running:
-        x = predict(r.idx)
         if r.in_decode:
+            x = stop(r.idx, member_output(r))
             if x is not None:
-                r.stop_at_tokens = stop_for(x, member_output(r))
+                r.stop_at_tokens = x
             seq += 1
             r.heap_seq = seq
             heap.append((r.d_base + r.stop_at_tokens - r.out_base, seq, r))
-        elif x is not None:
-            r.stop_at_tokens = stop_for(x, r.num_output_tokens)
+        else:
+            x = stop(r.idx, r.num_output_tokens)
+            if x is not None:
+                r.stop_at_tokens = x
     for r in s.waiting:
-        x = predict(r.idx)
+        x = stop(r.idx, member_output(r) if r.in_decode else r.num_output_tokens)
         if x is not None:
-            r.stop_at_tokens = stop_for(x, member_output(r) if r.in_decode else r.num_output_tokens)
+            r.stop_at_tokens = x
     for r, _t in s.inbox:  # async: reached the engine, not yet seen by a decision; its true length stays hidden too
-        x = predict(r.idx)
+        x = stop(r.idx, r.num_output_tokens)
         if x is not None:
-            r.stop_at_tokens = stop_for(x, r.num_output_tokens)
+            r.stop_at_tokens = x
     g.heap_seq = seq
     heapq.heapify(heap)
     g.finish_heap = heap
@@ -100,6 +106,7 @@ class SimForecaster:
         self.cut_short = 0  # forecasts answered from the lower bound, without a fork
         self.cut_in_fork = 0  # forks stopped once a floor on the extra request's finish passed the horizon
         self._fallback_at: tuple = (None, None, 0.0)  # (now, completions seen, the mean then)
+        self._lengths_at: tuple = (None, None, 0)  # (the grid time, its ResidualLengths, builds)
         self._prefill_s: dict[int, float] = {}  # id(step model) -> seconds per prompt token in a long prefill
         self._bounds: tuple = (None, None, {})  # (now, the extra request, instance -> first-token bound)
         self._entries: dict[str, float] = {}  # instance -> when the extra request would reach it, same key
@@ -122,6 +129,33 @@ class SimForecaster:
         self._fallback_at = (now, sig.total_completions, value)
         return value
 
+    LENGTHS_WINDOW_S = 600.0  # the recent completions whose lengths predict those of the requests in flight
+    LENGTHS_EVERY_S = 10.0  # ... as of the last multiple of this: one sort per 10 s, the same for every forecaster
+    LENGTHS_MAX = 4096  # ... at most this many, the latest (a bounded sort however long the window at any rate)
+
+    def _lengths(self) -> ResidualLengths | None:
+        """The lengths of the completions in the `LENGTHS_WINDOW_S` up to the last multiple of `LENGTHS_EVERY_S`
+        (the latest `LENGTHS_MAX`; `ResidualLengths`; None when there are none), for the requests in flight with no
+        prediction of their own, or past it. A snapshot on a fixed grid: sorting the window at every decision
+        would cost a Block decision more than its forks, and any forecaster reads the same lengths at the same
+        time."""
+        now = self._cluster.env.now
+        grid = math.floor(now / self.LENGTHS_EVERY_S) * self.LENGTHS_EVERY_S
+        at, lengths, builds = self._lengths_at
+        if at == grid:
+            return lengths
+        cut = grid - self.LENGTHS_WINDOW_S
+        out = []
+        for c in reversed(self._cluster.dispatcher.signals.completions):
+            if c.t > grid:
+                continue
+            if c.t < cut or len(out) >= self.LENGTHS_MAX:
+                break
+            out.append(c.output_tokens)
+        lengths = ResidualLengths(out) if out else None
+        self._lengths_at = (grid, lengths, builds + 1)
+        return lengths
+
     def _fork(self, instance_id: str) -> tuple[EngineFork, list]:
         """An exact fork with predicted lengths in place of true ones, and the requests still on their way
         to it (in the API server) as (engine time, request) to arrive in the fork."""
@@ -129,36 +163,37 @@ class SimForecaster:
         f = fork_instance(inst, self._cluster.env.now, finish_heap=False)  # rebuilt by apply_predicted_lengths
         transit = sorted(((t, _fork_request(r, {})) for r, t in self._cluster.in_transit.get(instance_id, {}).values()),
                          key=lambda x: x[0])
-        predict = self._predictor()
+        stop = self._predictor()
         for _, r in transit:
-            x = predict(r.idx)
+            x = stop(r.idx, 0)
             if x is not None:
-                r.stop_at_tokens = stop_for(x, 0)
-        apply_predicted_lengths(f, predict)
+                r.stop_at_tokens = x
+        apply_stop_lengths(f, stop)
         return f, transit
 
-    def _predictor(self) -> Callable[[int], float | None]:
-        """The predicted output length of a request in flight, by index, as forks give it (None: no record,
-        the request keeps its own length)."""
+    def _predictor(self) -> Callable[[int, int], int | None]:
+        """The stop length a fork gives a request in flight, by index and the tokens it made (None: no record,
+        the request keeps its own length): `expected_stop`, its length predictor's prediction while that is
+        ahead, else the mean recent length above what it made (`ResidualLengths`), within the client's cap.
+        Until 2026-12-06 a request without a prediction ran to its cap, or without one to the recent mean, and
+        one past the mean stopped at its next token: on steady Poisson load (`benchmarks/forecast_accuracy.py`,
+        oracle arrivals) the fleet forecast read 3.6 points optimistic; the live shadow twin took the smaller of
+        the cap and the mean."""
         fallback = self._fallback()
         get = self._cluster.dispatcher.inflight.get
+        lengths = self._lengths()
 
-        def predict(idx: int) -> float | None:
-            """This instance's requests only, looked up as the fork meets them (the fleet's map holds all);
-            `_predicted` written out (a call per forked request)."""
+        def stop(idx: int, done: int) -> int | None:
+            """This instance's requests only, looked up as the fork meets them (the fleet's map holds all)."""
             rec = get(idx)
             if rec is None:
                 return None
             view = rec[0]
             if view is None:
-                return fallback
-            x = view.predicted_output_tokens
-            if x is not None:
-                return x
-            x = view.max_tokens
-            return x if x is not None else fallback
+                return expected_stop(None, None, done, lengths, fallback)
+            return expected_stop(view.predicted_output_tokens, view.max_tokens, done, lengths, fallback)
 
-        return predict
+        return stop
 
     def first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
         """An engine time the extra request's first token cannot come before, read without forking: the later
@@ -234,7 +269,7 @@ class SimForecaster:
             return own  # a partial prefill may leave a decode without budget for a step
         left, partial, demand, most, work, pairs, most_work, waits = held
         waits = list(waits)
-        predict = self._predictor()
+        stop = self._predictor()
         end = self._end_s(instance_id, extra_request)
         t_in = self._entry_s(instance_id, extra_request)
         # blocks the requests may still take, at most, and the most context all can attend to in one step (see
@@ -246,8 +281,8 @@ class SimForecaster:
         queued = [r for r, t in sorted(transit.values(), key=lambda x: x[1]) if t <= t_in]  # ties: ahead
         behind = [r for r, t in transit.values() if t > t_in]
         for r in queued:
-            x = predict(r.idx)
-            blocks, reach, wait, w, pp = _queued_share(r, r.stop_at_tokens if x is None else stop_for(x, 0), bs)
+            x = stop(r.idx, 0)
+            blocks, reach, wait, w, pp = _queued_share(r, r.stop_at_tokens if x is None else x, bs)
             demand += blocks
             most += reach
             waits.append(wait)
@@ -256,10 +291,10 @@ class SimForecaster:
             work += w
             pairs += pp
         for r in behind:
-            x = predict(r.idx)
-            stop = r.stop_at_tokens if x is None else stop_for(x, 0)
-            demand += (r.num_prompt_tokens + stop) // bs + 2
-            most += r.num_prompt_tokens + stop
+            x = stop(r.idx, 0)
+            to = r.stop_at_tokens if x is None else x
+            demand += (r.num_prompt_tokens + to) // bs + 2
+            most += r.num_prompt_tokens + to
         if demand > s.pool.get_num_free_blocks() - s._watermark_blocks:
             return own  # something might be preempted
         # steps that may start before `end`, at most, and the decode steps done by then, at least. A decode run
@@ -400,9 +435,10 @@ class SimForecaster:
         core = inst.core
         g = s.group
         fallback = self._fallback()
+        self._lengths()  # (its build count below: the predictions change when it is rebuilt)
         sig = (core.now, s.stats.num_steps, g.group_step, g.num_decode, len(s.running), len(s.waiting), len(s.inbox),
-               len(s.prefilling), s.pool.get_num_free_blocks(), fallback, core.pending_step, core.pending_run,
-               core.pending_tail)
+               len(s.prefilling), s.pool.get_num_free_blocks(), fallback, self._lengths_at[0], core.pending_step,
+               core.pending_run, core.pending_tail)
         hit = self._held_memo.get(inst.id)
         if hit is not None and hit[0] == sig:
             return hit[1]
@@ -432,15 +468,16 @@ class SimForecaster:
             left: list[tuple[int, int]] = []
             partial: list[tuple[int, int, int]] = []
             for r in running:
-                x = predict(r.idx)
                 if r.in_decode:
                     done = member_output(r)
-                    stop = r.stop_at_tokens if x is None else stop_for(x, done)
+                    x = predict(r.idx, done)
+                    stop = r.stop_at_tokens if x is None else x
                     go = stop - done
                     demand += go // bs + 2
                     left.append((go, r.num_prompt_tokens + done))
                 else:
-                    stop = r.stop_at_tokens if x is None else stop_for(x, r.num_output_tokens)
+                    x = predict(r.idx, r.num_output_tokens)
+                    stop = r.stop_at_tokens if x is None else x
                     demand += (r.num_prompt_tokens + stop) // bs + 2
                     partial.append((r.num_tokens - r.num_computed_tokens, r.num_tokens,
                                     stop - r.num_output_tokens - 1))
@@ -448,9 +485,8 @@ class SimForecaster:
             waits: list[tuple[int, int]] = []
             for q in (s.waiting, [r for r, _t in s.inbox]):
                 for r in q:
-                    x = predict(r.idx)
-                    blocks, reach, wait, w, pp = _queued_share(
-                        r, r.stop_at_tokens if x is None else stop_for(x, r.num_output_tokens), bs)
+                    x = predict(r.idx, r.num_output_tokens)
+                    blocks, reach, wait, w, pp = _queued_share(r, r.stop_at_tokens if x is None else x, bs)
                     demand += blocks
                     most += reach
                     waits.append(wait)
@@ -568,9 +604,9 @@ class SimForecaster:
         return out
 
     def _output_tokens(self, view: RequestView) -> int:
-        """The output length the extra request runs to in a fork: its prediction, else its cap, else the recent
-        mean (`_predicted`), at least one token."""
-        return max(1, int(math.ceil(_predicted(view, self._fallback()))))
+        """The output length the extra request runs to in a fork: as a request in flight that made nothing yet
+        (`expected_stop`: its prediction, else the recent mean within its cap), at least one token."""
+        return expected_stop(view.predicted_output_tokens, view.max_tokens, 0, self._lengths(), self._fallback())
 
     def _engine_request(self, view: RequestView) -> Request:
         return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, self._output_tokens(view),
