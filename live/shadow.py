@@ -832,8 +832,9 @@ class ShadowInstanceForecaster:
 
     The simulator forks the instance's exact engine; the controller cannot see a worker's batch, so it rebuilds
     one from the mirror: the requests in flight on that worker (`with_in_flight`: the same ASSUMPTIONS as the
-    shadow runs: re-prefilled, expected output the client's cap or the recent mean, less what was streamed at
-    the recent median TPOT), plus the new request, on one twin instance with the worker's engine settings and
+    shadow runs: re-prefilled, expected output the mean recent length above what was streamed, within the cap,
+    less what was streamed at the recent median TPOT), plus the new request, on one twin instance with the
+    worker's engine settings and
     `shadow.perf`. Synchronous: a decision pays one small simulation per candidate (the router's
     `max_candidates` bounds it); `calls` counts them.
     """
