@@ -1,6 +1,7 @@
 """The twin scaler's look-ahead (issue 21): early verdicts equal full runs', one draw per decision, new instances
 take requests only once they serve, and the sizes tried stay within the fleet's limits."""
 
+import pytest
 import numpy as np
 
 from twin.policy.scalers import ScaleAction, TwinScaler
@@ -308,3 +309,17 @@ def test_the_forecast_sends_an_instance_with_a_backlog_no_more_than_the_router_d
     actual = slo_mask(res.log, sc.slo)[window].mean()
     assert actual > 0.95 and abs(fixed - actual) < 0.05, (fixed, actual)
     assert before < 0.6, before  # half of them went to the instance working off the burst, and missed
+
+
+def test_the_drain_rate_is_over_the_part_of_the_minute_observed():
+    """30 s into a run, 60 completions are 2 per second, not 1 (as `RecentWindow.rate` reads arrivals)."""
+    from twin.policy.signals import RecentWindow
+    from twin.sim.forecaster import _completions_per_s
+
+    sig = RecentWindow(observed_since=0.0)
+    for k in range(60):
+        sig.arrived(k * 0.5, 100)
+        sig.finished(k * 0.5, 0.1, 0.4, 100, 10)
+    assert _completions_per_s(sig, 30.0, 60.0) == pytest.approx(2.0)
+    assert _completions_per_s(sig, 90.0, 60.0) == 0.0  # none in the last minute
+    assert _completions_per_s(RecentWindow(), 5.0, 60.0) == 0.0
