@@ -762,7 +762,8 @@ class Shadow:
         """The `/shadow` page: the latest forecasts by variant, pending windows, the scored history."""
         delay, source = self.startup_delay()
         return {"interval_s": self.spec.interval_s, "window_s": self.window_s, "load_model": self.load_model.name,
-                "startup_delay_s": delay, "startup_delay_from": source, "runs": self.runs, "mirrored_requests": self.mirror.total,
+                "startup_delay_s": delay, "startup_delay_from": source, "runs": self.runs,
+                "mirrored_requests": self.mirror.total,
                 "latest_age_s": None if self.latest_at is None else time.monotonic() - self.latest_at,
                 "forecasts": self.latest, "pending": [{"seq": p.seq, "ends_in_s": p.end - time.monotonic()}
                                                       for p in self.pending],
@@ -834,9 +835,8 @@ class ShadowInstanceForecaster:
     one from the mirror: the requests in flight on that worker (`with_in_flight`: the same ASSUMPTIONS as the
     shadow runs: re-prefilled, expected output the mean recent length above what was streamed, within the cap,
     less what was streamed at the recent median TPOT), plus the new request, on one twin instance with the
-    worker's engine settings and
-    `shadow.perf`. Synchronous: a decision pays one small simulation per candidate (the router's
-    `max_candidates` bounds it); `calls` counts them.
+    worker's engine settings and `shadow.perf`. Synchronous: a decision pays one small simulation per candidate
+    (the router's `max_candidates` bounds it); `calls` counts them.
     """
 
     def __init__(self, shadow: "Shadow") -> None:
