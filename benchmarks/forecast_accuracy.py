@@ -16,7 +16,10 @@ forecast's error on a FIXED fleet, so the realised outcome belongs to the size t
   representatives, round-robin shares, the backlog rule, predicted lengths of the requests in flight) and the
   twin scaler's default moving average of the arrival rate (30 s bins, 10 of them, a 5-bin window: what
   `TwinScaler.decide` computes) with `poisson` and with `pattern` forecast arrivals (model error plus
-  rate-prediction error);
+  rate-prediction error); and `live`: the live controller's shadow twin (`live.shadow.ShadowFleetForecaster`)
+  on the same state, fed what its proxy would have seen of the run (`live_attainment`: the last `--live-window`
+  seconds replayed at the moving average's rate, the requests in flight carried on their workers, re-prefilled
+  as the live twin must: it cannot copy a worker's KV cache), so both worlds' forecasts meet the same outcome;
 - a check that the probe does not disturb the run: every probe run's log must equal a plain run's.
 
 Workloads (fixed fleets, sizes where attainment is neither always 1 nor always 0, except `servegen/2`):
@@ -39,11 +42,12 @@ Per workload and mode it prints: decisions scored, mean forecast, mean realised,
 scaler's default: what changes a decision; split into optimistic / pessimistic), and for the predicted modes the
 rate error (predicted rate / the window's realised arrival rate - 1). Writes `forecast_accuracy.csv` (the table),
 `decisions.csv` (every decision) and `forecast_accuracy.png` (forecast vs realised per mode, y = x). Decisions
-overlap (a 120 s window every 10 s): they are not independent samples. No assertions. About 3 minutes in pure
+overlap (a 120 s window every 10 s): they are not independent samples. No assertions. About 4 minutes in pure
 Python on 2 cores.
 
   .venv/bin/python benchmarks/forecast_accuracy.py [--horizon 120] [--interval 10] [--only servegen/1,poisson/2]
-      [--modes oracle,poisson,pattern] [--out benchmarks/results/forecast_accuracy]
+      [--modes oracle,poisson,pattern,live] [--live-window 60] [--scaler-rates 12,16.5,22]
+      [--out benchmarks/results/forecast_accuracy]
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("oracle", "poisson", "pattern")
+MODES = ("oracle", "poisson", "pattern", "live")
 WORKLOADS = ("servegen/1", "servegen/2", "servegen-x2/3", "poisson/2")
 
 
@@ -75,7 +79,9 @@ class Probe:
         from twin.policy.forecast import make_load_predictor
 
         self.oracle = mode == "oracle"
-        self.arrivals = "poisson" if self.oracle else mode
+        self.live = mode == "live"
+        self.arrivals = "poisson" if self.oracle or self.live else mode
+        self.shadow: tuple | None = None  # live: (LiveConfig, engine, start-up delay), set by `workload`
         self.horizon_s = horizon_s
         self.bin_s = bin_s
         self.history = history
@@ -94,9 +100,63 @@ class Probe:
         rate = self.predictor.predict(series)
         n = active_count(fleet)
         t0 = time.perf_counter()
-        a = forecast.attainment(n, self.horizon_s, rate, self.slo, self.oracle)  # no target: exact
+        if self.live:
+            a = live_attainment(forecast._cluster, now, n, self.horizon_s, rate, self.slo, *self.shadow)
+        else:
+            a = forecast.attainment(n, self.horizon_s, rate, self.slo, self.oracle)  # no target: exact
         self.records.append((now, n, rate, a, time.perf_counter() - t0))
         return NO_CHANGE
+
+
+def shadow_of(sc, window_s: float) -> tuple:
+    """The live controller's shadow twin for the scenario's fleet: (LiveConfig, engine settings, start-up delay)."""
+    from live.config import parse_config
+    from live.shadow import base_engine
+
+    c = sc.cluster
+    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": sc.router.model_dump(exclude_unset=True),
+                        "shadow": {"enabled": True, "hardware": c.hardware, "model": c.model, "dtype": c.dtype,
+                                   "kv_cache_dtype": c.kv_cache_dtype, "tensor_parallel": c.tensor_parallel,
+                                   "engine": c.engine.model_dump(exclude_unset=True),
+                                   "perf": c.perf.model_dump(exclude_unset=True),
+                                   "slo": sc.slo.model_dump(), "window_s": window_s, "max_requests": 4000}})
+    return cfg, base_engine(cfg, None), c.startup_delay_s
+
+
+def live_attainment(cl, now: float, n: int, horizon_s: float, rate: float, slo, cfg, engine, delay) -> float:
+    """What the live controller's shadow twin forecasts for `n` instances at `now`, fed what its proxy would have
+    seen of this run (`live.shadow.Mirrored` records from the run's log so far: arrivals, workers, first tokens,
+    finishes, output lengths): the last `shadow.window_s` replayed at `rate` (`reshape`), the requests in flight
+    carried on their workers (`with_in_flight`, `placed`), a full twin `Cluster` with the configured router."""
+    from types import SimpleNamespace
+
+    from live.shadow import (Mirrored, ReplayLoad, ShadowFleetForecaster, fleet_slots, realised_metrics,
+                             with_in_flight)
+
+    lg = cl.log
+    names = [inst.id for inst in cl.instances]
+    cap = cl.max_tokens_cap
+
+    def mirrored(i: int) -> Mirrored:
+        ft, fin = float(lg.first_token_s[i]), float(lg.finish_s[i])
+        done = not np.isnan(fin)
+        return Mirrored(str(i), float(lg.arrival_s[i]), int(lg.prompt_tokens[i]), cap, (), 16, names[lg.instance[i]],
+                        True, None if np.isnan(ft) else ft, fin if done else None,
+                        int(lg.output_tokens[i]) if done else 0)
+
+    seen = np.flatnonzero((lg.arrival_s <= now) & (lg.instance >= 0))
+    window_s = cfg.shadow.window
+    recs = [mirrored(i) for i in seen if lg.arrival_s[i] >= now - window_s]
+    load = ReplayLoad().next_window(recs, now - window_s, window_s)
+    load.tpot_s = realised_metrics(recs)["tpot_p50"]
+    running = [mirrored(i) for i in seen if np.isnan(lg.finish_s[i]) and lg.status[i] != 5]
+    load = with_in_flight(load, running, now, cfg.shadow.max_requests)
+    books = cl.dispatcher.bookkeeping
+    workers = [SimpleNamespace(id=inst.id, state=inst.state, routable=inst.state == "serving", started_at=0.0,
+                               created_at=0.0) for inst in cl.instances if inst.state in ("serving", "starting")]
+    slots = fleet_slots(workers, lambda wid: books.load(wid).requests, now, delay)
+    return ShadowFleetForecaster(cfg, engine, load, {}, cfg.shadow.max_requests, slots, delay).attainment(
+        n, horizon_s, rate, slo)
 
 
 def workload(name: str, args):
@@ -183,6 +243,7 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=10, help="bins of history (TwinScaler.history)")
     ap.add_argument("--target", type=float, default=0.95, help="the twin scaler's target: sides compared")
     ap.add_argument("--poisson-rate", type=float, default=16.5, help="req/s of the steady Poisson workload")
+    ap.add_argument("--live-window", type=float, default=60.0, help="live mode: shadow.window_s, the window replayed")
     ap.add_argument("--scaler-rates", default="12,16.5,22", help="req/s of the twin scaler runs (empty: none)")
     ap.add_argument("--only", default=",".join(WORKLOADS))
     ap.add_argument("--modes", default=",".join(MODES))
@@ -210,6 +271,8 @@ def main() -> None:
         for mode in modes:
             t0 = time.perf_counter()
             probe = Probe(mode, args.horizon, args.rate_bin, args.history)
+            if mode == "live":
+                probe.shadow = shadow_of(sc, args.live_window)
             res = Cluster(sc, stream, scaler=probe).run()
             wall = time.perf_counter() - t0
             identical = same_log(res.log, plain.log)
@@ -264,12 +327,14 @@ def main() -> None:
         ax.axvline(args.target, color="0.6", lw=0.6, ls="--")
         ax.set_xlim(-0.03, 1.03)
         ax.set_ylim(-0.03, 1.03)
-        ax.set_title(mode if mode == "oracle" else f"moving average, {mode}", fontsize=9)
+        ax.set_title({"oracle": "oracle", "live": "live shadow twin, moving average"}.get(mode, f"moving average, {mode}"),
+                     fontsize=9)
         ax.set_xlabel("forecast attainment")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
     axes[0][0].set_ylabel("realised attainment")
-    fig.suptitle(f"FleetForecaster.attainment vs the run, fixed fleets, {args.horizon:g} s horizon", fontsize=10)
+    fig.suptitle(f"Fleet forecasts (FleetForecaster; live: ShadowFleetForecaster) vs the run, fixed fleets, "
+                 f"{args.horizon:g} s horizon", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "forecast_accuracy.png", dpi=110)
     print(f"wrote {out / 'forecast_accuracy.csv'}, {out / 'decisions.csv'} and {out / 'forecast_accuracy.png'}")
