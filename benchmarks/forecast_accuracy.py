@@ -18,8 +18,9 @@ forecast's error on a FIXED fleet, so the realised outcome belongs to the size t
   `TwinScaler.decide` computes) with `poisson` and with `pattern` forecast arrivals (model error plus
   rate-prediction error); and `live`: the live controller's shadow twin (`live.shadow.ShadowFleetForecaster`)
   on the same state, fed what its proxy would have seen of the run (`live_attainment`: the last `--live-window`
-  seconds replayed at the moving average's rate, the requests in flight carried on their workers, re-prefilled
-  as the live twin must: it cannot copy a worker's KV cache), so both worlds' forecasts meet the same outcome;
+  seconds replayed at the moving average's rate, the requests in flight carried on their workers, a decoding
+  one's prompt KV placed in its instance's cache, `live.shadow.warm`), so both worlds' forecasts meet the same
+  outcome;
 - a check that the probe does not disturb the run: every probe run's log must equal a plain run's.
 
 Workloads (fixed fleets, sizes where attainment is neither always 1 nor always 0, except `servegen/2`):

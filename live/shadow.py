@@ -16,7 +16,7 @@ simulator's `twin.sim.forecaster.FleetForecaster`.
 ASSUMPTIONS of the forecast (documented in the README, "Shadow mode"; each is settable or pluggable): the
 next window's arrivals come from the load model (`shadow.load`); each simulation starts from idle engines
 plus the requests in flight now (`shadow.carry_in_flight`, see `with_in_flight`), each kept on the instance
-standing for its worker (`placed`); a worker still starting serves `shadow.startup_delay_s` after its launch and
+standing for its worker (`placed`), a decoding one with its prompt's KV in that instance's cache (`warm`); a worker still starting serves `shadow.startup_delay_s` after its launch and
 a new one (instances+1, the twin scaler's larger sizes) that long after the window's start (default: the median
 of the launcher's measured start-ups, 0 before any; `fleet_slots`); requests still running when a window is cut
 get the client's `max_tokens`, else the window's mean output length.
@@ -140,6 +140,7 @@ class WindowLoad:
     carried: int = 0  # the first `carried` entries are requests in flight now (offset 0), not the window's
     tpot_s: float | None = None  # the observed window's median TPOT (streamed requests), when known
     carried_on: list | None = None  # the worker serving each carried request (None: not known), to pin it there
+    carried_decoding: list | None = None  # per carried request: it has its first token (its prompt's KV is held)
 
     def __len__(self) -> int:
         return len(self.offsets) - self.carried
@@ -223,9 +224,10 @@ def make_load_model(name: str, params: dict) -> LoadModel:
 
 def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, max_requests: int) -> WindowLoad:
     """Prepend the requests in flight at `now` (offset 0), so the forecast starts from the backlog rather than
-    idle engines. ASSUMPTIONS: one still waiting for its first token needs its whole prompt; one decoding is
-    re-prefilled (the twin cannot copy a worker's KV cache) and needs its expected output less what it produced
-    at the window's median TPOT. Its expected output is the simulator's (`expected_stop`): the mean of the
+    idle engines. ASSUMPTIONS: one still waiting for its first token needs its whole prompt; one decoding finds
+    its prompt's KV in its instance's prefix cache where the forecast pins it (`warm`; else it is re-prefilled:
+    the twin cannot copy a worker's KV cache, and the tokens it produced are not in that cache) and needs its
+    expected output less what it produced at the window's median TPOT. Its expected output is the simulator's (`expected_stop`): the mean of the
     window's output lengths above what it produced, within the client's cap (the window's mean at first)."""
     from twin.policy.predictors import ResidualLengths, expected_stop
 
@@ -245,10 +247,12 @@ def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, ma
         window_h = load.hash_ids if load.hash_ids is not None else [None] * len(load.offsets)
         hashes = [list(r.prefix) or None for r in running] + list(window_h)
     on = [r.worker for r in running] + (list(load.carried_on) if load.carried_on is not None else [None] * load.carried)
+    dec = [r.first_token is not None for r in running] + (list(load.carried_decoding)
+                                                           if load.carried_decoding is not None else [False] * load.carried)
     return WindowLoad(np.concatenate([np.zeros(len(running)), load.offsets]),
                       np.concatenate([prompt, load.prompt_tokens]),
                       np.concatenate([np.array(left, dtype=np.int64), load.output_tokens]), load.window_s, hashes,
-                      load.hash_block_size, load.carried + len(running), load.tpot_s, on)
+                      load.hash_block_size, load.carried + len(running), load.tpot_s, on, dec)
 
 
 def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests: int) -> WindowLoad:
@@ -257,7 +261,8 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
     c = load.carried
     ct, cp, co, ch = load.part(np.arange(c))
     if len(load) == 0 or (rate is not None and rate <= 0):
-        return WindowLoad(ct, cp, co, horizon_s, ch, load.hash_block_size, c, carried_on=load.carried_on)
+        return WindowLoad(ct, cp, co, horizon_s, ch, load.hash_block_size, c, carried_on=load.carried_on,
+                          carried_decoding=load.carried_decoding)
     scale = 1.0 if rate is None or load.rate <= 0 else load.rate / rate
     span = load.window_s * scale
     reps = max(1, math.ceil(horizon_s / span))
@@ -269,7 +274,7 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
     _, p, o, h = load.part(idx)
     hashes = None if h is None else (ch or []) + h
     return WindowLoad(np.concatenate([ct, t]), np.concatenate([cp, p]), np.concatenate([co, o]), horizon, hashes,
-                      load.hash_block_size, c, carried_on=load.carried_on)
+                      load.hash_block_size, c, carried_on=load.carried_on, carried_decoding=load.carried_decoding)
 
 
 # -- the fleet a forecast runs: who serves from when, and where the requests in flight stay ------------------
@@ -319,8 +324,56 @@ def placed(load: WindowLoad, slots: Sequence[Slot]) -> tuple[WindowLoad, dict[st
         keep.append(i)
     idx = np.concatenate([np.array(keep, dtype=np.int64), np.arange(c, len(load.offsets))])
     t, p, o, h = load.part(idx)
+    dec = None if load.carried_decoding is None else [load.carried_decoding[i] for i in keep]
     return WindowLoad(t, p, o, load.window_s, h, load.hash_block_size, len(keep), load.tpot_s,
-                      [load.carried_on[i] for i in keep]), pins
+                      [load.carried_on[i] for i in keep], dec), pins
+
+
+WARM_HASH_BASE = 1 << 62  # synthetic prefix ids of carried requests that have none: far from any real hash
+
+
+def with_warm_hashes(load: WindowLoad, block_size: int) -> WindowLoad:
+    """Each carried request that is decoding gets prefix ids for its prompt when it has none (unique, synthetic),
+    so `warm` can place its prompt's KV in its instance's cache; the stream's id block size is the engine's when
+    the load had no ids."""
+    dec = load.carried_decoding
+    if not dec or not any(dec):
+        return load
+    bs = load.hash_block_size if load.hash_ids is not None else block_size
+    hashes = list(load.hash_ids) if load.hash_ids is not None else [None] * len(load.offsets)
+    for i, d in enumerate(dec):
+        if d and not hashes[i]:
+            base = WARM_HASH_BASE + i * (1 << 24)
+            hashes[i] = [base + j for j in range(int(load.prompt_tokens[i]) // bs)]
+    return WindowLoad(load.offsets, load.prompt_tokens, load.output_tokens, load.window_s, hashes, bs, load.carried,
+                      load.tpot_s, load.carried_on, dec)
+
+
+def warm(cl: Any, load: WindowLoad, pins: dict[str, int]) -> int:
+    """Place the prompt KV of each pinned carried request that is decoding in its instance's prefix cache (free,
+    cached blocks), so its admission at the forecast's start is a prefix hit rather than a second prefill: the
+    worker holds that KV. Only where the pool can be warmed (per-block pool, prefix caching on) and has room; the
+    rest are re-prefilled. Returns the requests warmed."""
+    dec = load.carried_decoding
+    if not dec or cl.segmented:
+        return 0
+    warmed = 0
+    for sidx, k in pins.items():
+        i = int(sidx)
+        if not dec[i]:
+            continue
+        pool = cl.instances[k].pool
+        if not pool.enable_caching:
+            return warmed
+        r = cl.make_request(i)
+        keys = list(r.block_keys[:max(0, (r.num_prompt_tokens - 1) // pool.block_size)])
+        keys = keys[pool.num_cached_hits(keys, len(keys)):]  # a prefix shared with one warmed before is there
+        if not keys or pool.get_num_free_blocks() < len(keys) or any(pool.is_cached(x) for x in keys):
+            continue
+        pool.allocate(len(keys))
+        pool.release_keyed([pool.add_copy(x) for x in keys])
+        warmed += 1
+    return warmed
 
 
 class PinnedRouter:
@@ -513,9 +566,11 @@ def simulate(job: ShadowJob, v: Variant) -> tuple[Any, int]:
     router = build_router(sc)
     if pins:
         router = PinnedRouter(router, pins)
+        load = with_warm_hashes(load, int(sc.cluster.engine.block_size))
     cl = Cluster(sc, load.to_stream(), router)
     if pins:
         router.ids = [inst.id for inst in cl.instances]
+        warm(cl, load, pins)
     for inst, sl in zip(list(cl.instances), slots):
         cl.fleet.serve_after(inst, sl.ready_s)
     return cl.run(), load.carried
@@ -833,9 +888,9 @@ class ShadowInstanceForecaster:
 
     The simulator forks the instance's exact engine; the controller cannot see a worker's batch, so it rebuilds
     one from the mirror: the requests in flight on that worker (`with_in_flight`: the same ASSUMPTIONS as the
-    shadow runs: re-prefilled, expected output the mean recent length above what was streamed, within the cap,
-    less what was streamed at the recent median TPOT), plus the new request, on one twin instance with the
-    worker's engine settings and `shadow.perf`. Synchronous: a decision pays one small simulation per candidate
+    shadow runs: its prompt's KV in the instance's cache once decoding (`warm`), expected output the mean recent
+    length above what was streamed, within the cap, less what was streamed at the recent median TPOT), plus the
+    new request, on one twin instance with the worker's engine settings and `shadow.perf`. Synchronous: a decision pays one small simulation per candidate
     (the router's `max_candidates` bounds it); `calls` counts them.
     """
 
@@ -892,9 +947,14 @@ class ShadowInstanceForecaster:
         if len(offsets) == 0:
             return Forecast(instance_id, drain_s=0.0)
         block = load.hash_block_size if running else int(getattr(extra_request, "prefix_block_size", 0) or 16)
-        one = WindowLoad(offsets, prompts.astype(np.int64), outs.astype(np.int64), horizon, hashes, block,
-                         carried=len(offsets))
-        res = Cluster(self._scenario(engine, horizon), one.to_stream()).run()
+        dec = list(load.carried_decoding or [])[:load.carried] + [False] * (len(offsets) - load.carried)
+        sc = self._scenario(engine, horizon)
+        one = with_warm_hashes(WindowLoad(offsets, prompts.astype(np.int64), outs.astype(np.int64), horizon, hashes,
+                                          block, carried=len(offsets), carried_decoding=dec),
+                               int(sc.cluster.engine.block_size))
+        cl = Cluster(sc, one.to_stream())
+        warm(cl, one, {str(i): 0 for i, d in enumerate(dec) if d})  # its decoding requests' KV is on the worker
+        res = cl.run()
         log = res.log
         ttft = e2e = None
         x = len(offsets) - 1
