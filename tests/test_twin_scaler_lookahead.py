@@ -312,14 +312,12 @@ def test_the_forecast_sends_an_instance_with_a_backlog_no_more_than_the_router_d
 
 
 def test_the_drain_rate_is_over_the_part_of_the_minute_observed():
-    """30 s into a run, 60 completions are 2 per second, not 1 (as `RecentWindow.rate` reads arrivals)."""
-    from twin.policy.signals import RecentWindow
-    from twin.sim.forecaster import _completions_per_s
-
+    """30 s into a run, 60 completions are 2 per second, not 1 (as `RecentWindow.rate` reads arrivals); the fleet
+    forecast's drain rate is `RecentWindow.completion_rate`."""
     sig = RecentWindow(observed_since=0.0)
     for k in range(60):
         sig.arrived(k * 0.5, 100)
         sig.finished(k * 0.5, 0.1, 0.4, 100, 10)
-    assert _completions_per_s(sig, 30.0, 60.0) == pytest.approx(2.0)
-    assert _completions_per_s(sig, 90.0, 60.0) == 0.0  # none in the last minute
-    assert _completions_per_s(RecentWindow(), 5.0, 60.0) == 0.0
+    assert sig.completion_rate(30.0, 60.0) == pytest.approx(2.0)
+    assert sig.completion_rate(90.0, 60.0) == 0.0  # none in the last minute
+    assert RecentWindow().completion_rate(5.0, 60.0) == 0.0

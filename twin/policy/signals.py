@@ -114,18 +114,22 @@ class RecentWindow:
             first = self.observed_since if first is None else min(first, self.observed_since)
         return first
 
+    def observed_span(self, now: float, window_s: float) -> float:
+        """The part of the last `window_s` observed (`observed_from` on); 0.0 when nothing has been observed."""
+        first = self.observed_from()
+        if first is None or window_s <= 0:
+            return 0.0
+        return max(0.0, now - max(now - window_s, first))
+
     def rate(self, now: float, window_s: float) -> float:
         """Arrivals per second over the last `window_s`, or over the part of it observed (as `arrival_series`).
 
         Before the window has filled, dividing by the whole window made the first readings too low (10 req/s
         seen for 10 s of a 60 s window read as 1.7 req/s). 0.0 when nothing has been observed yet."""
-        first = self.observed_from()
-        if first is None or window_s <= 0:
-            return 0.0
-        cut = now - window_s
-        span = now - max(cut, first)
+        span = self.observed_span(now, window_s)
         if span <= 0:
             return 0.0
+        cut = now - window_s
         n = 0
         for t, _ in reversed(self.arrivals):
             if t < cut:
@@ -133,6 +137,12 @@ class RecentWindow:
             if t <= now:
                 n += 1
         return n / span
+
+    def completion_rate(self, now: float, window_s: float) -> float:
+        """Completions per second over the last `window_s`, or over the part of it observed, as `rate` reads
+        arrivals (the fleet forecast's drain rate, `twin.sim.forecaster._backlog_free_at`)."""
+        span = self.observed_span(now, window_s)
+        return len(self.recent(now, window_s)) / span if span > 0 else 0.0
 
     def mean_lengths(self, now: float, window_s: float) -> tuple[float | None, float | None]:
         """Mean prompt and output tokens of the requests completed in the window (those `recent` gives).

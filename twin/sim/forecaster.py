@@ -824,7 +824,7 @@ class FleetForecaster:
         # router sees only serving ones) unless none serves yet (then all wait for their instance), nor to one
         # still working off a backlog (`_backlog_free_at`)
         k_all = np.arange(len(t))
-        rate_each = _completions_per_s(cl.dispatcher.signals, now, 60.0) / max(1, len(serving))
+        rate_each = cl.dispatcher.signals.completion_rate(now, 60.0) / max(1, len(serving))
         takes = np.asarray(_backlog_free_at(ready, [books.load(i.id).requests for i in serving][:n_instances],
                                             rate_each, now))
         order = np.argsort(takes, kind="stable")
@@ -878,15 +878,6 @@ class FleetForecaster:
                     self.stopped_early += 1
                 return verdict.value()
         return ok / total if total else 1.0
-
-
-def _completions_per_s(sig, now: float, window_s: float) -> float:
-    """Completions per second over the last `window_s`, or over the part of it observed (as `RecentWindow.rate`
-    does for arrivals): in a run's first minute, dividing by the whole minute read the drain rate low and kept a
-    backlogged instance out of the forecast's rotation for too long."""
-    first = sig.observed_from()
-    span = now - max(now - window_s, first if first is not None else now - window_s)
-    return len(sig.recent(now, window_s)) / span if span > 0 else 0.0
 
 
 def _backlog_free_at(ready: list[float], loads: list[int], rate_each: float, now: float) -> list[float]:
