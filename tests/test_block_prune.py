@@ -125,7 +125,8 @@ def test_a_fork_under_async_scheduling_hides_the_true_length_of_requests_in_its_
     as every other forked request does: the true length is an oracle's."""
     from twin.engine.fork import fork_instance
     from twin.sim.cluster import Cluster
-    from twin.sim.forecaster import apply_predicted_lengths
+    from twin.policy.predictors import stop_for
+    from twin.sim.forecaster import apply_stop_lengths
 
     sc = make_scenario(**{"cluster.engine.async_scheduling": True, "sim.timeline_interval_s": 0})
     rng = np.random.default_rng(2)
@@ -137,7 +138,8 @@ def test_a_fork_under_async_scheduling_hides_the_true_length_of_requests_in_its_
     f = fork_instance(inst, cl.env.now)
     held = [r for r, _ in f.scheduler.inbox]
     assert held and all(r.stop_at_tokens >= 200 for r in held)
-    apply_predicted_lengths(f, {r.idx: 7 for r in held})
+    ids = {r.idx for r in held}
+    apply_stop_lengths(f, lambda idx, done: stop_for(7, done) if idx in ids else None)
     assert [r.stop_at_tokens for r in held] == [7] * len(held)
 
 

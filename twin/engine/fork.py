@@ -233,7 +233,7 @@ def fork_scheduler(sched: Scheduler, runs: dict | None = None, finish_heap: bool
     """A deep copy of a scheduler's state (requests, pool, decode group) with a ForkLog and no callbacks.
 
     Returns the copy and the map id(original request) -> its copy. `finish_heap=False` leaves the decode
-    group's finish heap empty, for a caller that rebuilds it (`apply_predicted_lengths`)."""
+    group's finish heap empty, for a caller that rebuilds it (`twin.sim.forecaster.apply_stop_lengths`)."""
     runs = {} if runs is None else runs
     pool = _fork_pool(sched.pool, runs)
     new = make_scheduler(sched.config, pool, sched.perf, ForkLog())

@@ -207,6 +207,12 @@ class ResidualLengths:
         return done + self._suffix[0] / n
 
 
+def stop_for(predicted: float, done: int) -> int:
+    """The stop length a forecast gives a request predicted to produce `predicted` tokens, `done` of them already:
+    never below one more than it produced."""
+    return max(int(math.ceil(predicted)), done + 1)
+
+
 def expected_stop(own: float | None, cap: int | None, done: int, lengths: ResidualLengths | None,
                   default: float) -> int:
     """The length a forecast runs a request to once it has made `done` tokens: its own prediction (a length
@@ -215,13 +221,13 @@ def expected_stop(own: float | None, cap: int | None, done: int, lengths: Residu
     a request ends at the first of its own stop and its cap. The simulator's forks and the live shadow twin
     both use it (`twin.sim.forecaster.SimForecaster._predictor`, `live.shadow.with_in_flight`)."""
     if own is not None and own > done:
-        return int(math.ceil(own))
+        return stop_for(own, done)
     e = lengths.expected(done) if lengths is not None else None
     if e is None:
         e = default
     if cap is not None:
         e = min(e, cap)
-    return max(int(math.ceil(e)), done + 1)
+    return stop_for(e, done)
 
 
 class _Window:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left
-from typing import Callable, Mapping
+from typing import Callable
 
 import numpy as np
 
@@ -29,26 +29,6 @@ from twin.sim.floors import (_exact_model, decode_gpu_s, decode_steps_floor_s, f
 # a fork's clock adds durations to the time it resumed from, so it can land an ulp or so off the ends a lower
 # bound reads; a forecast is cut off only when the bound passes its horizon by more than this (relative)
 _BOUND_MARGIN = 1e-9
-
-
-def stop_for(predicted: float, done: int) -> int:
-    """The stop length a fork gives a request predicted to produce `predicted` tokens, `done` of them already:
-    never below one more than it produced."""
-    return max(int(math.ceil(predicted)), done + 1)
-
-
-def apply_predicted_lengths(f: EngineFork, lengths: Mapping[int, float] | Callable[[int], float | None]) -> None:
-    """Replace each forked request's stop length by its prediction (never below what it already produced).
-
-    `lengths` maps a request index to its predicted output length, or is a function of the index giving it
-    (None: no prediction, the request keeps its length)."""
-    predict = lengths if callable(lengths) else lengths.get
-
-    def stop(idx: int, done: int) -> int | None:
-        x = predict(idx)
-        return None if x is None else stop_for(x, done)
-
-    apply_stop_lengths(f, stop)
 
 
 def apply_stop_lengths(f: EngineFork, stop: Callable[[int, int], int | None]) -> None:
@@ -160,7 +140,7 @@ class SimForecaster:
         """An exact fork with predicted lengths in place of true ones, and the requests still on their way
         to it (in the API server) as (engine time, request) to arrive in the fork."""
         inst = self._cluster.by_id[instance_id]
-        f = fork_instance(inst, self._cluster.env.now, finish_heap=False)  # rebuilt by apply_predicted_lengths
+        f = fork_instance(inst, self._cluster.env.now, finish_heap=False)  # rebuilt by apply_stop_lengths
         transit = sorted(((t, _fork_request(r, {})) for r, t in self._cluster.in_transit.get(instance_id, {}).values()),
                          key=lambda x: x[0])
         stop = self._predictor()
