@@ -681,12 +681,12 @@ class Shadow:
         self.mirror.finished(req.id, now, output_tokens)
 
     # -- one run
-    def fleet_size_and_engine(self) -> tuple[int, dict]:
-        """The active workers (serving and healthy, or starting) and the engine settings a twin instance takes."""
+    def engine(self) -> dict:
+        """The engine settings a twin instance takes: an active worker's (a serving one's first), `shadow.engine`."""
         serving = [w for w in self.ctl.registry if w.routable]
         starting = [w for w in self.ctl.registry if w.state == "starting"]
         wcfg = (serving or starting)[0].config if serving or starting else None
-        return len(serving) + len(starting), base_engine(self.ctl.cfg, wcfg)
+        return base_engine(self.ctl.cfg, wcfg)
 
     def startup_delay(self) -> tuple[float, str]:
         """A new worker's start-up delay in the forecasts, and where it comes from."""
@@ -722,16 +722,16 @@ class Shadow:
 
     def build_job(self, now: float) -> ShadowJob | None:
         """The job for the window after `now`, or None (and why, counted) when there is nothing to run."""
-        n, engine = self.fleet_size_and_engine()
-        if n == 0:
+        slots, delay = self.fleet(now)  # the active workers: serving and healthy, or starting
+        if not slots:
             self.metrics.skipped.labels("no_worker").inc()
             return None
         load = self.window_load(now)
         if len(load) == 0:
             self.metrics.skipped.labels("no_requests").inc()
             return None
-        slots, delay = self.fleet(now)
-        return ShadowJob(self.ctl.cfg, engine, variants(self.ctl.cfg, n, engine), load, self.api,
+        engine = self.engine()
+        return ShadowJob(self.ctl.cfg, engine, variants(self.ctl.cfg, len(slots), engine), load, self.api,
                          max_sim_time_s=max(60.0, 20 * self.window_s), fleet=slots, startup_delay_s=delay)
 
     async def run_once(self, now: float | None = None) -> dict[str, dict] | None:
@@ -830,10 +830,9 @@ class Shadow:
 
     def fleet_forecaster(self, now: float) -> "ShadowFleetForecaster":
         """A forecaster over the last window, for a scaler decision (its simulations run where it is called)."""
-        _, engine = self.fleet_size_and_engine()
         load = self.window_load(now, count=False)
         slots, delay = self.fleet(now)
-        return ShadowFleetForecaster(self.ctl.cfg, engine, load, self.api, self.spec.max_requests, slots, delay)
+        return ShadowFleetForecaster(self.ctl.cfg, self.engine(), load, self.api, self.spec.max_requests, slots, delay)
 
 
 class ShadowFleetForecaster:
@@ -922,7 +921,7 @@ class ShadowInstanceForecaster:
         now = time.monotonic()
         horizon = float(horizon_s if horizon_s is not None else 60.0)
         worker = sh.ctl.registry.get(instance_id)
-        engine = base_engine(sh.ctl.cfg, worker.config) if worker is not None else sh.fleet_size_and_engine()[1]
+        engine = base_engine(sh.ctl.cfg, worker.config) if worker is not None else sh.engine()
         recent = sh.mirror.window(now - sh.window_s, now)
         base = sh.load_model.next_window(recent, now - sh.window_s, sh.window_s)
         base.tpot_s = realised_metrics(recent)["tpot_p50"]
