@@ -328,8 +328,8 @@ def main() -> None:
         ax.axvline(args.target, color="0.6", lw=0.6, ls="--")
         ax.set_xlim(-0.03, 1.03)
         ax.set_ylim(-0.03, 1.03)
-        ax.set_title({"oracle": "oracle", "live": "live shadow twin, moving average"}.get(mode, f"moving average, {mode}"),
-                     fontsize=9)
+        titles = {"oracle": "oracle", "live": "live shadow twin, moving average"}
+        ax.set_title(titles.get(mode, f"moving average, {mode}"), fontsize=9)
         ax.set_xlabel("forecast attainment")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")

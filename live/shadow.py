@@ -16,10 +16,11 @@ simulator's `twin.sim.forecaster.FleetForecaster`.
 ASSUMPTIONS of the forecast (documented in the README, "Shadow mode"; each is settable or pluggable): the
 next window's arrivals come from the load model (`shadow.load`); each simulation starts from idle engines
 plus the requests in flight now (`shadow.carry_in_flight`, see `with_in_flight`), each kept on the instance
-standing for its worker (`placed`), a decoding one with its prompt's KV in that instance's cache (`warm`); a worker still starting serves `shadow.startup_delay_s` after its launch and
-a new one (instances+1, the twin scaler's larger sizes) that long after the window's start (default: the median
-of the launcher's measured start-ups, 0 before any; `fleet_slots`); requests still running when a window is cut
-get the client's `max_tokens`, else the window's mean output length.
+standing for its worker (`placed`), a decoding one with its prompt's KV in that instance's cache (`warm`); a
+worker still starting serves `shadow.startup_delay_s` after its launch and a new one (instances+1, the twin
+scaler's larger sizes) that long after the window's start (default: the median of the launcher's measured
+start-ups, 0 before any; `fleet_slots`); requests still running when a window is cut get the client's
+`max_tokens`, else the window's mean output length.
 """
 
 from __future__ import annotations
@@ -227,8 +228,9 @@ def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, ma
     idle engines. ASSUMPTIONS: one still waiting for its first token needs its whole prompt; one decoding finds
     its prompt's KV in its instance's prefix cache where the forecast pins it (`warm`; else it is re-prefilled:
     the twin cannot copy a worker's KV cache, and the tokens it produced are not in that cache) and needs its
-    expected output less what it produced at the window's median TPOT. Its expected output is the simulator's (`expected_stop`): the mean of the
-    window's output lengths above what it produced, within the client's cap (the window's mean at first)."""
+    expected output less what it produced at the window's median TPOT. Its expected output is the simulator's
+    (`expected_stop`): the mean of the window's output lengths above what it produced, within the client's cap
+    (the window's mean at first)."""
     from twin.policy.predictors import ResidualLengths, expected_stop
 
     running = list(running)[-max_requests:]
@@ -246,9 +248,10 @@ def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, ma
     if load.hash_ids is not None or any(r.prefix for r in running):
         window_h = load.hash_ids if load.hash_ids is not None else [None] * len(load.offsets)
         hashes = [list(r.prefix) or None for r in running] + list(window_h)
-    on = [r.worker for r in running] + (list(load.carried_on) if load.carried_on is not None else [None] * load.carried)
-    dec = [r.first_token is not None for r in running] + (list(load.carried_decoding)
-                                                           if load.carried_decoding is not None else [False] * load.carried)
+    old_on = list(load.carried_on) if load.carried_on is not None else [None] * load.carried
+    old_dec = list(load.carried_decoding) if load.carried_decoding is not None else [False] * load.carried
+    on = [r.worker for r in running] + old_on
+    dec = [r.first_token is not None for r in running] + old_dec
     return WindowLoad(np.concatenate([np.zeros(len(running)), load.offsets]),
                       np.concatenate([prompt, load.prompt_tokens]),
                       np.concatenate([np.array(left, dtype=np.int64), load.output_tokens]), load.window_s, hashes,
@@ -832,7 +835,8 @@ class Shadow:
         """A forecaster over the last window, for a scaler decision (its simulations run where it is called)."""
         load = self.window_load(now, count=False)
         slots, delay = self.fleet(now)
-        return ShadowFleetForecaster(self.ctl.cfg, self.engine(), load, self.api, self.spec.max_requests, slots, delay)
+        return ShadowFleetForecaster(self.ctl.cfg, self.engine(), load, self.api, self.spec.max_requests, slots,
+                                     delay)
 
 
 class ShadowFleetForecaster:
@@ -889,8 +893,9 @@ class ShadowInstanceForecaster:
     one from the mirror: the requests in flight on that worker (`with_in_flight`: the same ASSUMPTIONS as the
     shadow runs: its prompt's KV in the instance's cache once decoding (`warm`), expected output the mean recent
     length above what was streamed, within the cap, less what was streamed at the recent median TPOT), plus the
-    new request, on one twin instance with the worker's engine settings and `shadow.perf`. Synchronous: a decision pays one small simulation per candidate
-    (the router's `max_candidates` bounds it); `calls` counts them.
+    new request, on one twin instance with the worker's engine settings and `shadow.perf`. Synchronous: a
+    decision pays one small simulation per candidate (the router's `max_candidates` bounds it); `calls` counts
+    them.
     """
 
     def __init__(self, shadow: "Shadow") -> None:
