@@ -59,6 +59,48 @@ def test_an_early_verdict_is_the_full_runs_verdict():
     assert any(early != full for *_, full, early in checks)
 
 
+def test_a_reps_run_ends_once_each_of_its_requests_is_judged(monkeypatch):
+    """A judgement is final (a first token past the TTFT bound, or a finished request): an overloaded fork need not
+    run its backlog on to the horizon's end once each forecast request has one, and the attainment is the same."""
+    import twin.sim.forecaster as fm
+
+    ends: list[float] = []
+    advance = fm.EngineFork.advance
+
+    def timed(self, *a, **kw):
+        out = advance(self, *a, **kw)
+        ends.append(self.now)
+        return out
+
+    monkeypatch.setattr(fm.EngineFork, "advance", timed)
+    to_the_end = property(lambda self: self.known)  # the rule before: a rep ran on until the answer was known
+
+    def ask(fc):
+        out = []
+        for n, target in ((1, None), (2, None), (1, 0.02), (2, 0.05)):
+            now = fc._cluster.env.now
+            ends.clear()
+            judged = fc.attainment(n, 30.0, 25.0, slo, False, target=target)
+            judged_end = max(ends, default=now) - now
+            with monkeypatch.context() as m:
+                m.setattr(fm._Verdict, "done", to_the_end)
+                ends.clear()
+                full = fc.attainment(n, 30.0, 25.0, slo, False, target=target)
+                full_end = max(ends, default=now) - now
+            out.append((n, target, judged, full, judged_end, full_end))
+        return out
+
+    slo = make_scenario(**{"slo.ttft_s": 0.5}).slo
+    cl, s = probe_run(ask, rate=25.0)
+    checks = [c for a in s.answers for c in a]
+    assert len(checks) >= 16
+    assert all(judged == full for _, _, judged, full, *_ in checks), checks
+    assert all(judged_end <= full_end for *_, judged_end, full_end in checks)
+    assert {full < 0.5 for _, _, _, full, *_ in checks} == {True, False}  # one instance overloaded, two not
+    # the overloaded runs went on to the end of 4 horizons; they now end near one
+    assert any(full_end > 100.0 and judged_end < 60.0 for *_, judged_end, full_end in checks), checks
+
+
 def test_every_size_of_a_decision_sees_the_same_forecast_arrivals():
     slo = make_scenario(**{"slo.ttft_s": 0.5}).slo
     cl, s = probe_run(lambda fc: [fc.attainment(2, 30.0, 12.0, slo), fc.attainment(3, 30.0, 12.0, slo),

@@ -492,7 +492,7 @@ class TwinScaler(ScalerBase):
         - `gain` (default): the smallest size, not below the current one, whose forecast attainment is within
           `tolerance` of the largest size's (that one forecast to its end): grow as far as the forecast still gains.
           It costs one more forecast run to the end and up to `max_step` early-stopped ones: `bench_scaler.py
-          --rate 160 --requests 40000` (16 instances, overloaded, pure Python) read 0.86 s at most, 0.09 s before;
+          --rate 160 --requests 40000` (16 instances, overloaded, pure Python) read 0.72 s at most, 0.09 s before;
         - `hold`: the current size: wait for the starting instances (cheapest; slowest on a large step of load);
         - `largest`: the largest again (the rule before; quickest on a large step of load).
 
