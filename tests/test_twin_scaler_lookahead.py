@@ -101,6 +101,17 @@ def test_a_reps_run_ends_once_each_of_its_requests_is_judged(monkeypatch):
     assert any(full_end > 100.0 and judged_end < 60.0 for *_, judged_end, full_end in checks), checks
 
 
+def test_a_decisions_forecasts_share_one_length_snapshot():
+    """The reps' forks read the recent lengths from one snapshot per 10 s of simulated time, whatever the number of
+    sizes a decision forecasts (each call used to sort the window again)."""
+    slo = make_scenario(**{"slo.ttft_s": 0.5}).slo
+    cl, s = probe_run(lambda fc: [fc.attainment(n, 30.0, 12.0, slo) for n in (1, 2, 3, 4)]
+                      + [fc._sim._lengths_at[0], fc._sim._lengths_at[2]])
+    builds = [a[5] for a in s.answers]
+    assert len(s.answers) >= 3 and len({a[4] for a in s.answers}) == len(s.answers)  # a new grid time each
+    assert all(b - a == 1 for a, b in zip(builds, builds[1:])), builds  # one build a decision, not one a call
+
+
 def test_every_size_of_a_decision_sees_the_same_forecast_arrivals():
     slo = make_scenario(**{"slo.ttft_s": 0.5}).slo
     cl, s = probe_run(lambda fc: [fc.attainment(2, 30.0, 12.0, slo), fc.attainment(3, 30.0, 12.0, slo),

@@ -700,6 +700,7 @@ class FleetForecaster:
         self.calls = 0
         self.stopped_early = 0  # candidates whose run stopped once the verdict was known
         self._drawn: tuple | None = None  # (key, arrivals): this decision's forecast arrivals
+        self._sim = SimForecaster(cluster)  # forks the reps; one for every call (its length snapshot is kept)
 
     def _arrivals(self, now: float, horizon_s: float, rate: float, oracle: bool):
         """The forecast arrivals (times, prompts, outputs) over the horizon: drawn once for every candidate
@@ -783,7 +784,7 @@ class FleetForecaster:
         ready = [r for r, _ in existing[:n_instances]] + [now + delay] * max(0, n_instances - len(existing))
         reps: list[tuple[EngineFork, list, float]] = []  # fork, its transit, when it can take requests
         rep_pos: list[int] = []  # each rep's place in the fleet's order
-        sim = SimForecaster(cl)
+        sim = self._sim
         # each rep's API server as a FIFO queue from its backlog now (an approximation of processor sharing
         # for the forecast's arrivals), and its token rate now
         queues: list[tuple[ApiServer | None, float]] = []
