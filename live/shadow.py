@@ -660,6 +660,11 @@ class Shadow:
     # executor: one worker, so runs never overlap and never compete with each other for the CPU
     @property
     def executor(self) -> concurrent.futures.Executor:
+        broken = getattr(self._executor, "_broken", False)  # a process pool whose child died (killed, out of memory)
+        if broken:
+            log.warning("shadow: the simulation process died (%s); starting another", broken)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
         if self._executor is None:
             if self.spec.executor == "process":
                 self._executor = concurrent.futures.ProcessPoolExecutor(
@@ -832,11 +837,12 @@ class Shadow:
         return ShadowInstanceForecaster(self)
 
     def fleet_forecaster(self, now: float) -> "ShadowFleetForecaster":
-        """A forecaster over the last window, for a scaler decision (its simulations run where it is called)."""
+        """A forecaster over the last window, for a scaler decision: its simulations run on the shadow's executor,
+        one at a time with the shadow's own runs (a child process with `shadow.executor: process`)."""
         load = self.window_load(now, count=False)
         slots, delay = self.fleet(now)
         return ShadowFleetForecaster(self.ctl.cfg, self.engine(), load, self.api, self.spec.max_requests, slots,
-                                     delay)
+                                     delay, self.executor)
 
 
 class ShadowFleetForecaster:
@@ -845,10 +851,13 @@ class ShadowFleetForecaster:
     predicted rate (`reshape`). As there, a size is the live fleet in the planner's order (`fleet_slots`): starting
     workers serve when their start-up ends, new ones after the start-up delay, and the requests in flight stay on
     their workers (a backlogged worker takes new requests once the configured router sends it some). Blocking: the
-    controller calls the scaler in a thread."""
+    controller calls the scaler in a thread, and each size's simulation runs on `executor` (the shadow's) when one is
+    given: until 2026-12-07 they ran in that thread whatever `shadow.executor` said, so a decision's simulations
+    shared the GIL with the proxy even where the shadow's own runs were kept in a child process."""
 
     def __init__(self, cfg: Any, engine: dict, load: WindowLoad, api: dict, max_requests: int,
-                 fleet: Sequence[Slot] = (), startup_delay_s: float = 0.0) -> None:
+                 fleet: Sequence[Slot] = (), startup_delay_s: float = 0.0,
+                 executor: concurrent.futures.Executor | None = None) -> None:
         self.cfg = cfg
         self.engine = engine
         self.load = load
@@ -856,6 +865,7 @@ class ShadowFleetForecaster:
         self.max_requests = max_requests
         self.fleet = list(fleet)
         self.startup_delay_s = startup_delay_s
+        self.executor = executor
         self.calls = 0
         self._cache: dict[tuple, float] = {}
 
@@ -880,7 +890,7 @@ class ShadowFleetForecaster:
         job = ShadowJob(cfg, self.engine, [Variant(f"scaler-n{n_instances}", n_instances)], load, self.api,
                         max_sim_time_s=max(60.0, 4 * horizon_s), fleet=self.fleet,
                         startup_delay_s=self.startup_delay_s)
-        att = attainment_job(job)
+        att = attainment_job(job) if self.executor is None else self.executor.submit(attainment_job, job).result()
         self._cache[key] = att
         return att
 

