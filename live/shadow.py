@@ -223,6 +223,13 @@ def make_load_model(name: str, params: dict) -> LoadModel:
         raise TwinInputError(f"shadow.load.params: {e}") from None
 
 
+def window_outputs(load: WindowLoad) -> tuple[list[int], int]:
+    """The output lengths of the window's own requests (not those carried in) and their rounded mean: what a
+    forecast's expected lengths start from (one request of 16 tokens, an ASSUMPTION, where there are none)."""
+    outs = [int(x) for x in load.output_tokens[load.carried:]] or [16]
+    return outs, max(1, round(sum(outs) / len(outs)))
+
+
 def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, max_requests: int) -> WindowLoad:
     """Prepend the requests in flight at `now` (offset 0), so the forecast starts from the backlog rather than
     idle engines. ASSUMPTIONS: one still waiting for its first token needs its whole prompt; one decoding finds
@@ -236,8 +243,7 @@ def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, ma
     running = list(running)[-max_requests:]
     if not running:
         return load
-    outs = [int(x) for x in load.output_tokens[load.carried:]] or [16]
-    mean_out = max(1, round(sum(outs) / len(outs)))
+    outs, mean_out = window_outputs(load)
     lengths = ResidualLengths(outs)
     prompt = np.array([max(1, r.prompt_tokens) for r in running], dtype=np.int64)
     left = []
@@ -947,8 +953,7 @@ class ShadowInstanceForecaster:
         if extra_request is not None:
             from twin.policy.predictors import expected_stop
 
-            window_outs = [int(x) for x in base.output_tokens] or [16]
-            mean_out = max(1, round(sum(window_outs) / len(window_outs)))
+            _, mean_out = window_outputs(base)
             # as the simulator's forecaster runs the extra request (`SimForecaster._output_tokens`)
             expect = expected_stop(extra_request.predicted_output_tokens, extra_request.max_tokens or None, 0, None,
                                    mean_out)
