@@ -30,7 +30,7 @@ from twin.policy.scalers import Scaler
 from twin.policy.views import Reject, RequestView, new_request_view
 from twin.engine.records import RequestLog, account
 from twin.scenario import Scenario
-from twin.sim.timeline import Timeline
+from twin.sim.timeline import Timeline, timeline_interval
 from twin.workload.stream import RequestStream
 from twin.workload.text_prefix import with_text_prefixes
 
@@ -237,7 +237,13 @@ class Cluster:
             self.env.process(self.fleet.scaler_process())
         self.timeline: Timeline | None = None
         if sc.sim.timeline_interval_s > 0:
-            self.timeline = Timeline(self.env, self.dispatcher, sc.sim.timeline_interval_s)
+            span = float(stream.arrival_s[-1]) if len(stream) else 0.0
+            scaling = getattr(self.fleet.scaler, "name", "") != "none"
+            interval, note = timeline_interval(sc.sim.timeline_interval_s, span,
+                                               max(c.num_instances, (c.max_instances or 0) if scaling else 0))
+            if note is not None and note not in stream.stats.notes:
+                stream.stats.notes.append(note)
+            self.timeline = Timeline(self.env, self.dispatcher, interval)
         Proc(self.env, self.arrivals())  # twin.sim.events: SimPy's process, compiled
 
     def _build_instance(self) -> Instance:

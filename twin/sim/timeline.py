@@ -7,12 +7,33 @@ before any event at T; the run's end records every instance through its last tic
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import simpy
 
 from twin.sim.dispatcher import Dispatcher
 from twin.sim.instance import Instance, ScrapeClock
+
+
+# at most about this many rows (instances x ticks, ~240 bytes each while the run holds them): a trace whose arrivals
+# span a month at the default 1 s would hold 2.6 M ticks per instance, and a year's ran the machine out of memory
+MAX_ROWS = 2_000_000
+_ROUND_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+
+
+def timeline_interval(interval_s: float, span_s: float, instances: int) -> tuple[float, str | None]:
+    """The timeline's resolution for a run whose arrivals span `span_s` on up to `instances`: `interval_s`, or
+    the first round interval above it that keeps the rows within `MAX_ROWS`, with a note saying so."""
+    rows = span_s / interval_s * max(1, instances)
+    if rows <= MAX_ROWS:
+        return interval_s, None
+    need = span_s * max(1, instances) / MAX_ROWS
+    new = next((float(r) for r in _ROUND_S if r >= need), float(math.ceil(need / 86400) * 86400))
+    return new, (f"timeline every {new:g} s, not {interval_s:g} s: arrivals over {span_s:,.0f} s on up to "
+                 f"{instances} instances would be {rows:,.0f} rows (at most {MAX_ROWS:,} are kept in memory); "
+                 "set sim.timeline_interval_s (0: no timeline)")
 
 
 class Timeline:
