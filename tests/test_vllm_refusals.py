@@ -65,3 +65,20 @@ def test_validate_catches_them_naming_the_flag_or_the_field(tmp_path):
     bad.write_text(QUICKSTART.read_text().replace("block_size: 16", "block_size: 24"))
     r = CliRunner().invoke(app, ["validate", str(bad)])
     assert r.exit_code == 2 and f"error: {bad}: cluster.engine.block_size: " in r.output
+
+
+def test_a_kv_cache_smaller_than_one_max_model_len_request_is_refused():
+    # vLLM: v1/core/kv_cache_utils.py check_enough_kv_cache_memory, "To serve at least one request with the
+    # models's max seq len (8192), (... GiB KV cache is needed, which is larger than the available KV cache memory"
+    from twin.sim.cluster import Cluster
+    from conftest import stream_of
+
+    small = {"cluster.engine.gpu_memory_utilization": 0.235}  # Llama-3-8B on an H100: about 4,800 tokens of KV
+    with pytest.raises(TwinInputError) as e:
+        Cluster(make_scenario(**small), stream_of([0.0], [100], [10]))
+    assert "max_model_len 8192" in str(e.value) and "gpu_memory_utilization" in str(e.value)
+    r = CliRunner().invoke(app, ["validate", str(QUICKSTART), "--set", "cluster.engine.gpu_memory_utilization=0.235"])
+    assert r.exit_code == 2 and "max_model_len 8192" in r.output and "Traceback" not in r.output
+    # the same memory with a max_model_len that fits, or a bit more memory, is accepted
+    Cluster(make_scenario(**small, **{"cluster.engine.max_model_len": 4096}), stream_of([0.0], [100], [10]))
+    Cluster(make_scenario(**{"cluster.engine.gpu_memory_utilization": 0.26}), stream_of([0.0], [100], [10]))

@@ -70,4 +70,14 @@ def num_gpu_blocks(cfg: EngineConfig, device_memory_bytes: float, weight_bytes_p
             f"in {device_memory_bytes / gib:.1f} GiB x {cfg.gpu_memory_utilization}: use more tensor "
             "parallelism, a bigger GPU or fp8"
         )
+    # vLLM refuses at start-up a cache that cannot hold one request of max_model_len tokens
+    # (`v1/core/kv_cache_utils.py: check_enough_kv_cache_memory`, on the memory, before any
+    # num_gpu_blocks_override applies; with an override the twin sizes nothing, so checks nothing)
+    if cfg.max_model_len and n < -(-cfg.max_model_len // cfg.block_size):
+        raise TwinInputError(
+            f"to serve one request of max_model_len {cfg.max_model_len} tokens, "
+            f"{per_block * -(-cfg.max_model_len // cfg.block_size) / gib:.2f} GiB of KV cache is needed, more than "
+            f"the {avail / gib:.2f} GiB available (about {n * cfg.block_size} tokens), as vLLM refuses: raise "
+            "cluster.engine.gpu_memory_utilization or lower cluster.engine.max_model_len"
+        )
     return n
