@@ -258,3 +258,26 @@ def test_hypothesis_wrong_types_in_scenario_fields(tmp_path):
         load(tmp_path, yaml.safe_dump(raw).encode())
 
     run()
+
+
+@pytest.mark.parametrize("first_only", [False, True])
+def test_a_lengths_row_with_a_field_too_many_is_never_read_shifted(tmp_path, first_only):
+    """pandas takes a first data row with one field more than the header as an index column: the lengths shifted
+    by one field, with no word. Refused naming the line; skipped and counted with --skip-bad-rows."""
+    rows = ["1,10,20", "2,30,40"] if not first_only else ["10,20,30", "20,5"]
+    path = tmp_path / "l.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n" + "\n".join(rows) + "\n")
+    with pytest.raises(TwinInputError) as e:
+        load_trace(path, "lengths", rate=2.0)
+    assert "line 2: expected 2 fields" in str(e.value)
+    if first_only:
+        s = load_trace(path, "lengths", skip_bad_rows=True, rate=2.0)
+        assert s.stats.rows_skipped == 1 and set(s.prompt_tokens) == {20} and set(s.output_tokens) == {5}
+
+
+def test_an_empty_length_cell_is_named_as_such(tmp_path):
+    path = tmp_path / "l.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n10,\n20,5\n")
+    with pytest.raises(TwinInputError) as e:
+        load_trace(path, "lengths", rate=2.0)
+    assert str(e.value).endswith("line 2: field num_decode_tokens: an empty cell is not a token count >= 0")

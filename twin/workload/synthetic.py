@@ -42,6 +42,11 @@ def read_length_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     if missing:
         have = ", ".join(shown(c) if not str(c).isprintable() else str(c) for c in df.columns)
         raise TwinInputError(f"{path}: missing column(s) {', '.join(missing)} (have: {have[:300]})")
+    if not df.index.equals(pd.RangeIndex(len(df))):
+        # pandas takes a first data row with one field more than the header as an index column: every row's
+        # fields would shift by one, silently
+        raise TwinInputError(f"{path}: line 2: expected {len(df.columns)} fields (the header's), found "
+                             f"{len(df.columns) + 1}")
     out = []
     for col in LENGTH_COLUMNS:
         v = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
@@ -49,8 +54,9 @@ def read_length_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
             bad = ~np.isfinite(v) | (v < 0) | (v > MAX_TOKENS) | (v != np.floor(v))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise TwinInputError(f"{path}: line {i + 2}: field {col}: {shown(df[col].iloc[i])} is not a "
-                                 "token count >= 0")
+            cell = df[col].iloc[i]
+            what = "an empty cell" if pd.isna(cell) else shown(cell.item() if hasattr(cell, "item") else cell)
+            raise TwinInputError(f"{path}: line {i + 2}: field {col}: {what} is not a token count >= 0")
         out.append(v.astype(np.int64))
     return out[0], out[1]
 
