@@ -137,3 +137,22 @@ def test_a_malformed_spec_file_is_one_line(tmp_path, content, says):
 def test_a_missing_or_directory_spec_file_is_one_line(tmp_path):
     assert "no such file" in one_error(invoke("--specs", tmp_path / "nope.yaml", "specs"))
     assert "directory" in one_error(invoke("--specs", tmp_path, "specs"))
+
+
+@pytest.mark.parametrize("section,entry,fields,says", [
+    ("models", "Llama-3-8B", {"num_layers": 0}, "num_layers must be > 0"),
+    ("models", "Llama-3-8B", {"num_kv_heads": 7}, "num_kv_heads (7) must divide num_heads (32)"),
+    ("models", "Llama-3-8B", {"num_heads": 0}, "num_heads must be > 0"),
+    ("models", "Llama-3-8B", {"num_attention_heads": 40}, "unknown field 'num_attention_heads'"),
+    ("hardware", "H100", {"device_memory_gib": -5}, "device_memory_gib must be >= 0, got -5"),
+    ("hardware", "H100", {"peak_flops": "nan"}, "peak_flops must map dtypes to FLOP/s"),
+    ("hardware", "H100", {"peak_flops": {"bf16": float("nan")}}, "peak_flops must map dtypes to FLOP/s > 0"),
+    ("hardware", "H100", {"bogus_field": 1}, "unknown field 'bogus_field'"),
+])
+def test_figures_no_gpu_or_model_has_and_unknown_fields_are_refused(tmp_path, section, entry, fields, says):
+    """Before: num_layers 0 ended in a ZeroDivisionError; a negative memory or an unknown field (config.json's
+    own name for the heads) was dropped without a word; 7 KV heads over 32 ran."""
+    f = write(tmp_path, {section: {entry: fields}})
+    line = one_error(invoke("--specs", f, "simulate", QUICKSTART, "-q", "--set", "workload.num_requests=5",
+                            "--out", tmp_path / "run"))
+    assert says in line and str(f) in line, line

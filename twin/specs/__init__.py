@@ -78,8 +78,13 @@ def _merged(name: str, files: tuple[str, ...]) -> tuple[dict, dict]:
     table = {k: dict(v) for k, v in _builtin(name).items()}
     where: dict[str, str] = {}
     section = SECTIONS[name]
+    known_fields = {field for e in _builtin(name).values() for field in e} | set(REQUIRED[name])
     for f in files:
         for key, entry in _read_user_file(f).get(section, {}).items():
+            unknown = sorted(set(entry) - known_fields)
+            if unknown:  # a misspelt or foreign name (config.json's num_attention_heads) would be ignored
+                raise TwinInputError(f"{f}: {section} entry {key!r}: unknown field {unknown[0]!r} "
+                                     f"(known: {', '.join(sorted(known_fields))})")
             found = resolve(table, key)
             if found is not None:  # a correction of a known entry: field by field
                 known, old = found

@@ -30,6 +30,20 @@ class GPUSpec:
     host_link_bandwidth: float = 0.0  # bytes/s per direction over that link; 0: unknown
     gpus_per_node: int = 0  # GPUs one node (baseboard) holds: a TP group's ceiling; 0: unknown (scenario assumes 8)
 
+    def __post_init__(self) -> None:
+        """Figures no GPU has are refused (a ValueError: `spec_entry_errors` names the file and the entry)."""
+        bad = [k for k, v in self.peak_flops.items() if not 0 < v < float("inf")]
+        if bad or not self.peak_flops:
+            raise ValueError(f"peak_flops must map dtypes to FLOP/s > 0 (bad: {', '.join(bad) or 'none given'})")
+        for f in ("hbm_bytes", "hbm_bandwidth"):
+            if not 0 < getattr(self, f) < float("inf"):
+                raise ValueError(f"{f} must be > 0, got {getattr(self, f)}")
+        if not 0 <= self.device_memory_bytes < float("inf"):
+            raise ValueError(f"device_memory_gib must be >= 0, got {self.device_memory_bytes / GiB:g}")
+        for f in ("nvlink_bandwidth", "host_link_bandwidth", "num_sms", "gpus_per_node"):
+            if not 0 <= getattr(self, f) < float("inf"):
+                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+
     @property
     def device_memory(self) -> float:
         """Bytes the framework sees (torch.cuda.mem_get_info total): what vLLM sizes the KV cache from."""
@@ -56,6 +70,8 @@ def get_gpu(name: str) -> GPUSpec:
     if found is None:
         raise TwinInputError(f"unknown GPU {name!r} (known: {', '.join(known_gpus())})")
     key, e = found
+    if not isinstance(e["peak_flops"], dict):
+        raise ValueError(f"peak_flops must map dtypes to FLOP/s (e.g. {{bf16: 989.4e12}}), got {e['peak_flops']!r}")
     return GPUSpec(
         name=key,
         peak_flops={k: float(v) for k, v in e["peak_flops"].items()},

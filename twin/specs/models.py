@@ -44,6 +44,23 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     num_active_params: float = 0.0  # model card's active parameter count (MoE); 0: dense
 
+    def __post_init__(self) -> None:
+        """Shapes no model has are refused (a ValueError: `spec_entry_errors` names the file and the entry)."""
+        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_model_len"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be > 0, got {getattr(self, f)}")
+        if not self.num_params > 0:
+            raise ValueError(f"num_params must be > 0, got {self.num_params}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        if self.num_experts < 0 or self.intermediate_size < 0:
+            raise ValueError("num_experts and intermediate_size must be >= 0")
+        if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ValueError(f"an MoE model needs 0 < num_experts_per_tok <= num_experts ({self.num_experts}) and "
+                             "moe_intermediate_size > 0")
+        if not self.is_moe and self.intermediate_size <= 0:
+            raise ValueError(f"intermediate_size must be > 0 for a dense model, got {self.intermediate_size}")
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
