@@ -7,12 +7,11 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from pydantic import BaseModel, PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
 from twin.scenario import (ChunkPlanSpec, PerfSpec, PredictorSpec, RouterSpec, ScalerSpec, SLOSpec,
-                           _format_error, apply_overrides)
+                           _format_error, apply_overrides, read_yaml_mapping)
 
 
 class _Spec(BaseModel):
@@ -288,15 +287,5 @@ def parse_config(raw: Any, source: str = "config", base_dir: str | Path = ".") -
 def load_config(path: str | Path, overrides: list[str] | None = None) -> LiveConfig:
     """Read, override (`--set a.b=v`) and validate a live config; bad input is a TwinInputError."""
     path = Path(path)
-    if not path.exists():
-        raise TwinInputError(f"config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise TwinInputError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise TwinInputError(f"{path}: a live config must be a YAML mapping, got {type(raw).__name__}")
-    raw = apply_overrides(raw, overrides or [])
+    raw = apply_overrides(read_yaml_mapping(path, "live config"), overrides or [])
     return parse_config(raw, str(path), path.parent)

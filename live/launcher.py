@@ -122,7 +122,12 @@ class LocalActuator:
         worker = Worker(wid, url, state="starting", kv_events_endpoint=kv_endpoint)
         worker.config = self.controller.launch_config(args)
         self.controller.add_worker(worker)  # binds the KV-event socket before the publisher connects
-        popen = spawn(cmd, log_path, env, cwd=str(self.controller.cfg.resolve_path(".")))
+        try:
+            popen = spawn(cmd, log_path, env, cwd=str(self.controller.cfg.resolve_path(".")))
+        except OSError as e:  # the interpreter or the working folder is missing, not executable, ...
+            self._slots.discard(slot)
+            self.controller.retire(wid)
+            raise LaunchError(f"worker {wid}: cannot start {cmd[0]} (launcher.python): {e.strerror or e}") from None
         proc = self.procs[wid] = _Proc(popen, log_path, slot, sp.base_port + slot)
         worker.handle = proc
         self.controller.metrics.scale_events.labels("start").inc()

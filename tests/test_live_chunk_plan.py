@@ -167,3 +167,22 @@ def test_the_loop_plans_on_what_the_proxy_finished(tmp_path):
     assert len(cp.planner.window(time.monotonic())) == 8  # every finished request, none twice
     assert status["chunk_plan"]["plans"] == 1 and status["chunk_plan"]["current"] == {"max_num_batched_tokens": 16}
     assert [w["id"] for w in status["workers"]] == ["w0", "w1"]
+
+
+def test_a_launch_whose_interpreter_is_missing_is_a_launch_error_and_leaves_no_worker(tmp_path):
+    """spawn's OSError used to leave a registered worker that never started, and `twin live` blamed its port."""
+    from live.launcher import LaunchError
+
+    raw = {"launcher": {"model": "m", "num_workers": 0, "kv_events": False, "log_dir": str(tmp_path),
+                        "python": str(tmp_path / "no-such-python")}}
+
+    async def main():
+        ctl = Controller(parse_config(raw))
+        act = LocalActuator(ctl.cfg.launcher, ctl)
+        with pytest.raises(LaunchError) as e:
+            await act.start(ctl.launch_spec())
+        return ctl, act, str(e.value)
+
+    ctl, act, msg = asyncio.run(main())
+    assert "cannot start" in msg and "no-such-python" in msg and "launcher.python" in msg
+    assert [w.id for w in ctl.registry if w.state != "stopped"] == [] and not act.procs and not act._slots

@@ -27,7 +27,8 @@ KERNEL_BLOCK_MULTIPLE = 16
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and NaN are no setting: `rate: .inf` put every arrival at t = 0 (pydantic accepts them by default)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 ROOFLINE_CORRECTIONS = ("compute_efficiency", "memory_efficiency", "step_overhead_s", "per_request_overhead_s",
@@ -421,6 +422,13 @@ class ChunkPlanSpec(_Spec):
     resamples: int = Field(0, ge=0)  # > 0: twin.policy.robust_chunk (keep the current knobs unless beaten on most)
     blocks: int = Field(8, ge=1)  # the robust planner's time blocks per window
 
+    @field_validator("candidates")
+    @classmethod
+    def _chunks_positive(cls, v: list[int]) -> list[int]:
+        if any(c <= 0 for c in v):  # refused at load, not when the planner first runs, mid-simulation
+            raise ValueError("chunk sizes must be > 0")
+        return v
+
 
 class SLOSpec(_Spec):
     """A request meets the SLOs when every set bound holds; goodput counts such requests per second."""
@@ -532,13 +540,43 @@ def parse_scenario(raw: Any, source: str = "scenario", base_dir: str | Path = ".
     return sc
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error: the later one silently won
+    (`num_requests: 3000` then `num_requests: 5` ran 5)."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden below
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            first = seen.setdefault(key, key_node.start_mark.line + 1)
+        except TypeError:  # an unhashable key: construct_mapping says so
+            break
+        if first != key_node.start_mark.line + 1:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r} (first on line {first})",
+                                                    key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def read_scenario_yaml(path: str | Path) -> dict:
     """The raw mapping of a scenario file, or a TwinInputError naming the file (and line) and the problem."""
+    return read_yaml_mapping(path, "scenario")
+
+
+def read_yaml_mapping(path: str | Path, what: str) -> dict:
+    """The raw mapping of a YAML file (a `what`: scenario, live config), or a TwinInputError naming the file (and
+    line) and the problem: missing, a folder, unreadable, not UTF-8, not YAML, not a mapping."""
     path = Path(path)
     if not path.exists():
-        raise TwinInputError(f"scenario file {path} does not exist")
+        raise TwinInputError(f"{what} file {path} does not exist")
     if path.is_dir():
-        raise TwinInputError(f"{path}: is a folder; give a scenario YAML file")
+        raise TwinInputError(f"{path}: is a folder; give a {what} YAML file")
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -548,9 +586,9 @@ def read_scenario_yaml(path: str | Path) -> dict:
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise TwinInputError(f"{path}: line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset "
-                             f"{e.start}); a scenario is a YAML file") from None
+                             f"{e.start}); a {what} is a YAML file") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}:" if mark else ""
@@ -559,7 +597,7 @@ def read_scenario_yaml(path: str | Path) -> dict:
     except RecursionError:
         raise TwinInputError(f"{path}: not valid YAML (nested too deeply)") from None
     if not isinstance(raw, dict):
-        raise TwinInputError(f"{path}: a scenario must be a YAML mapping, got {type(raw).__name__}")
+        raise TwinInputError(f"{path}: a {what} must be a YAML mapping, got {type(raw).__name__}")
     return raw
 
 

@@ -45,6 +45,9 @@ def parse_variant(text: str) -> Variant:
     sets = raw.get("set") or []
     if isinstance(sets, str):
         sets = [sets]
+    if not isinstance(sets, list) or not all(isinstance(x, str) for x in sets):
+        raise TwinInputError(f"--router {text!r}: set must be a list of dotted.path=value overrides "
+                             f"(e.g. set: [cluster.num_instances=8]), got {sets!r}")
     label = str(raw.get("label") or raw["name"])
     return Variant(label, {k: raw[k] for k in ROUTER_KEYS if k in raw}, list(sets))
 

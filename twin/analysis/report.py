@@ -127,13 +127,25 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
         raise TwinInputError(f"{run_dir}: no requests.parquet here (is it a run folder from `twin simulate --out`?)")
     out = Path(out) if out is not None else run_dir
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        df = pd.read_parquet(req_path)
-    except Exception as e:  # noqa: BLE001 - a corrupt file is bad input
-        raise TwinInputError(f"{req_path}: not a readable parquet file ({type(e).__name__})") from None
+    df = _read_table(req_path, ["status", *(col for col, _ in LATENCIES)])
     name = run_dir.name
     written = [latency_cdfs({name: df}, out / "latency_cdf.png", name)]
     tl_path = run_dir / "timeline.parquet"
     if tl_path.is_file():
-        written.append(timelines({name: pd.read_parquet(tl_path)}, out / "timeline.png", name))
+        tl = _read_table(tl_path, ["t_s", "instance", "running", "waiting", "kv_usage"])
+        written.append(timelines({name: tl}, out / "timeline.png", name))
     return written
+
+
+def _read_table(path: Path, columns: list[str]) -> pd.DataFrame:
+    """A run's parquet table with the columns the figures read, or one clear line (a corrupt or foreign file)."""
+    from twin.errors import TwinInputError
+
+    try:
+        df = pd.read_parquet(path)
+    except Exception as e:  # noqa: BLE001 - a corrupt file is bad input
+        raise TwinInputError(f"{path}: not a readable parquet file ({type(e).__name__})") from None
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise TwinInputError(f"{path}: missing column(s) {', '.join(missing)}: not written by twin simulate/replay?")
+    return df

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from twin.errors import TwinInputError
-from twin.cli.common import _fail, _fmt, _router_failed, app, err
+from twin.cli.common import _fail, _fmt, _router_failed, app, err, out_folder
 
 
 @app.command()
@@ -34,6 +34,7 @@ def compare(
 
     console = Console(width=max(Console().width, 150))
     try:
+        out_folder(out)
         variants = [parse_variant(n) for n in (routers or "").split(",") if n.strip()]
         variants += [parse_variant(r) for r in router]
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -86,6 +87,8 @@ def plot(
     from twin.analysis.report import plot_run
 
     try:
+        if out is not None:
+            out_folder(out)
         files = plot_run(run_dir, out)
     except TwinInputError as e:
         _fail(str(e))
@@ -117,6 +120,7 @@ def sweep(
 
     console = Console()
     try:
+        out_folder(out)
         raw = apply_overrides(read_scenario_yaml(scenario), set_)
         base_seed = raw.get("seed", 0) if isinstance(raw.get("seed", 0), int) else 0
         g = build_grid(grid, routers, seeds, base_seed)
@@ -202,6 +206,7 @@ def score(
     from twin.analysis.gpu_fidelity import print_score, run_score
 
     try:
+        out_folder(out)
         result = run_score(against, out, requests_per_client, set_)
     except TwinInputError as e:
         _fail(str(e))

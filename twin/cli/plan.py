@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from twin.errors import TwinInputError
-from twin.cli.common import _fail, _fmt, app, err
+from twin.cli.common import _fail, _fmt, app, err, out_folder
 
 
 @app.command("plan-chunk")
@@ -37,8 +37,10 @@ def plan_chunk(
 
     console = Console()
     try:
-        if tie_tolerance < 0:
-            raise TwinInputError(f"--tie-tolerance {tie_tolerance}: must be >= 0")
+        if not tie_tolerance >= 0:  # NaN too
+            raise TwinInputError(f"--tie-tolerance {tie_tolerance}: must be a number >= 0")
+        if out is not None:
+            out_folder(out)
         chunks = candidate_values(candidates, "--candidates") or list(DEFAULT_CHUNKS)
         seqs = candidate_values(max_num_seqs, "--max-num-seqs")
         if seqs is not None and 0 in seqs:

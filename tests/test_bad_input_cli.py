@@ -1,0 +1,102 @@
+"""Bad input to the commands gets one clear line and exit 2, before any work: found by a fuzzing pass over the
+CLI (2026-12-07), each case a traceback, an out-of-memory kill or a silent misreading before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from twin.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "scenarios" / "quickstart.yaml"
+SMALL = ["--set", "workload.num_requests=20"]
+
+
+def one_error(args) -> str:
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    assert r.exit_code == 2, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", [
+    ["compare", QUICKSTART, "-q", *SMALL, "--routers", "round-robin"],
+    ["sweep", QUICKSTART, "-q", *SMALL, "--grid", "cluster.num_instances=1"],
+    ["plan-chunk", QUICKSTART, "-q", *SMALL, "--candidates", "512"],
+    ["score", ROOT / "tests" / "data" / "inferencex-h100-vllm.csv"],
+])
+def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(tmp_path, command):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    line = one_error([*command, "--out", a_file])
+    assert f"--out {a_file}: cannot make the folder" in line
+    line = one_error([*command, "--out", a_file / "below"])
+    assert "cannot make the folder" in line
+
+
+def test_plot_refuses_an_out_file_and_a_foreign_table(tmp_path):
+    run = tmp_path / "run"
+    CliRunner().invoke(app, ["simulate", str(QUICKSTART), "-q", *SMALL, "--out", str(run)])
+    (tmp_path / "afile").write_text("x")
+    assert "cannot make the folder" in one_error(["plot", run, "--out", tmp_path / "afile"])
+    import pandas as pd
+
+    pd.DataFrame({"a": [1]}).to_parquet(run / "requests.parquet")
+    assert "missing column(s) status" in one_error(["plot", run])
+
+
+def test_a_router_variant_with_a_set_that_is_no_list_is_refused(tmp_path):
+    line = one_error(["compare", QUICKSTART, "-q", *SMALL, "--router", "{label: x, name: round-robin, set: 5}",
+                      "--out", tmp_path / "c"])
+    assert "set must be a list of dotted.path=value overrides" in line
+
+
+def test_a_nan_tie_tolerance_is_refused(tmp_path):
+    assert "--tie-tolerance nan" in one_error(["plan-chunk", QUICKSTART, "-q", *SMALL, "--tie-tolerance", "nan"])
+
+
+def test_online_chunk_candidates_are_checked_at_load(tmp_path):
+    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "chunk_plan.online=true",
+                      "--set", "chunk_plan.candidates=[0,512]", "--out", tmp_path / "r"])
+    assert "chunk sizes must be > 0" in line
+
+
+@pytest.mark.parametrize("value", ["inf", ".inf", "nan"])
+def test_an_infinite_or_nan_rate_is_refused(tmp_path, value):
+    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", f"workload.arrival.rate={value}",
+                      "--out", tmp_path / "r"])
+    assert "workload.arrival.rate" in line and "finite" in line
+
+
+def test_a_key_given_twice_in_a_scenario_is_refused(tmp_path):
+    text = QUICKSTART.read_text().replace("  num_requests: 3000\n", "  num_requests: 3000\n  num_requests: 5\n")
+    assert text.count("num_requests") == 2
+    p = tmp_path / "dup.yaml"
+    p.write_text(text)
+    line = one_error(["validate", p])
+    assert "duplicate key 'num_requests'" in line and "line" in line
+
+
+def test_yaml_merge_keys_may_still_be_overridden():
+    import yaml
+
+    from twin.scenario import _UniqueKeys
+
+    assert yaml.load("a: &x {b: 1}\nc:\n  <<: *x\n  b: 2\n", Loader=_UniqueKeys) == {"a": {"b": 1}, "c": {"b": 2}}
+
+
+@pytest.mark.parametrize("kind", ["binary", "folder"])
+def test_a_live_config_that_is_no_text_or_a_folder_is_one_line(tmp_path, kind):
+    pytest.importorskip("aiohttp")
+    p = tmp_path / "live.yaml"
+    if kind == "binary":
+        p.write_bytes(bytes(range(128, 256)))
+    else:
+        p.mkdir()
+    line = one_error(["live", p])
+    assert str(p) in line and ("not UTF-8" in line if kind == "binary" else "is a folder" in line)
