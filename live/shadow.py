@@ -464,11 +464,12 @@ def _profile_api_times(cfg: "LiveConfig") -> dict:
 def shadow_scenario(cfg: "LiveConfig", num_instances: int, engine: dict, label: str = "current",
                     api: dict | None = None) -> "Scenario":
     """A scenario of the live fleet, as `twin.lab.calibrate.twin_scenario` builds one for an observed server."""
-    from twin.scenario import parse_scenario
+    from twin.scenario import parse_scenario, with_served_context
 
     s = cfg.shadow
     perf = s.perf.model_dump(exclude_unset=True)
     perf.update({k: v for k, v in (api or {}).items() if k not in perf})
+    engine = with_served_context(engine, s.model)
     raw = {"name": f"shadow-{label}", "seed": cfg.seed,
            "cluster": {"num_instances": num_instances, "min_instances": 1, "max_instances": max(num_instances, 1),
                        "startup_delay_s": 0.0, "hardware": s.hardware, "model": s.model, "dtype": s.dtype,

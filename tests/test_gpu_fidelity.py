@@ -188,3 +188,28 @@ def test_cli_score_writes_its_table_and_figure_and_refuses_bad_input(tmp_path):
     assert r.exit_code == 2 and "does not exist" in r.output
     r = runner.invoke(app, ["score", str(path), "--out", str(tmp_path / "o2"), "--set", "cluster.tensor_parallel=3"])
     assert r.exit_code == 2 and "--set cluster.tensor_parallel=3" in r.output
+
+
+@pytest.mark.parametrize("cells,says", [
+    ("abc,,", "field max_num_seqs: 'abc' is not a number"),
+    (",maybe,", "field enable_prefix_caching: 'maybe' is not true or false"),
+    (",,fp9", "field kv_cache_dtype: 'fp9' unknown"),
+    ("-4,,", "field max_num_seqs: '-4' is not a whole number >= 0"),
+])
+def test_an_engine_cell_that_cannot_be_read_is_an_error_not_dropped(tmp_path, cells, says):
+    """Before, each was dropped with exit 0: a KV dtype of vLLM's own spelling (fp8_e4m3) ran as auto, half the
+    blocks it had."""
+    from twin.analysis.gpu_fidelity import read_points
+
+    p = tmp_path / "m.csv"
+    p.write_text("model,gpu,precision,tp,isl,osl,concurrency,ttft_ms,tpot_ms,max_num_seqs,enable_prefix_caching,"
+                 f"kv_cache_dtype\nLlama-3-8B,h100,bf16,1,1024,128,4,50,6,{cells}\n")
+    with pytest.raises(TwinInputError) as e:
+        read_points(p)
+    assert str(e.value) == f"{p}: line 2: {says}" or str(e.value).startswith(f"{p}: line 2: {says}")
+
+
+def test_vllms_kv_cache_dtype_spellings_are_read():
+    from twin.analysis.gpu_fidelity import KV_DTYPES
+
+    assert KV_DTYPES["fp8_e4m3"] == KV_DTYPES["fp8_e5m2"] == "fp8" and KV_DTYPES["bfloat16"] == "bf16"

@@ -509,3 +509,15 @@ def test_a_dead_simulation_process_is_replaced():
         assert again.submit(os.getpid).result(timeout=120) not in (pid, os.getpid())
     finally:
         sh.close()
+
+
+def test_a_worker_serving_a_longer_context_than_the_models_config_is_simulated_not_refused():
+    """vLLM accepted the worker's max_model_len (RoPE scaling, or VLLM_ALLOW_LONG_MAX_MODEL_LEN): the shadow twin
+    takes the RoPE factor that covers it, where the scenario check (a max_model_len above the model's) refuses."""
+    from live.shadow import shadow_scenario
+
+    cfg = cfg_of(alternatives=False)
+    long = {**base_engine(cfg, WCFG), "max_model_len": 8192}  # tiny-llama's config: 2048
+    sc = shadow_scenario(cfg, 1, long)
+    assert sc.cluster.max_model_len() == 8192 and sc.cluster.engine.rope_scaling_factor == 4.0
+    assert shadow_scenario(cfg, 1, base_engine(cfg, WCFG)).cluster.engine.rope_scaling_factor is None

@@ -129,7 +129,7 @@ def test_burstgpt_style_synthetic():
 BASE = {
     "name": "t", "seed": 4,
     "cluster": {"num_instances": 2, "hardware": "H200", "model": "Qwen2.5-32B", "tensor_parallel": 2,
-                "engine": {"max_model_len": 131072}},
+                "engine": {"max_model_len": 131072, "rope_scaling_factor": 4.0}},  # YaRN, as its model card
 }
 
 
@@ -185,7 +185,8 @@ def test_an_unbounded_cache_on_one_instance_reaches_the_traces_own_reuse():
     (the engine recomputes the last token and hits whole 16-token blocks, so slightly less)."""
     sc = parse_scenario({**BASE, "workload": {"trace": {"path": str(MOON)}, "on_too_long": "reject"},
                          "cluster": {**BASE["cluster"], "num_instances": 1, "model": "Qwen2.5-32B",
-                                     "engine": {"max_model_len": 131072, "num_gpu_blocks_override": 2_000_000}}},
+                                     "engine": {"max_model_len": 131072, "rope_scaling_factor": 4.0,
+                                                "num_gpu_blocks_override": 2_000_000}}},
                         "t")
     stream = build_stream(sc)
     ideal = ideal_block_reuse(stream.hash_ids, stream.prompt_tokens)

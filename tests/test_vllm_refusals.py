@@ -82,3 +82,19 @@ def test_a_kv_cache_smaller_than_one_max_model_len_request_is_refused():
     # the same memory with a max_model_len that fits, or a bit more memory, is accepted
     Cluster(make_scenario(**small, **{"cluster.engine.max_model_len": 4096}), stream_of([0.0], [100], [10]))
     Cluster(make_scenario(**{"cluster.engine.gpu_memory_utilization": 0.26}), stream_of([0.0], [100], [10]))
+
+
+def test_max_model_len_above_the_models_context_needs_rope_scaling():
+    # vLLM: vllm/config/model.py _get_and_verify_max_len, "User-specified max_model_len (X) is greater than the
+    # derived max_model_len (max_position_embeddings=Y ...)" unless RoPE scaling raises the derived length
+    msg = refused(**{"cluster.engine.max_model_len": 1_000_000})
+    assert "cluster.engine.max_model_len" in msg and "(8192)" in msg and "rope_scaling_factor: 123" in msg
+    qwen = {"cluster.model": "Qwen2.5-32B", "cluster.tensor_parallel": 2, "cluster.hardware": "H200",
+            "cluster.engine.max_model_len": 131072}
+    assert "32768" in refused(**qwen)
+    sc = make_scenario(**qwen, **{"cluster.engine.rope_scaling_factor": 4.0})
+    assert sc.cluster.max_model_len() == 131072 and sc.cluster.derived_max_model_len() == 131072
+    # unset, max_model_len is the derived one, scaled or not (as vLLM)
+    assert make_scenario(**{"cluster.model": "Qwen2.5-32B", "cluster.tensor_parallel": 2, "cluster.hardware": "H200",
+                            "cluster.engine.rope_scaling_factor": 2.0}).cluster.max_model_len() == 65536
+    assert make_scenario().cluster.max_model_len() == 8192

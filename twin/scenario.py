@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -126,6 +127,9 @@ class EngineSpec(_Spec):
     activation_reserve_gb: float = Field(3.3, ge=0)  # ASSUMPTION, GB (1e9 bytes); see EngineConfig
     num_gpu_blocks_override: Optional[int] = Field(None, ge=2)
     max_model_len: Optional[int] = Field(None, gt=0)
+    # RoPE scaling served with the model (YaRN's `factor` in vLLM's --hf-overrides '{"rope_scaling": ...}'): the
+    # context vLLM derives, and so the longest max_model_len it accepts, is the model's times this
+    rope_scaling_factor: Optional[float] = Field(None, ge=1)
     # vLLM resolves async scheduling on for GPU engines (`config/vllm.py`; the CPU build forces it off): the
     # scheduler plans step k+1 while the GPU runs step k and processes outputs one step later
     # (twin.engine.scheduler). false: the synchronous engine loop (`EngineCore.step`). Unset: as `vllm_version`.
@@ -171,6 +175,15 @@ class ClusterSpec(_Spec):
     tensor_parallel: int = Field(1, gt=0)
     engine: EngineSpec = EngineSpec()
     perf: PerfSpec = PerfSpec()
+
+    def derived_max_model_len(self) -> int:
+        """The context vLLM derives from the model's config: its max_position_embeddings, times the RoPE scaling
+        factor when one is served (vllm/config/model.py, `_get_and_verify_max_len`)."""
+        return int(get_model(self.model).max_model_len * (self.engine.rope_scaling_factor or 1.0))
+
+    def max_model_len(self) -> int:
+        """`engine.max_model_len`, or by default the derived one (as vLLM)."""
+        return self.engine.max_model_len or self.derived_max_model_len()
 
     @field_validator("hardware")
     @classmethod
@@ -229,6 +242,16 @@ class ClusterSpec(_Spec):
             raise ValueError(f"@tensor_parallel: a vLLM tensor-parallel group runs inside one node, and a node "
                              f"of {gpu.name} GPUs has {per_node}; got tensor parallel size {tp} (vLLM: world "
                              "size larger than the number of available GPUs in this node)")
+        derived, mml = self.derived_max_model_len(), self.engine.max_model_len
+        if mml is not None and mml > derived:
+            # _get_and_verify_max_len (vllm/config/model.py): refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which
+            # vLLM warns may give wrong outputs or CUDA errors; served long with RoPE scaling instead
+            scaled = f" x RoPE scaling {self.engine.rope_scaling_factor:g}" if self.engine.rope_scaling_factor else ""
+            raise ValueError(f"@engine.max_model_len: vLLM refuses a max_model_len ({mml}) above the length it "
+                             f"derives from {m.name}'s config ({derived}{f' = {m.max_model_len}' + scaled if scaled else ''}); serve "
+                             f"it with "
+                             f"RoPE scaling (engine.rope_scaling_factor: {math.ceil(mml / m.max_model_len)} as YaRN's "
+                             "factor) or lower max_model_len")
         if bs % KERNEL_BLOCK_MULTIPLE:
             raise ValueError(f"@engine.block_size: vLLM's CUDA attention backends (FlashAttention, FlashInfer, "
                              f"Triton) take only multiples of {KERNEL_BLOCK_MULTIPLE}, got {bs} (vLLM: no valid "
@@ -538,6 +561,20 @@ def parse_scenario(raw: Any, source: str = "scenario", base_dir: str | Path = ".
     except ValidationError as e:
         raise TwinInputError(_format_error(e, source, flags)) from None
     return sc
+
+
+def with_served_context(engine: dict, model: str | None) -> dict:
+    """Engine settings of a running server (a live worker, an observed one): its max_model_len was accepted by vLLM
+    whatever the model's config says (RoPE scaling, or VLLM_ALLOW_LONG_MAX_MODEL_LEN), so the twin takes a RoPE
+    scaling factor that covers it rather than refusing it as a scenario's."""
+    mml = engine.get("max_model_len")
+    if not mml or not model or engine.get("rope_scaling_factor"):
+        return engine
+    try:
+        base = get_model(model).max_model_len
+    except TwinInputError:
+        return engine  # the scenario names the unknown model
+    return {**engine, "rope_scaling_factor": mml / base} if mml > base else engine
 
 
 class _UniqueKeys(yaml.SafeLoader):

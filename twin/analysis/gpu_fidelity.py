@@ -112,17 +112,32 @@ def _number(path: Path, line: int, row: dict, col: str, kind=float, low: float =
     return v
 
 
+# vLLM's --kv-cache-dtype values, as the twin's cluster.kv_cache_dtype
+KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+             "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+
 def _logged(row: dict, col: str, kind):
-    """An engine argument the row logged, or None ("not_passed", empty, NaN)."""
+    """An engine argument the row logged, or None ("not_passed", empty, NaN); a ValueError for a value that is
+    none of its kind (it used to be dropped: `kv_cache_dtype: fp8_e4m3` ran with half the KV blocks)."""
     text = _cell(row, col).lower()
     if text in ("", "nan", "not_passed", "none"):
         return None
     if kind is bool:
-        return {"true": True, "false": False}.get(text)
+        if text not in ("true", "false"):
+            raise ValueError(f"{text!r} is not true or false")
+        return text == "true"
+    if kind is str:
+        if text not in KV_DTYPES:
+            raise ValueError(f"{text!r} unknown (known: {', '.join(KV_DTYPES)})")
+        return KV_DTYPES[text]
     try:
-        return kind(float(text))
+        v = float(text)
     except ValueError:
-        return None
+        raise ValueError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 0 or (kind is int and v != int(v)):
+        raise ValueError(f"{text!r} is not a{' whole' if kind is int else ''} number >= 0")
+    return kind(v)
 
 
 def read_points(path: str | Path) -> list[Point]:
@@ -172,13 +187,14 @@ def read_points(path: str | Path) -> list[Point]:
                                  f"{', '.join(PRECISIONS)})")
         engine = {}
         for col, kind in (("max_num_seqs", int), ("max_num_batched_tokens", int), ("max_model_len", int),
-                          ("gpu_memory_utilization", float), ("enable_prefix_caching", bool), ("block_size", int)):
-            v = _logged(row, col, kind)
+                          ("gpu_memory_utilization", float), ("enable_prefix_caching", bool), ("block_size", int),
+                          ("kv_cache_dtype", str)):
+            try:
+                v = _logged(row, col, kind)
+            except ValueError as e:
+                raise TwinInputError(f"{path}: line {line}: field {col}: {e}") from None
             if v is not None:
                 engine[col] = v
-        kv = _logged(row, "kv_cache_dtype", str)
-        if kv is not None:
-            engine["kv_cache_dtype"] = kv
         points.append(Point(
             line=line, model=model, gpu=gpu, dtype=PRECISIONS[prec], tp=_number(path, line, row, "tp", int),
             isl=_number(path, line, row, "isl", int), osl=_number(path, line, row, "osl", int),
@@ -190,7 +206,7 @@ def read_points(path: str | Path) -> list[Point]:
 def point_scenario(p: Point, requests_per_client: int, overrides: list[str] | None = None,
                    range_ratio: float = RANGE_RATIO):
     """The scenario of one measured point: one instance, its engine settings, its closed-loop load."""
-    from twin.scenario import apply_overrides, parse_scenario
+    from twin.scenario import apply_overrides, parse_scenario, with_served_context
 
     e = dict(p.engine)
     kv = e.pop("kv_cache_dtype", "auto")
@@ -201,10 +217,11 @@ def point_scenario(p: Point, requests_per_client: int, overrides: list[str] | No
               "max_model_len": e.get("max_model_len", DEFAULT_MAX_MODEL_LEN)}
     if "block_size" in e:
         engine["block_size"] = e["block_size"]
+    engine = with_served_context(engine, p.model)  # a measured server ran it, whatever the model's config says
     raw = {
         "name": p.key, "seed": 0,
         "cluster": {"num_instances": 1, "hardware": p.gpu, "model": p.model, "dtype": p.dtype,
-                    "kv_cache_dtype": kv if kv in ("auto", "bf16", "fp16", "fp8") else "auto",
+                    "kv_cache_dtype": kv,
                     "tensor_parallel": p.tp, "engine": engine},
         "workload": {"num_requests": p.concurrency * requests_per_client,
                      "lengths": {"kind": "uniform", "prompt_tokens": p.isl, "output_tokens": p.osl,
@@ -331,6 +348,11 @@ def run_score(path: str | Path, out: Path, requests_per_client: int = 10, overri
     if not 0 < range_ratio <= 1:
         raise TwinInputError(f"--range-ratio: must be in (0, 1], got {range_ratio}")
     points = read_points(path)
+    out = Path(out)
+    try:  # before the points run
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TwinInputError(f"--out {out}: cannot make the folder: {e.strerror or e}") from None
     rows = score(points, requests_per_client, overrides, progress, range_ratio)
     kept = [r for r in rows if not r["bad_run"]]
     if not kept:
@@ -338,7 +360,6 @@ def run_score(path: str | Path, out: Path, requests_per_client: int = 10, overri
                              "concurrency in its series): nothing to score")
     overall = aggregate(kept)[0]
     groups = aggregate(kept, ("model", "tp"))
-    out = Path(out)
     write_csv(rows, out / "score_points.csv")
     write_csv([{"model": "all", "tp": "all", **overall}] + groups, out / "score_summary.csv")
     plot(kept, out / "score.png", f"twin vs {Path(path).name} ({len(kept)} points, {requests_per_client} "

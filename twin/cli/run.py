@@ -125,7 +125,6 @@ def replay(
     lengths: Optional[Path] = typer.Option(None, "--lengths", help="servegen: length CSV where no distribution"),
 ) -> None:
     """Replay TRACE on the cluster of SCENARIO: the same report and files as `simulate`."""
-    from twin.specs.models import get_model
     from twin.workload import build_stream
     from twin.workload.formats import (FORMATS, MOONCAKE_BLOCK, OPTIONS, UNTIMED, detect_format,
                                        ideal_block_reuse)
@@ -173,7 +172,7 @@ def replay(
         ideal = None
         if stream.hash_block_size == MOONCAKE_BLOCK and stream.hash_ids is not None and not stream.hashes_cover_output:
             # over the requests the cluster admits (longer ones are rejected at arrival, never cached)
-            max_len = sc.cluster.engine.max_model_len or get_model(sc.cluster.model).max_model_len
+            max_len = sc.cluster.max_model_len()
             fits = (stream.prompt_tokens + stream.output_tokens <= max_len).tolist()
             ideal = ideal_block_reuse([h for h, f in zip(stream.hash_ids, fits) if f], stream.prompt_tokens[fits])
             stream.stats.notes.append(ideal.line() + f", over the {sum(fits):,} requests within max_model_len")

@@ -319,7 +319,7 @@ def read_observation(path: str | Path) -> Observation:
 
 def twin_scenario(meta: dict, api: dict | None = None, num_instances: int = 1, router: str | None = None):
     """The twin's scenario for an observed server: its engine settings, hardware and model, the API times."""
-    from twin.scenario import parse_scenario
+    from twin.scenario import parse_scenario, with_served_context
 
     e, t = meta["engine"], meta["twin"]
     engine = {"block_size": int(e["block_size"]), "max_num_batched_tokens": int(e["max_num_batched_tokens"]),
@@ -330,6 +330,7 @@ def twin_scenario(meta: dict, api: dict | None = None, num_instances: int = 1, r
               "async_scheduling": bool(e.get("async_scheduling", False))}
     if e.get("num_gpu_blocks"):
         engine["num_gpu_blocks_override"] = int(e["num_gpu_blocks"])
+    engine = with_served_context(engine, t["model"])
     raw = {"name": "observed", "cluster": {
         "num_instances": num_instances, "min_instances": 1, "max_instances": max(num_instances, 1),
         "hardware": t["hardware"], "model": t["model"], "dtype": t.get("dtype", "bf16"), "engine": engine,

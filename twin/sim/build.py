@@ -10,7 +10,6 @@ from twin.policy.base import Router
 from twin.policy.base import build_router as build_router_from
 from twin.scenario import Scenario
 from twin.specs.hardware import get_gpu
-from twin.specs.models import get_model
 
 
 def engine_config(sc: Scenario) -> EngineConfig:
@@ -19,8 +18,8 @@ def engine_config(sc: Scenario) -> EngineConfig:
     d = e.model_dump()
     for k in GENERATION_KNOBS:  # the step model's (twin.perf.generation), not the engine's
         d.pop(k)
-    if d["max_model_len"] is None:
-        d["max_model_len"] = get_model(sc.cluster.model).max_model_len
+    d.pop("rope_scaling_factor")  # the context it allows is in max_model_len
+    d["max_model_len"] = sc.cluster.max_model_len()
     d["max_num_batched_tokens"], d["max_num_seqs"] = resolve_batch_limits(
         get_gpu(sc.cluster.hardware), e.max_num_batched_tokens, e.max_num_seqs, d["max_model_len"],
         e.enable_chunked_prefill, v1=generation(e.vllm_version).is_v1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from twin.errors import TwinInputError
-from twin.specs.models import get_model
 from twin.workload.formats.common import seconds
 from twin.workload.stream import RequestStream, TraceStats
 from twin.workload.synthetic import (gamma_arrivals, poisson_arrivals, read_length_trace, sample_lengths,
@@ -84,7 +83,7 @@ def build_stream(sc) -> RequestStream:
         if not len(stream):
             raise TwinInputError(f"workload.trace {w.trace.path}: no requests left to replay: "
                                  + empty_reason(w.trace, stream.stats))
-        max_len = sc.cluster.engine.max_model_len or get_model(sc.cluster.model).max_model_len
+        max_len = sc.cluster.max_model_len()
         return apply_context_limit(stream, max_len, w.on_too_long, f"workload.trace {w.trace.path}")
     rng = np.random.default_rng(sc.seed)
     n = w.num_requests
@@ -123,5 +122,5 @@ def build_stream(sc) -> RequestStream:
         stream.stats = stats
     else:
         stream = RequestStream(arrivals, prompt, output, stats=stats)
-    max_len = sc.cluster.engine.max_model_len or get_model(sc.cluster.model).max_model_len
+    max_len = sc.cluster.max_model_len()
     return apply_context_limit(stream, max_len, w.on_too_long, "workload")
