@@ -126,7 +126,10 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     if not req_path.is_file():
         raise TwinInputError(f"{run_dir}: no requests.parquet here (is it a run folder from `twin simulate --out`?)")
     out = Path(out) if out is not None else run_dir
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TwinInputError(f"--out {out}: cannot make the folder: {e.strerror or e}") from None
     df = _read_table(req_path, ["status", *(col for col, _ in LATENCIES)])
     name = run_dir.name
     written = [latency_cdfs({name: df}, out / "latency_cdf.png", name)]

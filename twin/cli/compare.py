@@ -34,9 +34,9 @@ def compare(
 
     console = Console(width=max(Console().width, 150))
     try:
-        out_folder(out)
         variants = [parse_variant(n) for n in (routers or "").split(",") if n.strip()]
         variants += [parse_variant(r) for r in router]
+        out_folder(out)  # before the runs: a folder that cannot be made fails now, not after them
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=err, transient=True, disable=quiet) as bar:
             task = bar.add_task("comparing", total=len(variants) * seeds)
@@ -87,8 +87,6 @@ def plot(
     from twin.analysis.report import plot_run
 
     try:
-        if out is not None:
-            out_folder(out)
         files = plot_run(run_dir, out)
     except TwinInputError as e:
         _fail(str(e))
@@ -120,12 +118,12 @@ def sweep(
 
     console = Console()
     try:
-        out_folder(out)
         raw = apply_overrides(read_scenario_yaml(scenario), set_)
         base_seed = raw.get("seed", 0) if isinstance(raw.get("seed", 0), int) else 0
         g = build_grid(grid, routers, seeds, base_seed)
         plan = plan_sweep(raw, g, str(scenario), scenario.parent, skip_invalid)
         runner_ = make_backend(backend, workers, address)
+        out_folder(out)  # before the points run
     except TwinInputError as e:
         _fail(str(e))
     n = len(plan.points)
@@ -206,7 +204,6 @@ def score(
     from twin.analysis.gpu_fidelity import print_score, run_score
 
     try:
-        out_folder(out)
         result = run_score(against, out, requests_per_client, set_)
     except TwinInputError as e:
         _fail(str(e))

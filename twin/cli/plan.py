@@ -39,8 +39,6 @@ def plan_chunk(
     try:
         if not tie_tolerance >= 0:  # NaN too
             raise TwinInputError(f"--tie-tolerance {tie_tolerance}: must be a number >= 0")
-        if out is not None:
-            out_folder(out)
         chunks = candidate_values(candidates, "--candidates") or list(DEFAULT_CHUNKS)
         seqs = candidate_values(max_num_seqs, "--max-num-seqs")
         if seqs is not None and 0 in seqs:
@@ -52,6 +50,8 @@ def plan_chunk(
             raise TwinInputError(f"{scenario}: no SLOs to plan for: set slo.ttft_s and/or slo.tpot_s "
                                  "(e.g. --set slo.ttft_s=1 --set slo.tpot_s=0.05)")
         stream = build_stream(sc)
+        if out is not None:
+            out_folder(out)  # before the candidates run
     except TwinInputError as e:
         _fail(str(e))
     planner = ChunkPlanner(twin_evaluator(sc), chunks, seqs or [None], lpt or [None], tie_tolerance)
