@@ -60,7 +60,30 @@ class WorkerSpec(_Spec):
     def _http(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        from urllib.parse import urlsplit
+
+        try:  # a URL no request can reach would only show as a worker down at start, then never up
+            parts = urlsplit(v)
+            port = parts.port
+        except ValueError as e:
+            raise ValueError(f"not a URL ({e})") from None
+        if not parts.hostname or any(c.isspace() for c in v):
+            raise ValueError("not a URL with a host (http://HOST:PORT)")
+        if port == 0:
+            raise ValueError("port 0 is no worker's port")
         return v.rstrip("/")
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _zmq(cls, v: Optional[str]) -> Optional[str]:
+        import re
+
+        if v is None:
+            return v
+        m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):([0-9]{1,5})|ipc://\S+", v)
+        if m is None or (m.group(2) is not None and not 0 < int(m.group(2)) <= 65535):
+            raise ValueError("a ZMQ endpoint the controller binds: tcp://HOST:PORT (or ipc://PATH)")
+        return v
 
 
 class LauncherSpec(_Spec):
@@ -202,6 +225,10 @@ class LiveConfig(_Spec):
         ids = [w.id for w in self.workers if w.id]
         if len(ids) != len(set(ids)):
             raise ValueError("workers: ids must be unique")
+        eps = [w.kv_events_endpoint for w in self.workers if w.kv_events_endpoint]
+        if len(eps) != len(set(eps)):  # one SUB socket binds an endpoint: the second worker's events would be lost
+            raise ValueError(f"workers: each kv_events_endpoint must be its own (given twice: "
+                             f"{next(e for e in eps if eps.count(e) > 1)})")
         if self.predictor is not None:  # built once now: a bad parameter or model file is one line at load
             from twin.policy.predictors import make_predictor
 

@@ -90,3 +90,26 @@ def test_twin_live_command_bad_config_exit_2(tmp_path):
     r = CliRunner().invoke(app, ["live", str(p)])
     assert r.exit_code == 2
     assert "give workers" in r.output
+
+
+@pytest.mark.parametrize("worker,says", [
+    ({"url": "http://127.0.0.1:99999"}, "workers.0.url: not a URL"),
+    ({"url": "http://"}, "workers.0.url: not a URL with a host"),
+    ({"url": "http://exa mple.com:80"}, "workers.0.url: not a URL with a host"),
+    ({"url": "http://127.0.0.1:8000", "kv_events_endpoint": "garbage"}, "workers.0.kv_events_endpoint: a ZMQ"),
+    ({"url": "http://127.0.0.1:8000", "kv_events_endpoint": "tcp://*:70000"}, "workers.0.kv_events_endpoint"),
+])
+def test_a_worker_no_request_could_reach_is_refused_at_load(worker, says):
+    """Each used to start: the worker was down at start and never came up, with a warning in the log."""
+    with pytest.raises(TwinInputError) as e:
+        parse_config({"workers": [worker]})
+    assert says in str(e.value)
+
+
+def test_two_workers_on_one_kv_event_endpoint_are_refused():
+    ep = "tcp://127.0.0.1:5557"
+    with pytest.raises(TwinInputError, match="kv_events_endpoint must be its own"):
+        parse_config({"workers": [{"url": "http://a:1", "kv_events_endpoint": ep},
+                                  {"url": "http://b:1", "kv_events_endpoint": ep}]})
+    for ok in ("tcp://*:5557", "tcp://[::1]:5557", "ipc:///tmp/kv.sock"):
+        parse_config({"workers": [{"url": "http://[::1]:8000", "kv_events_endpoint": ok}]})
