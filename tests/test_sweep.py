@@ -180,11 +180,19 @@ def test_a_failed_point_is_recorded_and_the_others_finish(tmp_path):
 
 
 def test_a_raising_point_does_not_stop_the_pool(tmp_path):
-    # unknown router parameters pass the scenario schema and fail when the router is built
-    grid = {"router.params": [{}, {"no_such_param": 1}]}
+    # a KV cache short of one max_model_len request passes the scenario schema and fails when the cluster sizes it
+    # (unknown router parameters did, until the plan built each point's router)
+    grid = {"cluster.engine.gpu_memory_utilization": [0.92, 0.235]}
     r = run_sweep(plan(grid), tmp_path / "s", LocalBackend(1))
     assert list(r.table.status) == ["ok", "failed"]
-    assert "router.params" in r.table.error.iloc[1]
+    assert "max_model_len" in r.table.error.iloc[1]
+
+
+def test_a_point_whose_router_cannot_be_built_is_invalid_before_any_run():
+    with pytest.raises(TwinInputError, match="no_such_param"):
+        plan({"router.params": [{}, {"no_such_param": 1}]})
+    p = plan({"router.params": [{}, {"no_such_param": 1}]}, skip_invalid=True)
+    assert [q.error is None for q in p.points] == [True, False]
 
 
 def test_local_pool_gives_the_serial_summaries(tmp_path):

@@ -173,11 +173,18 @@ def plan_sweep(base_raw: dict, grid: dict[str, list], source: str, base_dir: str
                 problems.append(str(e).splitlines()[0])
     if problems:
         raise TwinInputError("\n".join(problems))
+    from twin.sim.cluster import build_router
+
     points, invalid = [], []
+    routers_ok: set[str] = set()  # router blocks built once already: a bad parameter is found before any run
     for params in expand(grid):
         raw = apply_overrides(copy.deepcopy(base_raw), [override(k, v) for k, v in params.items()])
         try:
             sc = parse_scenario(raw, "point", base_dir)
+            key = sc.router.model_dump_json()
+            if key not in routers_ok:
+                build_router(sc)
+                routers_ok.add(key)
         except TwinInputError as e:
             msg = str(e).splitlines()[0].removeprefix("point: ")
             p = Point(params, raw, point_key({"invalid": raw}), msg)

@@ -153,6 +153,29 @@ def has_hook(router: Any, name: str) -> bool:
     return fn is not None and fn is not getattr(RouterBase, name)
 
 
+def param_types_problem(cls: Any, params: dict, prefix: str) -> str | None:
+    """The first parameter whose value is not of its default's kind (a number, true/false), said plainly: a
+    constructor's own TypeError read "'<' not supported between instances of 'str' and 'int'"."""
+    import math
+
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return None
+    for k, v in params.items():
+        p = sig.parameters.get(k)
+        if p is None or p.default is inspect.Parameter.empty or p.default is None:
+            continue
+        d = p.default
+        if isinstance(d, bool):
+            if not isinstance(v, bool):
+                return f"{prefix}.{k}: {v!r} is not true or false"
+        elif isinstance(d, (int, float)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
+                return f"{prefix}.{k}: {v!r} is not a number"
+    return None
+
+
 def build_router(spec: Any, seed: int | None) -> Router:
     """A scenario's or live config's `router:` block as a router; bad names or parameters are one line."""
     from twin.errors import TwinInputError
@@ -164,7 +187,11 @@ def build_router(spec: Any, seed: int | None) -> Router:
     except LookupError as e:
         raise TwinInputError(f"router.name: {e}") from None
     except (TypeError, ValueError) as e:
-        raise TwinInputError(f"router.params: {e}") from None
+        try:
+            plain = param_types_problem(resolve_router_class(spec.name), dict(spec.params), "router.params")
+        except LookupError:
+            plain = None
+        raise TwinInputError(plain or f"router.params: {e}") from None
 
 
 def prefix_index_kind(router: Any, wanted: str | None) -> str | None:

@@ -130,7 +130,9 @@ def make_scaler(name: str, **params) -> Scaler:
     try:
         obj = cls(**params)
     except (TypeError, ValueError) as e:
-        raise TwinInputError(f"scaler.params: {e}") from None
+        from twin.policy.base import param_types_problem
+
+        raise TwinInputError(param_types_problem(cls, params, "scaler.params") or f"scaler.params: {e}") from None
     if not callable(getattr(obj, "decide", None)):
         raise TwinInputError(f"scaler.name: {name} has no decide(now, fleet, forecast)")
     return obj
