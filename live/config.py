@@ -7,15 +7,18 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
 from twin.scenario import (ChunkPlanSpec, PerfSpec, PredictorSpec, RouterSpec, ScalerSpec, SLOSpec,
                            _format_error, apply_overrides, read_yaml_mapping)
+from twin.scenario import _Spec as ScenarioSpec
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Spec(ScenarioSpec):
+    """The scenario's checks (no inf or NaN, no true for a number), without its assignment validation."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ServerSpec(_Spec):

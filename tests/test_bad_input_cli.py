@@ -100,3 +100,35 @@ def test_a_live_config_that_is_no_text_or_a_folder_is_one_line(tmp_path, kind):
         p.mkdir()
     line = one_error(["live", p])
     assert str(p) in line and ("not UTF-8" in line if kind == "binary" else "is a folder" in line)
+
+
+@pytest.mark.parametrize("sets,says", [
+    (["scaler.name=static", "scaler.params.target=abc"], "scaler.params.target: 'abc' is not a number"),
+    (["router.name=lmetric", "router.params.bs_offset=nan"], "router.params.bs_offset: 'nan' is not a number"),
+])
+def test_a_policy_parameter_of_the_wrong_kind_is_said_plainly(tmp_path, sets, says):
+    """The constructors' own TypeError read "'<' not supported between instances of 'str' and 'int'"."""
+    args = [a for s in sets for a in ("--set", s)]
+    assert says in one_error(["simulate", QUICKSTART, "-q", *SMALL, *args, "--out", tmp_path / "r"])
+
+
+def test_a_sweep_point_whose_router_cannot_be_built_is_refused_before_any_runs(tmp_path):
+    """The point used to run and fail (exit 1) while compare refused the same value up front."""
+    out = tmp_path / "sweep"
+    line = one_error(["sweep", QUICKSTART, "-q", *SMALL, "--set", "router.name=lmetric",
+                      "--grid", "router.params.bs_offset=1,abc", "--out", out])
+    assert "router.params.bs_offset: 'abc' is not a number" in line and "--skip-invalid" in line
+    assert not out.exists()
+
+
+def test_truncating_to_a_context_of_one_token_is_refused(tmp_path):
+    """It made requests of one prompt token and no room for output, reported as finished."""
+    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "workload.on_too_long=truncate",
+                      "--set", "cluster.engine.max_model_len=1", "--out", tmp_path / "r"])
+    assert "max_model_len 1 leaves no room" in line
+
+
+def test_true_is_no_count(tmp_path):
+    """pydantic's lax mode read `num_requests: true` as 1."""
+    line = one_error(["simulate", QUICKSTART, "-q", "--set", "workload.num_requests=true", "--out", tmp_path / "r"])
+    assert "workload.num_requests" in line and "expected a number" in line

@@ -27,9 +27,28 @@ DEFAULT_GPUS_PER_NODE = 8
 KERNEL_BLOCK_MULTIPLE = 16
 
 
+def _numeric(annotation: Any) -> bool:
+    """int or float, or Optional of either (not bool, not a union with other kinds)."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return all(a in (int, float) for a in args)
+
+
 class _Spec(BaseModel):
     # inf and NaN are no setting: `rate: .inf` put every arrival at t = 0 (pydantic accepts them by default)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        """`num_requests: true` is no count: pydantic's lax mode read it as 1."""
+        if isinstance(data, dict):
+            for name, f in cls.model_fields.items():
+                v = data.get(name)
+                if isinstance(v, bool) and _numeric(f.annotation):
+                    raise ValueError(f"@{name}: expected a number, got {v!r}")
+        return data
 
 
 ROOFLINE_CORRECTIONS = ("compute_efficiency", "memory_efficiency", "step_overhead_s", "per_request_overhead_s",

@@ -52,6 +52,9 @@ def apply_context_limit(stream: RequestStream, max_model_len: int, policy: str, 
             "'truncate', or cap the lengths"
         )
     # truncate: keep the output, cut the prompt from the left (as a chat client drops old turns)
+    if max_model_len < 2:  # a request needs a prompt token and an output token
+        raise TwinInputError(f"{where}: max_model_len {max_model_len} leaves no room for a prompt token and an "
+                             "output token: nothing can be truncated to fit")
     out = np.minimum(stream.output_tokens, max_model_len - 1)
     stream.output_tokens = out
     stream.prompt_tokens = np.minimum(stream.prompt_tokens, max_model_len - out)
