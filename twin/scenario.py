@@ -265,12 +265,12 @@ class ClusterSpec(_Spec):
         if mml is not None and mml > derived:
             # _get_and_verify_max_len (vllm/config/model.py): refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which
             # vLLM warns may give wrong outputs or CUDA errors; served long with RoPE scaling instead
-            scaled = f" x RoPE scaling {self.engine.rope_scaling_factor:g}" if self.engine.rope_scaling_factor else ""
+            factor = self.engine.rope_scaling_factor
+            how = f" = {m.max_model_len} x RoPE scaling {factor:g}" if factor else ""
             raise ValueError(f"@engine.max_model_len: vLLM refuses a max_model_len ({mml}) above the length it "
-                             f"derives from {m.name}'s config ({derived}{f' = {m.max_model_len}' + scaled if scaled else ''}); serve "
-                             f"it with "
-                             f"RoPE scaling (engine.rope_scaling_factor: {math.ceil(mml / m.max_model_len)} as YaRN's "
-                             "factor) or lower max_model_len")
+                             f"derives from {m.name}'s config ({derived}{how}); serve it with RoPE scaling "
+                             f"(engine.rope_scaling_factor: {math.ceil(mml / m.max_model_len)} as YaRN's factor) "
+                             "or lower max_model_len")
         if bs % KERNEL_BLOCK_MULTIPLE:
             raise ValueError(f"@engine.block_size: vLLM's CUDA attention backends (FlashAttention, FlashInfer, "
                              f"Triton) take only multiples of {KERNEL_BLOCK_MULTIPLE}, got {bs} (vLLM: no valid "
