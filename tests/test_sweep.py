@@ -179,13 +179,40 @@ def test_a_failed_point_is_recorded_and_the_others_finish(tmp_path):
     assert again.ran == [{"workload.lengths.prompt_tokens": 9000}] and r2.retried == 1 and r2.skipped == 2
 
 
+BOOM = """from twin.policy.base import RouterBase
+
+
+class Boom(RouterBase):
+    name = "boom"
+
+    def choose(self, req, fleet):
+        raise RuntimeError("boom")
+"""
+
+
 def test_a_raising_point_does_not_stop_the_pool(tmp_path):
-    # a KV cache short of one max_model_len request passes the scenario schema and fails when the cluster sizes it
-    # (unknown router parameters did, until the plan built each point's router)
-    grid = {"cluster.engine.gpu_memory_utilization": [0.92, 0.235]}
+    # a router that raises while routing passes every check the plan makes (unknown router parameters and a KV
+    # cache vLLM would refuse did, until the plan built each point's router and sized its cache)
+    (tmp_path / "boom.py").write_text(BOOM)
+    grid = {"router.name": ["round_robin", f"{tmp_path / 'boom.py'}:Boom"]}
     r = run_sweep(plan(grid), tmp_path / "s", LocalBackend(1))
     assert list(r.table.status) == ["ok", "failed"]
-    assert "max_model_len" in r.table.error.iloc[1]
+    assert "boom" in r.table.error.iloc[1]
+
+
+def test_a_quiet_sweep_says_which_point_failed(tmp_path):
+    (tmp_path / "boom.py").write_text(BOOM)
+    sc = tmp_path / "s.yaml"
+    sc.write_text(yaml.safe_dump(base()))
+    r = CliRunner().invoke(app, ["sweep", str(sc), "-q", "--workers", "1", "--out", str(tmp_path / "out"),
+                                 "--grid", f"router.name=round_robin,{tmp_path / 'boom.py'}:Boom"])
+    assert r.exit_code == 1
+    assert "1 point failed" in r.output and "boom" in r.output
+
+
+def test_a_point_whose_kv_cache_vllm_would_refuse_is_invalid_before_any_run():
+    with pytest.raises(TwinInputError, match="max_model_len"):
+        plan({"cluster.engine.gpu_memory_utilization": [0.92, 0.235]})
 
 
 def test_a_point_whose_router_cannot_be_built_is_invalid_before_any_run():

@@ -173,10 +173,15 @@ def plan_sweep(base_raw: dict, grid: dict[str, list], source: str, base_dir: str
                 problems.append(str(e).splitlines()[0])
     if problems:
         raise TwinInputError("\n".join(problems))
-    from twin.sim.cluster import build_router
+    from twin.engine.config import num_gpu_blocks
+    from twin.perf.registry import build_perf
+    from twin.sim.cluster import build_router, engine_config
 
     points, invalid = [], []
-    routers_ok: set[str] = set()  # router blocks built once already: a bad parameter is found before any run
+    # router and cluster blocks built once already: a bad router parameter, or a KV cache vLLM would refuse
+    # (short of one max_model_len request), is found before any run
+    routers_ok: set[str] = set()
+    clusters_ok: set[str] = set()
     for params in expand(grid):
         raw = apply_overrides(copy.deepcopy(base_raw), [override(k, v) for k, v in params.items()])
         try:
@@ -185,6 +190,12 @@ def plan_sweep(base_raw: dict, grid: dict[str, list], source: str, base_dir: str
             if key not in routers_ok:
                 build_router(sc)
                 routers_ok.add(key)
+            key = sc.cluster.model_dump_json()
+            if key not in clusters_ok:
+                perf = build_perf(sc)
+                num_gpu_blocks(engine_config(sc), perf.gpu.device_memory, perf.weight_bytes_per_gpu,
+                               perf.kv_bytes_per_token_per_gpu)
+                clusters_ok.add(key)
         except TwinInputError as e:
             msg = str(e).splitlines()[0].removeprefix("point: ")
             p = Point(params, raw, point_key({"invalid": raw}), msg)

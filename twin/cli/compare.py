@@ -189,6 +189,14 @@ def sweep(
                       + f" ({outcome.ran:,} run now, {outcome.skipped:,} skipped as already finished)")
         console.print("wrote " + ", ".join(str(p) for p in outcome.files))
     if outcome.failed:
+        if quiet:  # the progress lines named each failure; quiet, the exit status alone would say nothing
+            row = t[t.status == STATUS_FAILED].iloc[0]
+            first = describe_params({k: row[k] for k in plan.param_keys if k in row.index})
+            from rich.markup import escape
+
+            err.print(f"[red]{outcome.failed:,} point{'s' if outcome.failed != 1 else ''} failed[/]; the first, "
+                      + escape(f"{first}: {row['error']} (the results in {out} have each)"), highlight=False,
+                      soft_wrap=True, emoji=False)
         raise typer.Exit(1)
 
 
