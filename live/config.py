@@ -12,13 +12,13 @@ from pydantic import PositiveInt, ConfigDict, Field, ValidationError, field_vali
 from twin.errors import TwinInputError
 from twin.scenario import (ChunkPlanSpec, PerfSpec, PredictorSpec, RouterSpec, ScalerSpec, SLOSpec,
                            _format_error, apply_overrides, read_yaml_mapping)
-from twin.scenario import _Spec as ScenarioSpec
+from twin.spec_base import NumbersChecked
 
 
-class _Spec(ScenarioSpec):
+class _Spec(NumbersChecked):
     """The scenario's checks (no inf or NaN, no true for a number), without its assignment validation."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid")
 
 
 class ServerSpec(_Spec):

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
+from twin.spec_base import NumbersChecked
 from twin.specs.hardware import get_gpu
 from twin.specs.models import get_model
 from twin.whatif.spec import EarlyExitSpec, PartialKVSpec, PrecisionSpec, SemanticBatchingSpec
@@ -27,28 +28,8 @@ DEFAULT_GPUS_PER_NODE = 8
 KERNEL_BLOCK_MULTIPLE = 16
 
 
-def _numeric(annotation: Any) -> bool:
-    """int or float, or Optional of either (not bool, not a union with other kinds)."""
-    import typing
-
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    return all(a in (int, float) for a in args)
-
-
-class _Spec(BaseModel):
-    # inf and NaN are no setting: `rate: .inf` put every arrival at t = 0 (pydantic accepts them by default)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, data: Any) -> Any:
-        """`num_requests: true` is no count: pydantic's lax mode read it as 1."""
-        if isinstance(data, dict):
-            for name, f in cls.model_fields.items():
-                v = data.get(name)
-                if isinstance(v, bool) and _numeric(f.annotation):
-                    raise ValueError(f"@{name}: expected a number, got {v!r}")
-        return data
+class _Spec(NumbersChecked):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 ROOFLINE_CORRECTIONS = ("compute_efficiency", "memory_efficiency", "step_overhead_s", "per_request_overhead_s",
@@ -558,7 +539,10 @@ def apply_overrides(raw: dict, overrides: list[str], flags: Flags | None = None)
         if not keys:
             raise TwinInputError(f"--set {item!r}: empty path")
         node = raw
-        for k in keys[:-1]:
+        for depth, k in enumerate(keys[:-1]):
+            if isinstance(node.get(k), list):  # it would become a mapping, and the error name an earlier flag
+                where = ".".join(keys[:depth + 1])
+                raise TwinInputError(f"--set {item}: {where} is a list; set it whole (--set {where}=[...])")
             if not isinstance(node.get(k), dict):
                 node[k] = {}
             node = node[k]

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from twin.spec_base import NumbersChecked
 
 # links to host memory by name, bytes/s per direction (sources in twin/specs/hardware.yaml's header)
 HOST_LINKS = {"pcie4-x16": 32e9, "pcie5-x16": 64e9, "nvlink-c2c": 450e9}
 
 
-class _Action(BaseModel):
+class _Action(NumbersChecked):
     """One action: `enabled` is true as soon as the section is written, unless it says otherwise."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
