@@ -132,3 +132,38 @@ def test_true_is_no_count(tmp_path):
     """pydantic's lax mode read `num_requests: true` as 1."""
     line = one_error(["simulate", QUICKSTART, "-q", "--set", "workload.num_requests=true", "--out", tmp_path / "r"])
     assert "workload.num_requests" in line and "expected a number" in line
+
+
+@pytest.mark.parametrize("setting", ["chunk_plan.candidates=[true]", "whatif.precision.fp8_layers=[true]"])
+def test_true_is_no_number_in_a_list_either(setting):
+    line = one_error(["validate", QUICKSTART, "--set", setting])
+    assert "expected numbers" in line
+
+
+def test_a_set_path_into_a_list_names_its_own_flag():
+    """It turned the list into a mapping, and the error named the earlier flag that had set the list."""
+    line = one_error(["validate", QUICKSTART, "--set", "chunk_plan.candidates=[512,1024]",
+                      "--set", "chunk_plan.candidates.0=0"])
+    assert line.startswith("error: --set chunk_plan.candidates.0=0: chunk_plan.candidates is a list")
+
+
+def test_plot_refuses_a_latency_column_of_text(tmp_path):
+    import pandas as pd
+
+    run = tmp_path / "run"
+    CliRunner().invoke(app, ["simulate", str(QUICKSTART), "-q", *SMALL, "--out", str(run)])
+    df = pd.read_parquet(run / "requests.parquet")
+    df["ttft_s"] = "abc"
+    df.to_parquet(run / "requests.parquet")
+    assert "column ttft_s holds" in one_error(["plot", run])
+
+
+def test_predictor_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path):
+    pytest.importorskip("xgboost")
+    data = tmp_path / "pairs.csv"
+    data.write_text("prompt,output_tokens\n" + "".join(f"question number {i} please,{10 + i}\n" for i in range(40)))
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    r = CliRunner().invoke(app, ["predictor", "train", "--data", str(data), "--kind", "xgboost", "--out", str(a_file),
+                                 "-q"])
+    assert r.exit_code == 2 and "cannot make the folder" in r.output and "examples" not in r.output, r.output

@@ -209,3 +209,43 @@ def test_loads_are_bounded_and_fit_the_context():
         Load("big", np.zeros(10_000), np.ones(10_000), np.ones(10_000))
     prompts = lo.prompts(4096)
     assert [len(x) for x in prompts] == lo.prompt_tokens.tolist()
+
+
+def test_a_profile_cell_that_is_no_number_is_one_line(tmp_path):
+    """It ended in 'could not convert string to float' from deep in the fit."""
+    csv = tmp_path / "prof.csv"
+    _profile_csv(csv, "Llama-2-7B", 1.25, 0.0)
+    df = pd.read_csv(csv)
+    col = next(c for c in df.columns if c.startswith("time_stats."))
+    df[col] = df[col].astype(object)
+    df.loc[3, col] = "abc"
+    df.to_csv(csv, index=False)
+    r = CliRunner().invoke(app, ["calibrate", str(csv), "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 2 and f"line 5: field {col}: 'abc' is not a number" in r.output, r.output
+
+
+@pytest.mark.parametrize("meta,says", [
+    ({"engine": {}, "twin": {}}, "engine.block_size: None is not a count"),
+    ({**META, "engine": {**META["engine"], "block_size": "abc"}}, "engine.block_size: 'abc'"),
+    ({"engine": "x", "twin": {}}, "missing 'engine'"),
+    ({**META, "twin": {}}, "twin.hardware: None is not a name"),
+])
+def test_an_observation_whose_settings_are_missing_or_wrong_is_one_line(tmp_path, meta, says):
+    obs = synthetic(Profile.from_params(TRUE), *deterministic_load())
+    d = tmp_path / "obs"
+    d.mkdir()
+    obs.requests.to_parquet(d / "requests.parquet", index=False)
+    (d / "observe.json").write_text(json.dumps(meta))
+    with pytest.raises(TwinInputError, match=says.replace("(", r"\(")):
+        read_observation(d)
+
+
+def test_an_unreadable_tokens_table_is_one_line(tmp_path):
+    obs = synthetic(Profile.from_params(TRUE), *deterministic_load())
+    d = tmp_path / "obs"
+    d.mkdir()
+    obs.requests.to_parquet(d / "requests.parquet", index=False)
+    (d / "observe.json").write_text(json.dumps(META))
+    (d / "tokens.parquet").write_text("garbage")
+    with pytest.raises(TwinInputError, match="tokens.parquet: not a readable parquet file"):
+        read_observation(d)

@@ -151,4 +151,8 @@ def _read_table(path: Path, columns: list[str]) -> pd.DataFrame:
     missing = [c for c in columns if c not in df.columns]
     if missing:
         raise TwinInputError(f"{path}: missing column(s) {', '.join(missing)}: not written by twin simulate/replay?")
+    for c in columns:
+        if c not in ("status", "instance", "state") and not pd.api.types.is_numeric_dtype(df[c]):
+            raise TwinInputError(f"{path}: column {c} holds {df[c].dtype} values, not numbers: not written by twin "
+                                 "simulate/replay?")
     return df

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from twin.errors import TwinInputError
-from twin.cli.common import _fail, _fmt, app, err
+from twin.cli.common import _fail, _fmt, app, err, out_folder
 
 
 @app.command("live")
@@ -125,6 +125,9 @@ def calibrate(
         dirs = [p for p in inputs if p.is_dir()]
         if dirs and len(dirs) != len(inputs):
             raise TwinInputError("give observation folders or operator-profile CSVs, not both")
+        if out.is_dir():
+            raise TwinInputError(f"--out {out}: is a folder; give the profile's file name (YAML or .json)")
+        out_folder(out.parent)  # before the fit
         if dirs:
             obs = [read_observation(p) for p in dirs]
             with Progress(TextColumn("[bold]fitting"), BarColumn(), TextColumn("iteration {task.completed}"),

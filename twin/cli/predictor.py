@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from twin.errors import TwinInputError
-from twin.cli.common import _fail, app, err
+from twin.cli.common import _fail, app, err, out_folder
 
 
 predictor_app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -91,6 +91,7 @@ def predictor_train(
         if kind not in KINDS:
             raise TwinInputError(f"unknown model kind {kind!r} (known: {', '.join(KINDS)})")
         ex = _load_data(data, format_, answers, tokenizer, chars_per_token)
+        out_folder(out)  # before the training: a folder that cannot be made fails now, not after it
         train, held = split(ex, holdout, seed)
         console.print(f"{ex.source}: {len(ex):,} examples, {len(train):,} to train, {len(held):,} held out "
                       f"(seed {seed})", highlight=False)
@@ -140,6 +141,10 @@ def predictor_eval(
     try:
         model = load_model(model_path)
         ex = _load_data(data, format_, answers, tokenizer, chars_per_token)
+        if predictions is not None:  # writable before the predictions are made
+            if predictions.is_dir():
+                raise TwinInputError(f"--predictions {predictions}: is a folder; give a CSV file name")
+            out_folder(predictions.parent, "--predictions")
         with _Bar(quiet) as bar:
             q = model.predict_quantiles(ex, bar)
         pred = q[:, model.quantile_levels.index(0.5)]
@@ -161,6 +166,8 @@ def predictor_eval(
                               "predicted": pred})
         for j, lv in enumerate(model.quantile_levels):
             frame[f"q{lv:g}"] = q[:, j]
-        predictions.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_csv(predictions, index=False)
+        try:
+            frame.to_csv(predictions, index=False)
+        except OSError as e:
+            _fail(f"--predictions {predictions}: cannot write: {e.strerror or e}")
         console.print(f"wrote {predictions}", highlight=False)

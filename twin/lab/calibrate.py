@@ -110,6 +110,14 @@ def read_profile_csv(path: str | Path) -> pd.DataFrame:
         df = pd.read_csv(path)
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise TwinInputError(f"{path}: not a readable CSV ({type(e).__name__})") from None
+    for col in df.columns:  # the shapes, token counts and times the fit reads are numbers: name a cell that is not
+        if col in (*SHAPE_COLS, "num_tokens", "num_tensor_parallel_workers") or str(col).startswith("time_stats."):
+            v = pd.to_numeric(df[col], errors="coerce")
+            bad = v.isna() & df[col].notna()
+            if bad.any():
+                i = int(np.flatnonzero(bad.to_numpy())[0])
+                raise TwinInputError(f"{path}: line {i + 2}: field {col}: {df[col].iloc[i]!r} is not a number")
+            df[col] = v
     return df
 
 
@@ -308,10 +316,24 @@ def read_observation(path: str | Path) -> Observation:
     if missing:
         raise TwinInputError(f"{req}: missing column(s) {', '.join(missing)}")
     for k in ("engine", "twin"):
-        if k not in m:
-            raise TwinInputError(f"{meta}: missing {k!r}")
+        if not isinstance(m.get(k), dict):
+            raise TwinInputError(f"{meta}: missing {k!r} (a mapping)")
+    for k in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        v = m["engine"].get(k)  # a number, or its text as vLLM's cache_config_info labels carry it
+        try:
+            ok = not isinstance(v, bool) and float(v) > 0 and float(v) == int(float(v))
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise TwinInputError(f"{meta}: engine.{k}: {v!r} is not a count > 0 (twin observe records it)")
+    for k in ("hardware", "model"):
+        if not isinstance(m["twin"].get(k), str):
+            raise TwinInputError(f"{meta}: twin.{k}: {m['twin'].get(k)!r} is not a name (twin observe records it)")
     tok = path / "tokens.parquet"
-    tokens = pd.read_parquet(tok) if tok.is_file() else None
+    try:
+        tokens = pd.read_parquet(tok) if tok.is_file() else None
+    except Exception as e:  # noqa: BLE001 - a corrupt file is bad input
+        raise TwinInputError(f"{tok}: not a readable parquet file ({type(e).__name__})") from None
     if (requests["status"] == "finished").sum() == 0:
         raise TwinInputError(f"{path}: no finished request to fit or compare")
     return Observation(path, requests, tokens, m)
