@@ -42,8 +42,10 @@ def run(config: Path, overrides: Optional[List[str]] = None, host: Optional[str]
     try:
         asyncio.run(serve(ctl))
     except LaunchError as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        print("\n".join(str(e).splitlines()[1:]), file=sys.stderr)
+        lines = str(e).splitlines() or [type(e).__name__]
+        print(f"error: {lines[0]}", file=sys.stderr)
+        if lines[1:]:  # the end of the worker's log
+            print("\n".join(lines[1:]), file=sys.stderr)
         return 1
     except OSError as e:  # the port is taken, the address cannot be bound
         print(f"error: cannot listen on {cfg.server.host}:{cfg.server.port}: {e.strerror or e}", file=sys.stderr)
