@@ -88,6 +88,10 @@ def test_bad_mix_and_context():
     sc = make_scenario()
     with pytest.raises(TwinInputError, match="--context"):
         ceilings(build_perf(sc), engine_config(sc), 0)
+    # sequences longer than the engine takes have no ceiling to report (Llama-3-8B: 8,192)
+    with pytest.raises(TwinInputError, match="--context 8193: above max_model_len"):
+        ceilings(build_perf(sc), engine_config(sc), 8193)
+    ceilings(build_perf(sc), engine_config(sc), 8192)
 
 
 def test_verdicts_factor_is_claim_over_ceiling():

@@ -103,6 +103,9 @@ def ceilings(perf: StepTimeModel, cfg: EngineConfig, context: int, mix: tuple[fl
     """The ceilings of `perf` (a step model of one instance) with `cfg`'s KV sizing, at `context` tokens."""
     if context < 1:
         raise TwinInputError(f"--context {context}: must be >= 1 token")
+    if cfg.max_model_len and context > cfg.max_model_len:  # ceilings for sequences the engine would refuse
+        raise TwinInputError(f"--context {context}: above max_model_len ({cfg.max_model_len:,}); raise "
+                             "cluster.engine.max_model_len (--set) or lower --context")
     ideal = perf.ideal()
     d = perf.describe()
     gpu, model = perf.gpu.name, str(d.get("model", "?"))
