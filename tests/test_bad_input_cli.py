@@ -167,3 +167,21 @@ def test_predictor_outputs_that_cannot_be_written_are_refused_before_the_work(tm
     r = CliRunner().invoke(app, ["predictor", "train", "--data", str(data), "--kind", "xgboost", "--out", str(a_file),
                                  "-q"])
     assert r.exit_code == 2 and "cannot make the folder" in r.output and "examples" not in r.output, r.output
+
+
+@pytest.mark.parametrize("args,says", [
+    (["simulate", QUICKSTART, "--seed", "abc"], "Invalid value for '--seed'"),
+    (["compare", QUICKSTART, "--seeds", "0", "--out", "x"], "Invalid value for '--seeds'"),
+    (["simulate"], "Missing argument"),
+    (["simulate", QUICKSTART, "--bogus"], "No such option: --bogus"),
+    (["no-such-command"], "No such command"),
+])
+def test_command_line_mistakes_are_one_line_too(args, says):
+    """click's Usage text and a boxed Error, before; now one line like every other bad input, exit 2."""
+    line = one_error(args)
+    assert says in line and "--help" in line
+
+
+def test_no_arguments_still_show_the_help():
+    r = CliRunner().invoke(app, [])
+    assert "Usage" in r.output and "simulate" in r.output

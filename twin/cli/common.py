@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -16,7 +17,34 @@ from rich.table import Table
 from twin.errors import TwinInputError
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+class _OneLineErrors(typer.core.TyperGroup):
+    """Command-line mistakes (an unknown option, a value of the wrong type, a missing argument) as one `error:` line
+    and exit 2, like every other bad input, rather than click's Usage text and a boxed Error."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        click = getattr(typer.core, "_click", None) or __import__("click")  # typer 0.2x carries its own copy
+
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        exc = click.exceptions
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except exc.NoArgsIsHelpError:  # no arguments: the help, as before
+            return super().main(args, prog_name, complete_var, standalone_mode=True, **extra)
+        except exc.ClickException as e:
+            from rich.markup import escape
+
+            ctx = getattr(e, "ctx", None)
+            where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            err.print(f"[bold red]error:[/] {escape(e.format_message() + where)}", highlight=False, soft_wrap=True)
+            sys.exit(e.exit_code)
+        except exc.Abort:
+            err.print("aborted", highlight=False)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrors,
                   help="llmtwin: a digital twin of a vLLM serving cluster.")
 err = Console(stderr=True)
 
