@@ -108,6 +108,16 @@ def test_malformed_line_servegen(tmp_path):
     assert "expected 6 fields" in msg
 
 
+@pytest.mark.parametrize("first,second", [(600, 600), (600, 0)])
+def test_servegen_windows_out_of_order_or_repeated(tmp_path, first, second):
+    """A repeated or earlier window start made the windows' length 0 s: no requests, and a message about idle
+    clients whose windows 'span 0 s'."""
+    p = write(tmp_path, "chunk-7-trace.csv", f"{first},1.5,1.0,Gamma,1.0,0.66\n{second},2.0,1.0,Gamma,1.0,0.5\n")
+    msg = error_of(p)
+    assert_names(msg, p, 2, "window_start_s")
+    assert "time order" in msg
+
+
 def test_bad_pattern_servegen(tmp_path):
     p = write(tmp_path, "chunk-7-trace.csv", "0,1.5,1.0,Gamma,1.0,0.66\n600,2.0,1.0,Pareto,1.0,0.5\n")
     assert_names(error_of(p), p, 2, "pattern")

@@ -172,6 +172,16 @@ def read_windows(c: Client, bad: BadRows) -> int:
         elif not (scale[i] > 0 and np.isfinite(scale[i])):
             bad.flag(where, "scale", f"{rows.column('scale')[i]!r} is not a number > 0")
             ok[i] = False
+    # windows in time order, each once: a repeated or earlier start made the windows' length (their median step)
+    # 0 s, and every request vanished with "their active windows span 0 s"
+    last = -math.inf
+    for i in np.flatnonzero(ok):
+        if start[i] <= last:
+            bad.flag(f"line {rows.lines[i]}", "window_start_s",
+                     f"{start[i]:g} does not follow the window before ({last:g}): windows are in time order, each once")
+            ok[i] = False
+        else:
+            last = start[i]
     bad.drop(rows, ok)
     c.start, c.rate, c.shape, c.scale = start[ok], rate[ok], shape[ok], scale[ok]
     c.pattern = [p for p, k in zip(pattern, ok) if k]
