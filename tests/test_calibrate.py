@@ -178,12 +178,18 @@ def test_observation_folder_errors(tmp_path):
         read_observation(tmp_path / "o")
 
 
-def test_observation_written_and_read_back(tmp_path):
+def observation_dir(tmp_path: Path, meta: dict = META) -> tuple[Path, Observation]:
+    """A synthetic observation written as `twin observe` writes one, with `meta` as its observe.json."""
     obs = synthetic(Profile.from_params(TRUE), *deterministic_load())
     d = tmp_path / "obs"
     d.mkdir()
     obs.requests.to_parquet(d / "requests.parquet", index=False)
-    (d / "observe.json").write_text(json.dumps(META))
+    (d / "observe.json").write_text(json.dumps(meta))
+    return d, obs
+
+
+def test_observation_written_and_read_back(tmp_path):
+    d, obs = observation_dir(tmp_path)
     back = read_observation(d)
     assert len(back.finished) == len(obs.requests)
     r = CliRunner().invoke(app, ["calibrate", str(d), "--out", str(tmp_path / "fit.yaml"), "--iterations", "2"])
@@ -231,21 +237,13 @@ def test_a_profile_cell_that_is_no_number_is_one_line(tmp_path):
     ({**META, "twin": {}}, "twin.hardware: None is not a name"),
 ])
 def test_an_observation_whose_settings_are_missing_or_wrong_is_one_line(tmp_path, meta, says):
-    obs = synthetic(Profile.from_params(TRUE), *deterministic_load())
-    d = tmp_path / "obs"
-    d.mkdir()
-    obs.requests.to_parquet(d / "requests.parquet", index=False)
-    (d / "observe.json").write_text(json.dumps(meta))
+    d, _ = observation_dir(tmp_path, meta)
     with pytest.raises(TwinInputError, match=says.replace("(", r"\(")):
         read_observation(d)
 
 
 def test_an_unreadable_tokens_table_is_one_line(tmp_path):
-    obs = synthetic(Profile.from_params(TRUE), *deterministic_load())
-    d = tmp_path / "obs"
-    d.mkdir()
-    obs.requests.to_parquet(d / "requests.parquet", index=False)
-    (d / "observe.json").write_text(json.dumps(META))
+    d, _ = observation_dir(tmp_path)
     (d / "tokens.parquet").write_text("garbage")
     with pytest.raises(TwinInputError, match="tokens.parquet: not a readable parquet file"):
         read_observation(d)
