@@ -16,13 +16,14 @@ def test_a_month_long_gap_coarsens_the_timeline_and_says_so():
     assert tl.interval_s > sc.sim.timeline_interval_s == 1.0
     assert len(tl.t) <= MAX_ROWS and len(tl.to_frame()) == len(tl.t)
     assert any(n.startswith(f"timeline every {tl.interval_s:g} s") for n in res.stream_stats["notes"])
+    assert tl.note in res.stream_stats["notes"]
     assert (res.log.status == 4).all()  # both requests served
 
 
 def test_a_short_run_keeps_its_interval():
     sc = make_scenario(**{"cluster.num_instances": 2})
     res = Cluster(sc, stream_of([0.0, 50.0], [100, 100], [10, 10])).run()
-    assert res.timeline.interval_s == 1.0
+    assert res.timeline.interval_s == 1.0 and res.timeline.note is None
     assert not any(n.startswith("timeline every") for n in res.stream_stats["notes"])
 
 

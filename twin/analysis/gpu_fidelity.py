@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from twin.errors import TwinInputError
+from twin.errors import TwinInputError, out_folder
 
 REQUIRED = ("model", "gpu", "precision", "tp", "isl", "osl", "concurrency", "ttft_ms", "tpot_ms")
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "throughput_tok_s")
@@ -348,11 +348,7 @@ def run_score(path: str | Path, out: Path, requests_per_client: int = 10, overri
     if not 0 < range_ratio <= 1:
         raise TwinInputError(f"--range-ratio: must be in (0, 1], got {range_ratio}")
     points = read_points(path)
-    out = Path(out)
-    try:  # before the points run
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TwinInputError(f"--out {out}: cannot make the folder: {e.strerror or e}") from None
+    out = out_folder(Path(out))  # before the points run
     rows = score(points, requests_per_client, overrides, progress, range_ratio)
     kept = [r for r in rows if not r["bad_run"]]
     if not kept:

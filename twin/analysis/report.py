@@ -119,17 +119,13 @@ def summary_row(summary: dict) -> dict:
 
 def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     """Figures for any run folder written by `twin simulate`/`replay` (requests.parquet, timeline.parquet)."""
-    from twin.errors import TwinInputError
+    from twin.errors import TwinInputError, out_folder
 
     run_dir = Path(run_dir)
     req_path = run_dir / "requests.parquet"
     if not req_path.is_file():
         raise TwinInputError(f"{run_dir}: no requests.parquet here (is it a run folder from `twin simulate --out`?)")
-    out = Path(out) if out is not None else run_dir
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TwinInputError(f"--out {out}: cannot make the folder: {e.strerror or e}") from None
+    out = out_folder(Path(out) if out is not None else run_dir)
     df = _read_table(req_path, ["status", *(col for col, _ in LATENCIES)])
     name = run_dir.name
     written = [latency_cdfs({name: df}, out / "latency_cdf.png", name)]

@@ -177,16 +177,6 @@ def _slo_and_cost(s: dict) -> str:
     return f"{head}; {gpu_s / 3600:,.2f} GPU-hours ({gpu_s:,.0f} GPU-s)"
 
 
-def out_folder(out: Path, flag: str = "--out") -> Path:
-    """`out` made (with its parents) before any work, or one clear line: a file of that name, a path under a file,
-    no permission (a long run used to end in a traceback when it came to write)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TwinInputError(f"{flag} {out}: cannot make the folder: {e.strerror or e}") from None
-    return out
-
-
 def default_out(name: str, root: Path = Path("runs")) -> Path:
     """runs/<scenario name>-<local time>, a new folder (a suffix when one of that second exists)."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"
@@ -247,10 +237,8 @@ def _report(sc, result, out: Optional[Path], quiet: bool, console: Console) -> d
         console.print(f"wrote {out / written[0]} and {', '.join(written[1:])} beside it"
                       + (" (no --out given)" if chosen else "") + f"; figures: twin plot {out}",
                       highlight=False, soft_wrap=True)
-    tl = result.timeline
-    if tl is not None and tl.interval_s != sc.sim.timeline_interval_s and not quiet:
-        err.print("note: " + next((n for n in result.stream_stats.get("notes", ()) if n.startswith("timeline every")),
-                                  f"timeline every {tl.interval_s:g} s"), highlight=False, soft_wrap=True)
+    if result.timeline is not None and result.timeline.note and not quiet:
+        err.print("note: " + result.timeline.note, highlight=False, soft_wrap=True)
     hook_errors = (summary.get("router") or {}).get("hook_errors") or {}
     if hook_errors:  # a policy bug that dropped no request (twin.policy.host): said, never silent
         err.print("[bold yellow]warning:[/] policy errors during the run, no request dropped: "

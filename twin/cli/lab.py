@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from twin.errors import TwinInputError
-from twin.cli.common import _fail, _fmt, app, err, out_folder
+from twin.errors import TwinInputError, out_folder
+from twin.cli.common import _fail, _fmt, app, err
 
 
 @app.command("live")

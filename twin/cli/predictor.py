@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from twin.errors import TwinInputError
-from twin.cli.common import _fail, app, err, out_folder
+from twin.errors import TwinInputError, out_folder
+from twin.cli.common import _fail, app, err
 
 
 predictor_app = typer.Typer(add_completion=False, no_args_is_help=True,

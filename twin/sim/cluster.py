@@ -244,6 +244,7 @@ class Cluster:
             if note is not None and note not in stream.stats.notes:
                 stream.stats.notes.append(note)
             self.timeline = Timeline(self.env, self.dispatcher, interval)
+            self.timeline.note = note
         Proc(self.env, self.arrivals())  # twin.sim.events: SimPy's process, compiled
 
     def _build_instance(self) -> Instance:

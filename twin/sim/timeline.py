@@ -43,6 +43,7 @@ class Timeline:
         self.env = env
         self.dispatcher = dispatcher
         self.interval_s = interval_s
+        self.note: str | None = None  # why `interval_s` is coarser than the scenario's (`timeline_interval`)
         self.start: float = env.now
         self.clock = ScrapeClock(self.start, interval_s)  # the ticks: start + k x interval_s, as a scrape poller's
         # plain lists: compiled, their appends are native (an array's are method calls)
