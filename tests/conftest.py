@@ -39,6 +39,13 @@ def make_scenario(**overrides):
     return parse_scenario(raw, "test")
 
 
+def kv_blocks(n: int, block_size: int = 16, model_len: int = 8192) -> dict:
+    """A KV pool of `n` blocks, with max_model_len no longer than vLLM starts with on it (all but its null block:
+    `twin.engine.config._check_one_request_fits`); BASE's model, Llama-3-8B, is 8,192 long: 513 blocks."""
+    return {"cluster.engine.num_gpu_blocks_override": n,
+            "cluster.engine.max_model_len": min((n - 1) * block_size, model_len)}
+
+
 def stream_of(arrivals, prompts, outputs, hash_ids=None, **kw) -> RequestStream:
     return RequestStream(np.asarray(arrivals, float), np.asarray(prompts), np.asarray(outputs), hash_ids, **kw)
 

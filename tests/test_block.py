@@ -7,7 +7,7 @@ from twin.sim.cluster import Cluster
 from twin.policy import make_router
 from twin.policy.block import Block
 
-from conftest import make_scenario, run_checked, stream_of
+from conftest import kv_blocks, make_scenario, run_checked, stream_of
 from policy_fakes import fleet_of, req
 
 
@@ -49,7 +49,7 @@ def test_the_forecast_is_exact_when_lengths_are_known_and_nothing_else_arrives(o
     arr = np.sort(rng.uniform(0, 1.0, n))
     arr[-1] = 1.3
     sc = make_scenario(**{"cluster.num_instances": 3, "workload.max_tokens": 40,
-                          "cluster.engine.num_gpu_blocks_override": 300, "router.scrape_interval_s": 0.0})
+                          **kv_blocks(300), "router.scrape_interval_s": 0.0})
     router = Block(objective=objective, horizon_s=100.0)
     res = run_checked(sc, stream_of(arr, rng.integers(100, 1500, n), [40] * n), router=router)
     last = n - 1

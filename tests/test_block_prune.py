@@ -11,7 +11,7 @@ from twin.policy.predictors import expected_stop
 from twin.sim.forecaster import SimForecaster
 from twin.policy.block import Block
 
-from conftest import make_scenario, run_checked, stream_of
+from conftest import kv_blocks, make_scenario, run_checked, stream_of
 
 
 def loaded(n=160, seed=3):
@@ -184,7 +184,7 @@ MOE = {"cluster.model": "Mixtral-8x7B", "cluster.tensor_parallel": 2}
 LOADS = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
          "fitted": lambda: api_loaded(**FITTED), "prefix-roofline": lambda: prefixed_loaded(),
          "prefix-fitted": lambda: prefixed_loaded(**FITTED), "moe-fitted": lambda: api_loaded(**FITTED, **MOE),
-         "tight-kv": lambda: api_loaded(**{"cluster.engine.num_gpu_blocks_override": 400}),
+         "tight-kv": lambda: api_loaded(**kv_blocks(400)),
          "async-uncapped": lambda: api_loaded(async_on=True, **{"workload.max_tokens": None})}
 
 

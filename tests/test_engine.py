@@ -7,7 +7,7 @@ from twin.sim.cluster import Cluster, build_perf
 from twin.perf import StepBatch
 from twin.workload import build_stream
 
-from conftest import make_scenario, run_checked, stream_of
+from conftest import kv_blocks, make_scenario, run_checked, stream_of
 
 
 def prefill_batch(n, c=0, sampled=1):
@@ -74,7 +74,7 @@ def test_without_prefix_caching_nothing_hits():
 
 
 def test_preemption_under_a_tiny_kv_pool_and_everyone_still_finishes():
-    sc = make_scenario(**{"cluster.engine.num_gpu_blocks_override": 60,
+    sc = make_scenario(**{**kv_blocks(60),
                           "workload.num_requests": 30, "workload.arrival.rate": 50})
     res = run_checked(sc, build_stream(sc))
     assert res.log.preemptions.sum() > 0
@@ -82,7 +82,7 @@ def test_preemption_under_a_tiny_kv_pool_and_everyone_still_finishes():
 
 
 def test_preempted_request_recomputes_and_reports_one_large_itl():
-    sc = make_scenario(**{"cluster.engine.num_gpu_blocks_override": 30})
+    sc = make_scenario(**kv_blocks(30))
     # two requests that cannot both hold their full sequences: the later one is preempted
     res = run_checked(sc, stream_of([0.0, 0.0], [200, 200], [100, 100]))
     assert res.log.preemptions.sum() >= 1
@@ -91,10 +91,12 @@ def test_preempted_request_recomputes_and_reports_one_large_itl():
     assert itl > 5 * step
 
 
-def test_request_longer_than_the_kv_pool_is_rejected_with_a_reason():
-    sc = make_scenario(**{"cluster.engine.num_gpu_blocks_override": 10})
+def test_a_request_longer_than_max_model_len_is_rejected_with_a_reason():
+    """vLLM answers prompt + max_tokens past max_model_len with HTTP 400; on a small pool max_model_len is small
+    (vLLM refuses to start a pool short of one such request: tests/test_vllm_refusals.py)."""
+    sc = make_scenario(**kv_blocks(10))
     res = run_checked(sc, stream_of([0.0, 1.0], [500, 50], [10, 10]))
-    assert res.log.status[0] == 5 and "KV cache" in res.log.reject_reason[0]
+    assert res.log.status[0] == 5 and "max_model_len" in res.log.reject_reason[0]
     assert res.log.status[1] == 4
 
 
@@ -134,7 +136,7 @@ def test_max_sim_time_leaves_requests_running_not_lost():
 
 def test_a_preempted_request_hits_its_own_surviving_blocks_when_resumed():
     """vLLM keeps a preempted request's full blocks hashed in the free queue; its recompute hits them."""
-    sc = make_scenario(**{"cluster.engine.num_gpu_blocks_override": 30})
+    sc = make_scenario(**kv_blocks(30))
     stream = stream_of([0.0, 0.0], [200, 200], [100, 100])
     cl = Cluster(sc, stream)
     sched = cl.instances[0].scheduler

@@ -9,7 +9,7 @@ from twin.engine.fork import fork_instance
 from twin.engine.sink import EngineSink, FanOut, StepRecorder
 from twin.sim.cluster import Cluster
 
-from conftest import make_scenario, stream_of
+from conftest import kv_blocks, make_scenario, stream_of
 
 
 class Heard(EngineSink):
@@ -38,7 +38,7 @@ def workload(n=60, seed=3):
                                                   ("step", False, 60)])
 def test_a_subscriber_hears_what_the_log_records(mode, async_on, blocks):
     sc = make_scenario(**{"sim.mode": mode, "cluster.engine.async_scheduling": async_on,
-                          "cluster.engine.num_gpu_blocks_override": blocks, "cluster.engine.max_num_seqs": 16,
+                          **kv_blocks(blocks), "cluster.engine.max_num_seqs": 16,
                           "cluster.engine.max_num_batched_tokens": 512, "sim.timeline_interval_s": 0})
     cl = Cluster(sc, workload())
     heard, steps = Heard(), StepRecorder()
@@ -120,7 +120,7 @@ def test_the_runs_compiled_sink_writes_what_the_request_log_writes():
         def request_finished(self, r, t):
             self.cl._finished(r.idx)
 
-    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.engine.num_gpu_blocks_override": 80,
+    sc = make_scenario(**{"cluster.num_instances": 2, **kv_blocks(80),
                           "sim.timeline_interval_s": 0})
     runs = []
     for via_log in (False, True):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from twin.workload import build_stream
 
-from conftest import make_scenario, run_checked, stream_of
+from conftest import kv_blocks, make_scenario, run_checked, stream_of
 
 COLUMNS = ["scheduled_s", "first_token_s", "finish_s"]
 
@@ -52,7 +52,7 @@ SCENARIOS = {
     "chunked prefill": {"cluster.engine.max_num_batched_tokens": 256, "workload.lengths.prompt_tokens": 700},
     "long prefill threshold": {"cluster.engine.long_prefill_token_threshold": 64,
                                "workload.num_requests": 60, "workload.arrival.rate": 100},
-    "preemption": {"cluster.engine.num_gpu_blocks_override": 60, "workload.num_requests": 60,
+    "preemption": {**kv_blocks(60), "workload.num_requests": 60,
                    "workload.arrival.rate": 50},
     "sessions with prefix caching": {"workload.sessions": {"turns_mean": 4, "think_time_s": 0.5},
                                      "workload.num_requests": 120, "workload.arrival.rate": 20},
@@ -60,7 +60,7 @@ SCENARIOS = {
                            "workload.num_requests": 120, "workload.arrival.rate": 20},
     "sessions, preemption and no full-sequence gate": {
         "workload.sessions": {"turns_mean": 3, "think_time_s": 0.2}, "workload.num_requests": 120,
-        "workload.arrival.rate": 40, "cluster.engine.num_gpu_blocks_override": 120,
+        "workload.arrival.rate": 40, **kv_blocks(120),
         "cluster.engine.scheduler_reserve_full_isl": False},
     "trace lengths": {"workload.lengths": {"kind": "trace", "path": "traces/sharegpt_lengths.sample.csv",
                                            "max_total_tokens": 4096},
@@ -112,7 +112,7 @@ def test_random_workloads_are_accounted_for_and_modes_agree(reqs, blocks, budget
     # requests in the same "family" share a prefix of 16-token blocks
     ids = [[f * 1000 + b for b in range(-(-p // 16))] for (_, p, _, f) in reqs]
     sc = make_scenario(**{"cluster.num_instances": instances,
-                          "cluster.engine.num_gpu_blocks_override": blocks,
+                          **kv_blocks(blocks),
                           "cluster.engine.max_num_batched_tokens": max(budget, seqs),
                           "cluster.engine.max_num_seqs": seqs,
                           "cluster.engine.long_prefill_token_threshold": thr,

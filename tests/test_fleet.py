@@ -13,7 +13,7 @@ from twin.sim.cluster import Cluster
 from twin.policy.scalers import QueueScaler, ScaleAction, ThresholdScaler, ThroughputScaler, make_scaler
 from twin.policy.signals import RecentWindow
 
-from conftest import make_scenario, run_checked, stream_of
+from conftest import kv_blocks, make_scenario, run_checked, stream_of
 from policy_fakes import fleet_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,7 +280,7 @@ def test_the_timeline_is_what_a_poll_at_each_tick_saw(mode, async_on):
     stream = stream_of(np.cumsum(rng.exponential(0.02, n)), rng.integers(50, 900, n), rng.integers(5, 150, n))
     sc = make_scenario(**{"cluster.num_instances": 1, "cluster.max_instances": 3, "cluster.startup_delay_s": 0.5,
                           "scaler.interval_s": 0.5, "sim.timeline_interval_s": dt, "sim.mode": mode,
-                          "cluster.engine.num_gpu_blocks_override": 300,
+                          **kv_blocks(300),
                           "cluster.engine.async_scheduling": async_on})
     cl = Cluster(sc, stream, scaler=Script([(1.0, 3), (3.0, 2)]))
     polled = {}

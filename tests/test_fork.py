@@ -8,7 +8,7 @@ from twin.sim.cluster import Cluster
 from twin.engine.fork import _fork_request, fork_instance
 from twin.engine.request import Request
 
-from conftest import make_scenario, stream_of
+from conftest import kv_blocks, make_scenario, stream_of
 
 
 def workload(n, seed, until, shared=True):
@@ -23,7 +23,7 @@ def workload(n, seed, until, shared=True):
 
 def scenario(mode, blocks, instances=1, budget=512, seqs=16):
     return make_scenario(**{"cluster.num_instances": instances, "sim.mode": mode,
-                            "cluster.engine.num_gpu_blocks_override": blocks,
+                            **kv_blocks(blocks),
                             "cluster.engine.max_num_batched_tokens": budget, "cluster.engine.max_num_seqs": seqs,
                             "sim.timeline_interval_s": 0, "router.scrape_interval_s": 0})
 

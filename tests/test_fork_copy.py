@@ -11,7 +11,7 @@ from twin.engine.fork import fork_instance, fork_scheduler, vars_of
 from twin.engine.request import Request
 from twin.sim.cluster import Cluster
 
-from conftest import make_scenario, stream_of
+from conftest import kv_blocks, make_scenario, stream_of
 
 
 def busy(async_on: bool, blocks: int = 400, seed: int = 4):
@@ -20,7 +20,7 @@ def busy(async_on: bool, blocks: int = 400, seed: int = 4):
     n = 60
     prompts = rng.integers(20, 600, n)
     hashes = [[int(rng.integers(0, 3)) * 1000 + j for j in range(int(p) // 16)] for p in prompts]
-    sc = make_scenario(**{"cluster.engine.async_scheduling": async_on, "cluster.engine.num_gpu_blocks_override": blocks,
+    sc = make_scenario(**{"cluster.engine.async_scheduling": async_on, **kv_blocks(blocks),
                           "cluster.engine.max_num_batched_tokens": 512, "cluster.engine.max_num_seqs": 16,
                           "sim.timeline_interval_s": 0})
     cl = Cluster(sc, stream_of(np.sort(rng.uniform(0, 1.0, n)), prompts, rng.integers(1, 200, n), hashes,

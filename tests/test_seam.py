@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from twin.cli import app
 from twin.policy import RouterBase
 
-from conftest import make_scenario, run_checked, stream_of
+from conftest import kv_blocks, make_scenario, run_checked, stream_of
 from test_fast_forward import assert_same, both_modes
 
 runner = CliRunner()
@@ -113,7 +113,7 @@ def test_stale_gauges_herd_a_burst_while_the_books_spread_it():
 def test_fast_and_step_modes_agree_with_routers_reading_kv_and_prefix_state(index, scrape):
     stream = shared_prefix_stream(80)
     for router in (MostCached(), KvReader()):
-        sc = make_scenario(**{"cluster.num_instances": 3, "cluster.engine.num_gpu_blocks_override": 400,
+        sc = make_scenario(**{"cluster.num_instances": 3, **kv_blocks(400),
                               "router.scrape_interval_s": scrape, "router.prefix_index": index,
                               "router.kv_event_delay_s": 0.0})
         fast = run_checked(sc.model_copy(update={"sim": sc.sim.model_copy(update={"mode": "fast"})}), stream,
@@ -125,7 +125,7 @@ def test_fast_and_step_modes_agree_with_routers_reading_kv_and_prefix_state(inde
 
 def test_prefix_aware_routing_beats_round_robin_on_hits():
     stream = shared_prefix_stream(240, groups=30)
-    small = {"cluster.num_instances": 4, "cluster.engine.num_gpu_blocks_override": 600}
+    small = {"cluster.num_instances": 4, **kv_blocks(600)}
     rr = run_checked(make_scenario(**small, **{"router.name": "round-robin"}), stream)
     pa = run_checked(make_scenario(**small, **{"router.prefix_index": "approximate"}), stream, router=MostCached())
     hits = lambda res: sum(i.scheduler.stats.prefix_cache_hits for i in res.instances)  # noqa: E731
@@ -256,7 +256,7 @@ def test_gauges_read_at_a_decision_are_the_state_at_the_last_scrape_tick(mode, a
     arrivals = np.cumsum(rng.exponential(0.03, n))
     stream = stream_of(arrivals, rng.integers(50, 900, n), rng.integers(5, 120, n))
     sc = make_scenario(**{"cluster.num_instances": 3, "router.scrape_interval_s": dt, "sim.mode": mode,
-                          "cluster.engine.num_gpu_blocks_override": 400,
+                          **kv_blocks(400),
                           "cluster.engine.async_scheduling": async_on})
     router = GaugeRecorder()
     cl = Cluster(sc, stream, router)

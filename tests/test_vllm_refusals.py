@@ -84,6 +84,37 @@ def test_a_kv_cache_smaller_than_one_max_model_len_request_is_refused():
     Cluster(make_scenario(**{"cluster.engine.gpu_memory_utilization": 0.26}), stream_of([0.0], [100], [10]))
 
 
+def test_one_max_model_len_request_must_fit_besides_the_null_block_with_or_without_an_override():
+    # vLLM 0.32: v1/core/kv_cache_utils.py get_kv_cache_configs checks `available memory - one block` (the null
+    # block BlockPool holds back) against cdiv(max_model_len, block_size) blocks; with num_gpu_blocks_override
+    # the memory checked is the override's blocks. The twin checked neither the null block nor an override.
+    from twin.sim.cluster import Cluster
+    from conftest import stream_of
+
+    one = stream_of([0.0], [100], [10])
+    util = {"cluster.engine.gpu_memory_utilization": 0.24}  # Llama-3-8B on an H100: a few hundred blocks
+    n = Cluster(make_scenario(**util, **{"cluster.engine.max_model_len": 1024}), one).num_blocks
+    assert 100 < n < 513
+    Cluster(make_scenario(**util, **{"cluster.engine.max_model_len": (n - 1) * 16}), one)  # fits: accepted
+    msg = refused_at_start(**util, **{"cluster.engine.max_model_len": (n - 1) * 16 + 1})
+    assert f"{n} KV blocks" in msg and "null block" in msg and "gpu_memory_utilization" in msg
+    # the override: 513 blocks hold one 8,192-token request of Llama-3-8B besides the null block; 512 do not
+    Cluster(make_scenario(**{"cluster.engine.num_gpu_blocks_override": 513}), one)
+    msg = refused_at_start(**{"cluster.engine.num_gpu_blocks_override": 512})
+    assert "512 KV blocks" in msg and "num_gpu_blocks_override" in msg and "max_model_len 8192" in msg
+    r = CliRunner().invoke(app, ["validate", str(QUICKSTART), "--set", "cluster.engine.num_gpu_blocks_override=100"])
+    assert r.exit_code == 2 and "num_gpu_blocks_override" in r.output and "Traceback" not in r.output
+
+
+def refused_at_start(**kw) -> str:
+    from twin.sim.cluster import Cluster
+    from conftest import stream_of
+
+    with pytest.raises(TwinInputError) as e:
+        Cluster(make_scenario(**kw), stream_of([0.0], [100], [10]))
+    return str(e.value)
+
+
 def test_max_model_len_above_the_models_context_needs_rope_scaling():
     # vLLM: vllm/config/model.py _get_and_verify_max_len, "User-specified max_model_len (X) is greater than the
     # derived max_model_len (max_position_embeddings=Y ...)" unless RoPE scaling raises the derived length

@@ -57,27 +57,36 @@ def num_gpu_blocks(cfg: EngineConfig, device_memory_bytes: float, weight_bytes_p
     `device_memory_bytes` is what the device reports to the framework (e.g. 79.22 GiB on an H100 80 GB),
     not the datasheet's capacity.
     """
+    gib = float(1 << 30)
     if cfg.num_gpu_blocks_override:
-        return int(cfg.num_gpu_blocks_override)
+        n = int(cfg.num_gpu_blocks_override)
+        _check_one_request_fits(cfg, n, "cluster.engine.num_gpu_blocks_override",
+                                f"the {n} blocks of num_gpu_blocks_override")
+        return n
     requested = math.ceil(device_memory_bytes * cfg.gpu_memory_utilization)
     avail = requested - weight_bytes_per_gpu - cfg.activation_reserve_gb * 1e9
     per_block = kv_bytes_per_token_per_gpu * cfg.block_size
     n = int(avail // per_block)
-    gib = float(1 << 30)
     if n < 2:
         raise TwinInputError(
             f"the model's weights ({weight_bytes_per_gpu / gib:.1f} GiB per GPU) leave no room for a KV cache "
             f"in {device_memory_bytes / gib:.1f} GiB x {cfg.gpu_memory_utilization}: use more tensor "
             "parallelism, a bigger GPU or fp8"
         )
-    # vLLM refuses at start-up a cache that cannot hold one request of max_model_len tokens
-    # (`v1/core/kv_cache_utils.py: check_enough_kv_cache_memory`, on the memory, before any
-    # num_gpu_blocks_override applies; with an override the twin sizes nothing, so checks nothing)
-    if cfg.max_model_len and n < -(-cfg.max_model_len // cfg.block_size):
-        raise TwinInputError(
-            f"to serve one request of max_model_len {cfg.max_model_len} tokens, "
-            f"{per_block * -(-cfg.max_model_len // cfg.block_size) / gib:.2f} GiB of KV cache is needed, more than "
-            f"the {avail / gib:.2f} GiB available (about {n * cfg.block_size} tokens), as vLLM refuses: raise "
-            "cluster.engine.gpu_memory_utilization or lower cluster.engine.max_model_len"
-        )
+    _check_one_request_fits(cfg, n, "cluster.engine.gpu_memory_utilization",
+                            f"the {avail / gib:.2f} GiB available ({n} blocks of {per_block / gib * 1024:.2f} MiB)")
     return n
+
+
+def _check_one_request_fits(cfg: EngineConfig, n: int, knob: str, what: str) -> None:
+    """vLLM refuses at start-up a cache that cannot hold one request of max_model_len tokens besides its null
+    block (`v1/core/kv_cache_utils.py: get_kv_cache_configs`, then `_check_enough_kv_cache_memory`: the memory
+    checked is the override's blocks when `num_gpu_blocks_override` is set, less one block, the one `BlockPool`
+    holds back)."""
+    need = -(-cfg.max_model_len // cfg.block_size) if cfg.max_model_len else 0
+    if need and n - 1 < need:
+        raise TwinInputError(
+            f"to serve one request of max_model_len {cfg.max_model_len} tokens, {need} KV blocks of "
+            f"{cfg.block_size} tokens are needed besides vLLM's null block, more than {what} hold, as vLLM "
+            f"refuses: raise {knob} or lower cluster.engine.max_model_len"
+        )
