@@ -177,3 +177,20 @@ def test_the_run_ends_when_the_last_request_does_whatever_the_progress_slices():
         assert res.sim_time_s == pytest.approx(float(np.max(res.log.finish_s)) - shift, abs=1e-12)
         ends.append(res.sim_time_s)
     assert ends[0] == ends[1] == ends[2]
+
+
+def test_a_stop_test_ends_the_run_at_a_slice_and_changes_nothing_before():
+    """`run(stop=...)`: a caller with its answer (the live twin scaler's verdict) ends the run at the first slice
+    where stop() is true; one never true changes no result (the slices only cut the event loop)."""
+    sc = make_scenario(**{"workload.num_requests": 200, "workload.arrival.rate": 40, "cluster.num_instances": 2})
+    full = Cluster(sc, build_stream(sc)).run()
+    looks: list[float] = []
+    cl = Cluster(sc, build_stream(sc))
+    same = cl.run(stop=lambda: looks.append(cl.clock.now) or False)
+    assert len(looks) > 100  # it looked while requests arrived and while the engines drained
+    for col in ("first_token_s", "finish_s", "status"):
+        assert np.array_equal(getattr(same.log, col), getattr(full.log, col), equal_nan=col != "status")
+    cl = Cluster(sc, build_stream(sc))
+    cut = cl.run(stop=lambda: cl.num_arrived >= 50)
+    assert 50 <= cut.log.n - int((cut.log.status == 0).sum()) < 200  # later requests never arrived
+    assert cut.sim_time_s < full.sim_time_s and (cut.log.status == 4).sum() < 200

@@ -223,6 +223,52 @@ def test_a_job_pickles_for_the_process_executor():
     assert attainment_job(pickle.loads(pickle.dumps(job))) == attainment_job(job)
 
 
+def test_the_scalers_early_verdict_is_on_the_side_of_the_target_the_full_run_is_on():
+    """With a target, a size's run stops once met or missed requests settle the side (`WindowVerdict`): the value
+    is a bound on that side, never the other. Overloaded and idle windows, sync and async scheduling (async defers
+    a decode run's tokens: the verdict reads no token to come as earlier than its start), with a backlog in flight
+    (not counted), TTFT and E2E bounds."""
+    stopped = 0
+    for sched in (False, True):
+        cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}],
+                            "shadow": {**SHADOW, "engine": {"async_scheduling": sched},
+                                       "slo": {"ttft_s": 0.5, "e2e_s": 4.0}, "alternatives": False}})
+        eng = base_engine(cfg, WCFG)
+        for n, span, n_inst in ((300, 3.0, 1), (300, 3.0, 2), (20, 10.0, 1), (120, 6.0, 1)):
+            backlog = [Mirrored(f"b{i}", 0.0, 300, 100, worker="w0") for i in range(10)]
+            load = with_in_flight(_load(n, span, seed=n), backlog, 1.0, 1000)
+            job = ShadowJob(cfg, eng, [Variant("v", n_inst)], load, fleet=[Slot("w0")])
+            exact, is_exact = attainment_job(job)
+            assert is_exact
+            for target in (0.05, 0.5, 0.9, 0.99):
+                bound, b_exact = attainment_job(job, target)
+                assert (bound >= target) == (exact >= target), (sched, n, n_inst, target, exact, bound)
+                if b_exact:
+                    assert bound == exact
+                else:
+                    stopped += 1
+                    assert (exact >= bound) if bound >= target else (exact <= bound)
+    assert stopped >= 8  # most of these runs were settled before their end
+
+
+def test_the_live_fleet_forecast_stops_early_and_keeps_bounds_apart_by_target():
+    """`ShadowFleetForecaster` counts the runs stopped early; a bound is kept for its own target only, an exact
+    value for every target."""
+    from live.shadow import ShadowFleetForecaster
+    from twin.scenario import SLOSpec
+
+    cfg = cfg_of(alternatives=False)
+    eng = base_engine(cfg, WCFG)
+    f = ShadowFleetForecaster(cfg, eng, _load(200, 3.0), {}, 2000, [Slot("w0")])
+    slo = SLOSpec(ttft_s=0.2)
+    low = f.attainment(1, 3.0, 200 / 3.0, slo, target=0.9)
+    assert low < 0.9 and f.stopped_early == 1 and f.calls == 1
+    assert f.attainment(1, 3.0, 200 / 3.0, slo, target=0.9) == low and f.calls == 1  # cached for 0.9
+    exact = f.attainment(1, 3.0, 200 / 3.0, slo)  # no target: run to the end, a new run
+    assert f.calls == 2 and exact <= low
+    assert f.attainment(1, 3.0, 200 / 3.0, slo, target=0.01) == exact and f.calls == 2  # exact serves any target
+
+
 def test_variants_current_and_alternatives():
     cfg = cfg_of()
     eng = base_engine(cfg, WCFG)
@@ -370,9 +416,9 @@ def test_twin_scaler_decides_from_shadow_forecasts(monkeypatch):
     ran_on: list[str] = []
     job_of = shadow_mod.attainment_job
 
-    def recorded(job):
+    def recorded(job, target=None):
         ran_on.append(threading.current_thread().name)
-        return job_of(job)
+        return job_of(job, target)
 
     monkeypatch.setattr(shadow_mod, "attainment_job", recorded)
 
@@ -401,12 +447,18 @@ def test_twin_scaler_decides_from_shadow_forecasts(monkeypatch):
     busy, last = asyncio.run(decide(400))
     assert busy.start >= 1 and "twin forecast" in busy.reason
     assert ran_on and all(name.startswith("llmtwin-shadow") for name in ran_on), ran_on
-    assert last["attainment"][1] < 0.9  # one worker: the forecast misses the SLO
-    assert last["attainment"][2] > last["attainment"][1]  # no start-up measured: a new worker serves at once
+    assert last["attainment"][1] < 0.9  # one worker: the forecast misses the SLO (a bound: the run stopped early)
     idle, last_idle = asyncio.run(decide(3))
     assert idle.is_noop and last_idle["attainment"][1] >= 0.9
+    # every size run to its end: the same decision, each size on the same side of the target, and exact values
+    exact = {**raw, "scaler": {**raw["scaler"], "params": {**raw["scaler"]["params"], "early_stop": False}}}
+    cfg = parse_config(exact)
+    busy_exact, full = asyncio.run(decide(400))
+    assert busy_exact.start == busy.start
+    assert {k: v >= 0.9 for k, v in full["attainment"].items()} == {k: v >= 0.9 for k, v in last["attainment"].items()}
+    assert full["attainment"][2] > full["attainment"][1]  # no start-up measured: a new worker serves at once
     # a new worker that takes longer to start than the forecast runs takes none of its requests: no gain
-    cfg = parse_config({**raw, "shadow": {**raw["shadow"], "startup_delay_s": 1000.0}})
+    cfg = parse_config({**exact, "shadow": {**raw["shadow"], "startup_delay_s": 1000.0}})
     _, slow = asyncio.run(decide(400))
     assert slow["attainment"][2] == slow["attainment"][1] < 0.9
 

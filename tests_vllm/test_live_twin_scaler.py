@@ -110,7 +110,9 @@ def test_twin_scaler_adds_a_worker_from_shadow_forecasts_of_real_load(launched_t
     pool = ctl.shadow._executor  # the sizes were simulated in the shadow's child process
     children = [p.pid for p in getattr(pool, "_processes", {}).values()]
     assert isinstance(pool, ProcessPoolExecutor) and children and os.getpid() not in children
-    assert last["attainment"][1] < 0.9 and last["attainment"][2] > last["attainment"][1], last
+    # bounds: each size's run stopped once its side of the 0.9 target was known (their order says nothing; exact
+    # values' order is tested in tests/test_live_shadow.py)
+    assert last["attainment"][1] < 0.9, last
     assert last["rate"] > 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(ctl.registry.routable()) < 2:

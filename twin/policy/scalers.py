@@ -481,7 +481,7 @@ class TwinScaler(ScalerBase):
                                        f"{self.tolerance:g} of it{tail}")
         met = tried[choice] >= self.target
         return ScaleAction(choice, f"twin forecast over {self.horizon_s:.0f} s: attainment "
-                                   f"{'>= ' if met and self.early_stop else ''}{tried[choice]:.2f} with {choice}"
+                                   f"{('>= ' if met else '<= ') if self.early_stop else ''}{tried[choice]:.2f} with {choice}"
                                    f"{'' if met else f' (none of {sizes[0]}-{sizes[-1]} reaches {self.target:g})'}"
                                    f"{tail}")
 

@@ -533,32 +533,37 @@ class Cluster:
         return self.num_arrived == len(self.stream) and not any(self.in_transit.values()) and not any(
             inst.scheduler.has_unfinished_requests() for inst in self.instances)
 
-    def run(self, progress: Callable[[float, int], None] | None = None, slices: int = 200) -> SimResult:
+    def run(self, progress: Callable[[float, int], None] | None = None, slices: int = 200,
+            stop: Callable[[], bool] | None = None) -> SimResult:
         """Run to completion (or `sim.max_sim_time_s`), calling `progress(sim_now, arrived)` between slices.
 
-        The run stops when the last request ends (`all_ended`), so `sim_time_s` does not depend on `slices`."""
+        The run stops when the last request ends (`all_ended`), so `sim_time_s` does not depend on `slices`; or,
+        with `stop`, at the first slice's end where `stop()` is true (a caller that has its answer: the live twin
+        scaler's verdict), leaving later requests unfinished as a horizon does."""
         env = self.env
         # Requests waiting in a long queue are many young objects and no cycles: Python's collector
         # rescanning them was ~15 % of a million-request run. Collect rarely; restore afterwards. The collector's
         # settings are the whole process's: a run in another thread (the live controller's shadow twin, a Block
         # forecast) leaves them to the program that owns them.
         if threading.current_thread() is not threading.main_thread():
-            return self._run(progress, slices)
+            return self._run(progress, slices, stop)
         gc_threshold = gc.get_threshold()
         gc.freeze()
         gc.set_threshold(max(gc_threshold[0], 100_000), gc_threshold[1], max(gc_threshold[2], 100))
         try:
-            return self._run(progress, slices)
+            return self._run(progress, slices, stop)
         finally:
             gc.set_threshold(*gc_threshold)
             gc.unfreeze()
 
-    def _run(self, progress, slices: int) -> SimResult:
+    def _run(self, progress, slices: int, stop: Callable[[], bool] | None = None) -> SimResult:
         env = self.env
         t_wall = time.perf_counter()
         horizon = self.scenario.sim.max_sim_time_s
         last_arrival = float(self.stream.arrival_s[-1]) if len(self.stream) else 0.0
         step = max((horizon or last_arrival) / (slices if progress is not None else 1), 1e-3)
+        if stop is not None:  # looks at the arrivals' pace: a horizon far past them would look too seldom
+            step = min(step, max((last_arrival or horizon or 0.0) / slices, 1e-3))
         t = self.clock.now  # a run may resume after env.run(until=...) (forks, tests)
         while not self.done():
             nxt = env.peek()
@@ -571,6 +576,11 @@ class Cluster:
             run_events(env, until=t)
             if progress is not None:
                 progress(self.clock.now, self.num_arrived)
+            if stop is not None:
+                if stop():
+                    break
+                if t > last_arrival and progress is None:  # draining: each look costs a pass over the log
+                    step *= 1.25
         if self.timeline is not None:
             self.timeline.finish(self.clock.now)
         wall = time.perf_counter() - t_wall

@@ -130,11 +130,17 @@ def itl_samples(result: SimResult) -> tuple[np.ndarray, np.ndarray]:
 
 def slo_mask(log: RequestLog, slo) -> np.ndarray:
     """Finished requests that meet every SLO bound that is set."""
-    ok = log.status == 4  # FINISHED
-    ttft = log.first_token_s - log.arrival_s
-    e2e = log.finish_s - log.arrival_s
+    return slo_met(log.status, log.arrival_s, log.first_token_s, log.finish_s, log.output_tokens, slo)
+
+
+def slo_met(status: np.ndarray, arrival_s: np.ndarray, first_token_s: np.ndarray, finish_s: np.ndarray,
+            output_tokens: np.ndarray, slo) -> np.ndarray:
+    """`slo_mask` over columns: a run still going judges its requests' client-side times before its log has them."""
+    ok = status == 4  # FINISHED
+    ttft = first_token_s - arrival_s
+    e2e = finish_s - arrival_s
     with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(log.output_tokens > 1, (log.finish_s - log.first_token_s) / (log.output_tokens - 1), 0.0)
+        tpot = np.where(output_tokens > 1, (finish_s - first_token_s) / (output_tokens - 1), 0.0)
     if slo.ttft_s is not None:
         ok &= ttft <= slo.ttft_s
     if slo.tpot_s is not None:
