@@ -160,6 +160,26 @@ def test_operator_profile_bad_input(tmp_path):
         fit_operator_profile([csv], lambda m: RooflineModel(get_gpu("H100"), m, tensor_parallel=2))
 
 
+@pytest.mark.parametrize("mangle, says", [
+    ("faster", "faster than the hardware"),  # half the ideal time: not this GPU, model or dtype
+    ("flat", "faster than the hardware"),  # one time at every size: the layers cost nothing per token
+    ("one size", "two token counts"),  # num_tokens 0 everywhere: no slope to fit (it was a coefficient of 0)
+])
+def test_an_operator_profile_the_hardware_cannot_have_produced_is_one_line(tmp_path, mangle, says):
+    csv = tmp_path / "mlp.csv"
+    _profile_csv(csv, "Llama-2-7B", 0.5 if mangle == "faster" else 1.4, 0.0)
+    df = pd.read_csv(csv)
+    if mangle == "flat":
+        for c in [c for c in df.columns if c.startswith("time_stats.")]:
+            df[c] = 1e12
+    if mangle == "one size":
+        df["num_tokens"] = 0
+    df.to_csv(csv, index=False)
+    with pytest.raises(TwinInputError, match=says) as e:
+        fit_operator_profile([csv], lambda m: RooflineModel(get_gpu("H100"), m))
+    assert str(e.value).startswith(str(csv)) and "\n" not in str(e.value)
+
+
 def test_cli_calibrate_operator_profile_and_bad_inputs(tmp_path):
     csv = tmp_path / "mlp.csv"
     _profile_csv(csv, "Llama-2-7B", 1.25, 0.0)

@@ -182,14 +182,26 @@ def fit_linear_profile(df: pd.DataFrame, roofline: RooflineModel, path: Path) ->
     ok = (measured > 0) & np.isfinite(measured)
     if ok.sum() < 2:
         raise TwinInputError(f"{path}: fewer than 2 rows with positive times for tensor parallel degree {tp}")
+    if len(np.unique(tokens[ok & (tokens > 0)])) < 2:
+        raise TwinInputError(f"{path}: num_tokens: the rows need two token counts > 0 or more (a slope and a fixed "
+                             "cost cannot be told apart otherwise)")
     A = np.column_stack([x[ok], np.ones(ok.sum())])
     # relative least squares: every row weighs as much (small token counts are not drowned by large ones)
     w = 1.0 / measured[ok]
     c, s0 = nnls(A * w[:, None], measured[ok] * w)
+    _check_slowdown(path, "linear layers", float(c), roofline.gpu.name, "its model, GPU or dtype (or times in ms)")
     pred = c * x[ok] + s0
     mape = float(np.mean(np.abs(pred - measured[ok]) / measured[ok]))
     share = float(np.sum(matmul[ok] * layers) * 1e-3 / np.sum(measured[ok]))
     return GroupFit("linear", float(c), float(s0), int(ok.sum()), mape, share)
+
+
+def _check_slowdown(path: Path, what: str, c: float, gpu: str, suspects: str) -> None:
+    """Physics first: a fitted slowdown under 1 prices the group faster than the hardware's peak (at large sizes,
+    where the fixed part no longer covers it); the profile's times cannot be of the roofline it is fitted over."""
+    if not c >= ROOFLINE_FLOOR["linear"]:
+        raise TwinInputError(f"{path}: the {what} fit {c:.3g} x the ideal time on {gpu}, faster than the hardware "
+                             f"can run them (a slowdown is at least 1): check {suspects}")
 
 
 def fit_allreduce_profile(df: pd.DataFrame, roofline: RooflineModel, path: Path,
@@ -210,9 +222,12 @@ def fit_allreduce_profile(df: pd.DataFrame, roofline: RooflineModel, path: Path,
     ideal = 2.0 * (n - 1) / n * b / per_dir
     measured = rows[f"time_stats.all_reduce.{STAT}"].to_numpy(float) * 1e-3
     ok = (measured > 0) & np.isfinite(measured)
+    if len(np.unique(b[ok & (b > 0)])) < 2:
+        raise TwinInputError(f"{path}: size: the rows for {n} workers need two sizes > 0 or more")
     A = np.column_stack([ideal[ok], np.ones(ok.sum())])
     w = 1.0 / measured[ok]
     c, s0 = nnls(A * w[:, None], measured[ok] * w)
+    _check_slowdown(path, "all-reduce", float(c), roofline.gpu.name, "the size unit (bytes) and times in ms")
     mape = float(np.mean(np.abs(c * ideal[ok] + s0 - measured[ok]) / measured[ok]))
     return GroupFit("allreduce", float(c), float(s0), int(ok.sum()), mape)
 
