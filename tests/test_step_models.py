@@ -65,7 +65,7 @@ def test_each_coefficient_scales_its_own_term(tmp_path):
 
 
 def test_fitted_decode_runs_equal_its_steps_and_it_runs_in_a_cluster(tmp_path):
-    coef = {"linear": 1.4, "prefill_attn": 1.2, "decode_attn": 1.9, "lm_head": 1.1, "allreduce": 0.8,
+    coef = {"linear": 1.4, "prefill_attn": 1.2, "decode_attn": 1.9, "lm_head": 1.1, "allreduce": 1.8,
             "step_s": 1.26e-4, "per_request_s": 4e-6}
     sc = fitted_scenario(write_fit(tmp_path, coef, name="fit.json"))
     fm = build_perf(sc)
@@ -91,7 +91,7 @@ def test_the_engines_closed_form_of_a_decode_step_is_the_models_own_to_the_bit(t
     from twin.perf.generation import GenerationModel
     from twin.specs.vllm_versions import generation
 
-    coef = {"linear": 1.4, "prefill_attn": 1.2, "decode_attn": 1.9, "lm_head": 1.1, "allreduce": 0.8,
+    coef = {"linear": 1.4, "prefill_attn": 1.2, "decode_attn": 1.9, "lm_head": 1.1, "allreduce": 1.8,
             "step_s": 1.26e-4, "per_request_s": 4e-6, "per_layer_s": 2e-5, "per_request_gpu_s": 1.5e-5}
     kw = {"cluster.tensor_parallel": 2}
     if kind == "moe fitted":
@@ -147,6 +147,9 @@ def test_an_async_decode_runs_closed_form_plan_is_the_general_plan_to_the_bit(tm
     (lambda d: d["coefficients"].update(gpu_bubble=1.0), "unknown gpu_bubble"),
     (lambda d: d["coefficients"].update(linear=-1), "coefficients.linear must be a number >= 0"),
     (lambda d: d["coefficients"].update(linear="fast"), "coefficients.linear must be a number >= 0"),
+    # physics first: a slowdown under 1 runs a group faster than the hardware's peak
+    (lambda d: d["coefficients"].update(decode_attn=0.5), "coefficients.decode_attn is a slowdown .* at least 1"),
+    (lambda d: d["coefficients"].update(compute=0.9), "coefficients.compute is a slowdown .* at least 1"),
     (lambda d: d.update(hardware="A100-SXM-80GB"), "fitted for hardware 'A100-SXM-80GB'"),
     (lambda d: d.update(tensor_parallel=4), "fitted for tensor_parallel 4"),
     (lambda d: d.pop("coefficients"), "coefficients: missing"),

@@ -65,6 +65,8 @@ COEFFICIENTS = (*GROUPS, "step_s", "per_request_s")
 # scheduled in the step (a decode or a prefill chunk: work per sequence rather than per token or per layer, e.g. the
 # sampler's, which sorts the whole vocabulary per request for top-p, `apply_top_k_top_p` in
 # `vllm/v1/sample/ops/topk_topp_sampler.py`, when FlashInfer's sampler is not used; fitted, its cause not established)
+# the coefficients that scale an ideal group time: slowdowns against 100 % of the hardware's peak, never below 1
+SLOWDOWNS = (*GROUPS, "moe_linear", "moe_compute", "compute")
 OPTIONAL = ("per_layer_s", "allreduce_call_s", "per_request_gpu_s", "moe_linear", "moe_compute", "compute",
             "gemm_tail_tokens")
 # `moe_linear` (optional, default `linear`): the linear group's coefficient for MoE models, whose grouped expert
@@ -129,6 +131,9 @@ def read_fit(path: str | Path) -> dict:
         v = coef[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise TwinInputError(f"{path}: coefficients.{k} must be a number >= 0, got {v!r}")
+        if k in SLOWDOWNS and v < 1:  # physics first: no group runs faster than the hardware's peak
+            raise TwinInputError(f"{path}: coefficients.{k} is a slowdown over the ideal roofline time, at least 1 "
+                                 f"(faster than the hardware can run), got {v!r}")
     return raw
 
 
