@@ -232,3 +232,23 @@ def test_a_roofline_correction_beside_a_fitted_profile_is_refused_not_ignored(kn
     with pytest.raises(TwinInputError, match=f"{knob}: roofline corrections"):
         make_scenario(**{"cluster.perf": {"kind": "fitted", "profile": "h100-vllm", knob: 0.5}})
     assert make_scenario(**{"cluster.perf": {"kind": "roofline", knob: 0.5}}).cluster.perf.kind == "roofline"
+
+
+def test_a_coefficients_file_is_parsed_once_per_version_and_handed_out_as_a_copy(tmp_path):
+    """Every Cluster of a fitted scenario reads its file (the live Block router: one per candidate per decision):
+    it is parsed once per version, a caller's edits never reach the next reader, and a rewritten file is re-read."""
+    import os
+
+    from twin.perf.fitted import _read_fit, read_fit
+
+    p = write_fit(tmp_path)
+    _read_fit.cache_clear()
+    a = read_fit(p)
+    a["coefficients"]["linear"] = 99.0
+    b = read_fit(p)
+    assert b["coefficients"]["linear"] == 1.0 and _read_fit.cache_info().hits == 1
+    doc = yaml.safe_load(p.read_text())
+    doc["coefficients"]["linear"] = 1.5
+    p.write_text(yaml.safe_dump(doc))
+    os.utime(p, ns=(os.stat(p).st_atime_ns, os.stat(p).st_mtime_ns + 1_000_000))  # a later version, whatever its size
+    assert read_fit(p)["coefficients"]["linear"] == 1.5
