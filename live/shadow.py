@@ -88,9 +88,11 @@ class Mirror:
         self.records: deque[Mirrored] = deque()
         self.by_id: dict[str, Mirrored] = {}
         self.total = 0
+        self.version = 0  # bumped by every change to a record or the set of records
 
     def arrived(self, req: Any, worker: str, now: float) -> None:
         rec = self.by_id.get(req.id)
+        self.version += 1
         if rec is not None:  # a retry on another worker: the same request
             rec.worker = worker
             return
@@ -105,23 +107,27 @@ class Mirror:
         rec = self.by_id.get(rid)
         if rec is not None:
             rec.stream = stream
+            self.version += 1
 
     def first_token(self, rid: str, now: float) -> None:
         rec = self.by_id.get(rid)
         if rec is not None and rec.first_token is None:
             rec.first_token = now
+            self.version += 1
 
     def finished(self, rid: str, now: float, output_tokens: int) -> None:
         rec = self.by_id.get(rid)
         if rec is not None:
             rec.finish = now
             rec.output_tokens = int(output_tokens)
+            self.version += 1
 
     def trim(self, now: float) -> None:
         cut = now - self.keep_s
         while self.records and self.records[0].arrival < cut:
             old = self.records.popleft()
             self.by_id.pop(old.id, None)
+            self.version += 1
 
     def window(self, t0: float, t1: float) -> list[Mirrored]:
         return [r for r in self.records if t0 <= r.arrival < t1]
@@ -1009,20 +1015,49 @@ class ShadowInstanceForecaster:
     def __init__(self, shadow: "Shadow") -> None:
         self.shadow = shadow
         self.calls = 0
-        self._scenarios: dict[tuple, Any] = {}
+        self._scenarios: dict[tuple, tuple[Any, Any]] = {}  # by engine settings: (scenario, its step model)
+        self._context: tuple[tuple, tuple] | None = None  # (key, (stats load, mean output, running by worker))
 
-    def _scenario(self, engine: dict, horizon_s: float) -> Any:
-        key = (tuple(sorted(engine.items())), round(horizon_s, 3))
-        sc = self._scenarios.get(key)
-        if sc is None:
+    def _scenario(self, engine: dict, horizon_s: float) -> tuple[Any, Any]:
+        """The one-instance scenario for `engine` with `horizon_s` as its time limit, and its step model (built once
+        per engine: immutable, shared by every forecast's cluster). Keyed by the engine alone: Block's horizons
+        (its best score so far) differ at every decision, and keyed by them the cache grew without end."""
+        key = tuple(sorted(engine.items()))
+        hit = self._scenarios.get(key)
+        if hit is None:
+            from twin.sim.cluster import build_perf
+
             cfg = self.shadow.ctl.cfg
             # one instance, no routing to do: round-robin, never the predictive router itself (no recursion)
             one = cfg.model_copy(update={"router": cfg.router.model_copy(update={"name": "round-robin",
                                                                                  "params": {}})})
             sc = shadow_scenario(one, 1, engine, "block-forecast", self.shadow.api)
-            sc = sc.model_copy(update={"sim": sc.sim.model_copy(update={"max_sim_time_s": horizon_s})})
-            self._scenarios[key] = sc
-        return sc
+            hit = self._scenarios[key] = (sc, build_perf(sc))
+        sc, perf = hit
+        return sc.model_copy(update={"sim": sc.sim.model_copy(update={"max_sim_time_s": horizon_s})}), perf
+
+    def context(self, now: float) -> tuple[WindowLoad, int, dict[str | None, list[Mirrored]]]:
+        """What every candidate of a decision shares: the last window's lengths and median TPOT (as a load of
+        its outputs only), their mean, and the requests in flight by worker. Computed once per mirror version
+        and quarter second: a decision's candidates used to rebuild it each (40 % of a forecast), and with the
+        `poisson` load model each drew its own sample (candidates compared on different random lengths)."""
+        sh = self.shadow
+        key = (sh.mirror.version, math.floor(now * 4.0))
+        if self._context is not None and self._context[0] == key:
+            return self._context[1]
+        recent = sh.mirror.window(now - sh.window_s, now)
+        base = sh.load_model.next_window(recent, now - sh.window_s, sh.window_s)
+        m = len(base.output_tokens)
+        stats = WindowLoad(np.zeros(m), np.ones(m, dtype=np.int64), base.output_tokens, base.window_s, None,
+                           base.hash_block_size, tpot_s=realised_metrics(recent)["tpot_p50"])
+        _, mean_out = window_outputs(stats)
+        running: dict[str | None, list[Mirrored]] = {}
+        for r in sh.mirror.records:
+            if r.arrival < now and not r.done:
+                running.setdefault(r.worker, []).append(r)
+        ctx = (stats, mean_out, running)
+        self._context = (key, ctx)
+        return ctx
 
     def forecast(self, instance_id: str, extra_request: Any = None, horizon_s: float | None = None,
                  until: str = "finish") -> Any:
@@ -1035,17 +1070,14 @@ class ShadowInstanceForecaster:
         horizon = float(horizon_s if horizon_s is not None else 60.0)
         worker = sh.ctl.registry.get(instance_id)
         engine = base_engine(sh.ctl.cfg, worker.config) if worker is not None else sh.engine()
-        recent = sh.mirror.window(now - sh.window_s, now)
-        base = sh.load_model.next_window(recent, now - sh.window_s, sh.window_s)
-        base.tpot_s = realised_metrics(recent)["tpot_p50"]
-        running = [r for r in sh.mirror.records if r.worker == instance_id and r.arrival < now and not r.done]
-        load = with_in_flight(base, running, now, sh.spec.max_requests)
+        stats, mean_out, by_worker = self.context(now)
+        running = by_worker.get(instance_id, [])
+        load = with_in_flight(stats, running, now, sh.spec.max_requests)
         keep = np.arange(load.carried)  # only what is on this worker now; the window's arrivals are not
         offsets, prompts, outs, hashes = load.part(keep)
         if extra_request is not None:
             from twin.policy.predictors import expected_stop
 
-            _, mean_out = window_outputs(base)
             # as the simulator's forecaster runs the extra request (`SimForecaster._output_tokens`)
             expect = expected_stop(extra_request.predicted_output_tokens, extra_request.max_tokens or None, 0, None,
                                    mean_out)
@@ -1059,11 +1091,11 @@ class ShadowInstanceForecaster:
             return Forecast(instance_id, drain_s=0.0)
         block = load.hash_block_size if running else int(getattr(extra_request, "prefix_block_size", 0) or 16)
         dec = list(load.carried_decoding or [])[:load.carried] + [False] * (len(offsets) - load.carried)
-        sc = self._scenario(engine, horizon)
+        sc, perf = self._scenario(engine, horizon)
         one = with_warm_hashes(WindowLoad(offsets, prompts.astype(np.int64), outs.astype(np.int64), horizon, hashes,
                                           block, carried=len(offsets), carried_decoding=dec),
                                int(sc.cluster.engine.block_size))
-        cl = Cluster(sc, one.to_stream())
+        cl = Cluster(sc, one.to_stream(), perf=perf)
         warm(cl, one, {str(i): 0 for i, d in enumerate(dec) if d})  # its decoding requests' KV is on the worker
         res = cl.run()
         log = res.log

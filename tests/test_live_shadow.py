@@ -532,6 +532,42 @@ def test_block_runs_live_on_the_shadow_twins_per_instance_forecasts():
     assert body["worker"] == "w1" and sum(received) == 5
 
 
+def test_the_live_block_forecaster_keeps_one_scenario_per_engine_and_shares_a_decisions_context():
+    """Block's horizon (its best score so far) differs at every decision: keyed by it, the forecaster's scenarios grew
+    without end in a long-running controller. Each forecast still stops at its own horizon. What the candidates of one
+    decision share (the window's lengths, the requests in flight by worker) is built once per mirror version."""
+    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": {"name": "block"},
+                        "shadow": {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}})
+
+    async def main():
+        ctl = Controller(cfg)
+        for wid in ("w0", "w1"):
+            w = Worker(wid, "http://127.0.0.1:1", state="starting")
+            w.config = WCFG
+            ctl.add_worker(w)
+            ctl.registry.set_state(w, "serving", 0.0)
+        now = time.monotonic()
+        for i in range(20):
+            req = view(i, now - 4.0 + i * 0.1, 40, 20)
+            ctl.dispatched(req, "w0", req.arrival_time)
+            ctl.first_token(req, "w0", req.arrival_time + 0.01)
+            if i < 10:
+                ctl.finished(req, "w0", req.arrival_time + 0.5, 12)
+        fc = ctl.registry.fleet.forecaster
+        extra = view(99, now, 30, 20)
+        runs = [fc.forecast("w0", extra, h, "finish") for h in (60.0, 47.3, 51.1, 1e-4)]
+        ctx = fc.context(now)
+        same = fc.context(now) is ctx
+        ctl.finished(view(12, 0.0), "w0", now, 12)  # the mirror changed: a new context
+        return runs, len(fc._scenarios), same, fc.context(now) is ctx, ctx
+
+    runs, scenarios, same, after, ctx = asyncio.run(main())
+    assert scenarios == 1 and same and not after
+    assert all(f.e2e_s is not None for f in runs[:3]) and runs[3].censored  # a horizon too short to finish in
+    stats, mean_out, running = ctx
+    assert mean_out == 16 and len(running["w0"]) == 10 and "w1" not in running  # (10 x 12 + 10 x 20 cap) / 20
+
+
 def test_block_without_shadow_is_one_config_line():
     with pytest.raises(TwinInputError, match="router block looks ahead with the twin.*shadow.enabled: true"):
         parse_config({"workers": [{"url": "http://x:1"}], "router": {"name": "block"}})

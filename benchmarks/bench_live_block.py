@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Decision latency of the Block router in the live controller (`live.shadow.ShadowInstanceForecaster`): each
+decision simulates one twin instance per candidate worker, rebuilt from the controller's mirror of what is in flight
+there, synchronously on the proxy's event loop.
+
+A controller with `--workers` serving workers (H100 / Llama-3-8B engine settings, the default fitted profile), a
+mirrored last window of 600 finished requests and `--inflight` requests in flight on each worker (prompts 100-1,500
+tokens, outputs 50-400: lengths drawn here, an ASSUMPTION of the bench), then `--decisions` Block decisions
+(`objective: e2e`), each request dispatched where Block sends it. No HTTP: the router and forecaster are called as the
+proxy calls them. Prints p50 / p90 / max per decision and per forecast, and how many scenarios the forecaster holds
+(one per engine setting). No assertions.
+
+  .venv/bin/python benchmarks/bench_live_block.py [--workers 16] [--inflight 20] [--decisions 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--inflight", type=int, default=20)
+    ap.add_argument("--decisions", type=int, default=40)
+    ap.add_argument("--objective", default="e2e")
+    args = ap.parse_args()
+    print(f"{platform.node()} {platform.machine()}, load {os.getloadavg()[0]:.2f}; {args.workers} workers, "
+          f"{args.inflight} in flight each, Block objective {args.objective}")
+    print(asyncio.run(run(args)))
+
+
+async def run(args) -> str:
+    from live.config import parse_config
+    from live.controller import Controller
+    from live.registry import Worker
+    from twin.policy.views import InstanceConfig, RequestView
+
+    n = args.workers
+    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}],
+                        "router": {"name": "block", "params": {"objective": args.objective}},
+                        "shadow": {"enabled": True, "hardware": "H100", "model": "llama-3-8b", "interval_s": 10.0}})
+    wcfg = InstanceConfig(num_gpu_blocks=30000, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
+                          max_model_len=8192)
+    ctl = Controller(cfg)
+    for i in range(n):
+        w = Worker(f"w{i}", f"http://127.0.0.1:{9000 + i}", state="starting")
+        w.config = wcfg
+        ctl.add_worker(w)
+        ctl.registry.set_state(w, "serving", 0.0)
+    rng = np.random.default_rng(0)
+    now = time.monotonic()
+    for i in range(600):  # the last window: finished requests
+        t = now - 10.0 + i / 60.0
+        req = RequestView(f"d{i}", t, int(rng.integers(100, 1500)), 400, (), 16)
+        ctl.dispatched(req, f"w{i % n}", t)
+        ctl.first_token(req, f"w{i % n}", t + 0.05)
+        ctl.finished(req, f"w{i % n}", t + 3.0, int(rng.integers(50, 400)))
+    for k in range(n * args.inflight):  # in flight now, decoding
+        t = now - float(rng.uniform(0.0, 3.0))
+        req = RequestView(f"f{k}", t, int(rng.integers(100, 1500)), 400, (), 16)
+        ctl.dispatched(req, f"w{k % n}", t)
+        ctl.first_token(req, f"w{k % n}", t + 0.05)
+    fc = ctl.registry.fleet.forecaster
+    walls, calls = [], []
+    for d in range(args.decisions):
+        req = RequestView(f"p{d}", time.monotonic(), int(rng.integers(100, 1500)), 400, (), 16)
+        fleet = ctl.registry.fleet_view(time.monotonic())
+        c0 = fc.calls
+        t0 = time.perf_counter()
+        target = ctl.host.choose(req, fleet)
+        walls.append(time.perf_counter() - t0)
+        calls.append(fc.calls - c0)
+        ctl.dispatched(req, target, time.monotonic())
+        ctl.first_token(req, target, time.monotonic())
+    w = np.array(walls) * 1e3
+    per = w / np.maximum(calls, 1)
+    return (f"decision ms: p50 {np.median(w):.1f}, p90 {np.percentile(w, 90):.1f}, max {w.max():.1f}; "
+            f"per forecast ms: p50 {np.median(per):.2f}; forecasts per decision {np.mean(calls):.1f}; "
+            f"scenarios held {len(getattr(fc, '_scenarios', {}))}")
+
+
+if __name__ == "__main__":
+    main()
