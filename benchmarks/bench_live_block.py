@@ -10,7 +10,7 @@ tokens, outputs 50-400: lengths drawn here, an ASSUMPTION of the bench), then `-
 proxy calls them. Prints p50 / p90 / max per decision and per forecast, and how many scenarios the forecaster holds
 (one per engine setting). No assertions.
 
-  .venv/bin/python benchmarks/bench_live_block.py [--workers 16] [--inflight 20] [--decisions 40]
+  .venv/bin/python benchmarks/bench_live_block.py [--workers 16] [--inflight 20] [--decisions 40] [--max-candidates 8]
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=20)
     ap.add_argument("--decisions", type=int, default=40)
     ap.add_argument("--objective", default="e2e")
+    ap.add_argument("--max-candidates", type=int, default=0, help="Block's max_candidates (0: every worker)")
     args = ap.parse_args()
     print(f"{platform.node()} {platform.machine()}, load {os.getloadavg()[0]:.2f}; {args.workers} workers, "
-          f"{args.inflight} in flight each, Block objective {args.objective}")
+          f"{args.inflight} in flight each, Block objective {args.objective}, max_candidates {args.max_candidates}")
     print(asyncio.run(run(args)))
 
 
@@ -44,7 +45,8 @@ async def run(args) -> str:
 
     n = args.workers
     cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}],
-                        "router": {"name": "block", "params": {"objective": args.objective}},
+                        "router": {"name": "block", "params": {"objective": args.objective,
+                                                               "max_candidates": args.max_candidates}},
                         "shadow": {"enabled": True, "hardware": "H100", "model": "llama-3-8b", "interval_s": 10.0}})
     wcfg = InstanceConfig(num_gpu_blocks=30000, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
                           max_model_len=8192)
