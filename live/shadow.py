@@ -687,14 +687,16 @@ class WindowVerdict:
     def known(self) -> bool:
         """True once the window's attainment is on a known side of `target` (the run may stop)."""
         self.ok, self.missed = self.count()
-        n, bar = self.total, self.target * self.total
-        self.stopped = n > 0 and (self.ok >= bar or n - self.missed < bar)
+        n, target = self.total, self.target
+        # compared as shares, as the scaler compares the value: counts against target x n round (0.55 x 100 is
+        # 55.000000000000007, so 55 not yet missed read as under 0.55 and came back as 0.55, on the other side)
+        self.stopped = n > 0 and (self.ok / n >= target or (n - self.missed) / n < target)
         return self.stopped
 
     def value(self) -> float:
         """The share met so far (at least `target`), or the share not yet missed (under it)."""
         n = self.total
-        return self.ok / n if self.ok >= self.target * n else (n - self.missed) / n
+        return self.ok / n if self.ok / n >= self.target else (n - self.missed) / n
 
 
 # -- realised: what the proxy measured -----------------------------------------------------------------------

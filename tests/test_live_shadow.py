@@ -251,6 +251,19 @@ def test_the_scalers_early_verdict_is_on_the_side_of_the_target_the_full_run_is_
     assert stopped >= 8  # most of these runs were settled before their end
 
 
+def test_the_verdict_compares_shares_as_the_scaler_does_not_rounded_counts():
+    """0.55 x 100 is 55.000000000000007: with the side decided on counts, 55 of 100 not yet missed read as under
+    0.55 and came back as 0.55, which the scaler reads as meeting it (the full run: 0.32). Found by a review."""
+    cfg = cfg_of(alternatives=False, slo={"ttft_s": 0.2})
+    eng = base_engine(cfg, WCFG)
+    rng = np.random.default_rng(2)
+    load = WindowLoad(np.sort(rng.uniform(0, 1.0, 100)), rng.integers(50, 400, 100), rng.integers(20, 120, 100), 1.0)
+    job = ShadowJob(cfg, eng, [Variant("v", 1)], load)
+    exact, _ = attainment_job(job)
+    bound, is_exact = attainment_job(job, 0.55)
+    assert exact < 0.55 and bound < 0.55 and not is_exact
+
+
 def test_the_live_fleet_forecast_stops_early_and_keeps_bounds_apart_by_target():
     """`ShadowFleetForecaster` counts the runs stopped early; a bound is kept for its own target only, an exact
     value for every target."""
@@ -609,3 +622,4 @@ def test_a_worker_serving_a_longer_context_than_the_models_config_is_simulated_n
     sc = shadow_scenario(cfg, 1, long)
     assert sc.cluster.max_model_len() == 8192 and sc.cluster.engine.rope_scaling_factor == 4.0
     assert shadow_scenario(cfg, 1, base_engine(cfg, WCFG)).cluster.engine.rope_scaling_factor is None
+

@@ -59,6 +59,18 @@ def test_an_early_verdict_is_the_full_runs_verdict():
     assert any(early != full for *_, full, early in checks)
 
 
+@pytest.mark.parametrize("missed, known, below", [(45, False, False), (46, True, True)])
+def test_the_verdict_compares_shares_as_the_scaler_does_not_rounded_counts(missed, known, below):
+    """0.55 x 100 = 55.000000000000007: decided on counts, 55 of 100 not yet missed read as under 0.55 and the value
+    came back as 0.55, which the scaler reads as meeting it."""
+    from twin.sim.forecaster import _Verdict
+
+    v = _Verdict(None, [], [], None, None, 0.0, ok=0, missed=missed, total=100, target=0.55)
+    assert v._side() is known
+    if known:
+        assert (v.value() < 0.55) is below
+
+
 def test_a_reps_run_ends_once_each_of_its_requests_is_judged(monkeypatch):
     """A judgement is final (a first token past the TTFT bound, or a finished request): an overloaded fork need not
     run its backlog on to the horizon's end once each forecast request has one, and the attainment is the same."""

@@ -931,7 +931,10 @@ class _Verdict:
 
     def _side(self) -> bool:
         target, total = self.target, self.total
-        self.known = target is not None and (self.ok >= target * total or total - self.missed < target * total)
+        # the side as the scaler reads the value (`value >= target`): compared as shares, not counts against
+        # target x total, which rounds (0.55 x 100 = 55.000000000000007: 55 left read as under 0.55, returned 0.55)
+        self.known = target is not None and total > 0 and (self.ok / total >= target
+                                                            or (total - self.missed) / total < target)
         return self.known
 
     @property
@@ -967,7 +970,7 @@ class _Verdict:
 
     def value(self) -> float:
         """A bound on the side of the target the answer is on (see FleetForecaster.attainment)."""
-        if self.ok >= self.target * self.total:
+        if self.ok / self.total >= self.target:
             return self.ok / self.total
         return (self.total - self.missed) / self.total
 
