@@ -446,12 +446,23 @@ def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
             eng["max_model_len"] = int(wcfg.max_model_len)
         if wcfg.num_gpu_blocks and wcfg.num_gpu_blocks >= 2:
             eng["num_gpu_blocks_override"] = int(wcfg.num_gpu_blocks)
+            if not wcfg.max_model_len:  # not reported (yet): the worker started, so its context fits its blocks
+                cap = (int(wcfg.num_gpu_blocks) - 1) * int(wcfg.block_size)  # besides the null block, as vLLM checks
+                if _model_context(cfg) > cap:
+                    eng["max_model_len"] = cap
     if cfg.launcher is not None:
         for k in ("enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold"):
             if k in cfg.launcher.engine_args:
                 eng[k] = cfg.launcher.engine_args[k]
     eng.update(cfg.shadow.engine)
     return eng
+
+
+def _model_context(cfg: "LiveConfig") -> int:
+    """The context of `shadow.model` from its config (0 when no model is named)."""
+    from twin.specs.models import get_model
+
+    return int(get_model(cfg.shadow.model).max_model_len) if cfg.shadow.model else 0
 
 
 def _profile_api_times(cfg: "LiveConfig") -> dict:

@@ -623,3 +623,19 @@ def test_a_worker_serving_a_longer_context_than_the_models_config_is_simulated_n
     assert sc.cluster.max_model_len() == 8192 and sc.cluster.engine.rope_scaling_factor == 4.0
     assert shadow_scenario(cfg, 1, base_engine(cfg, WCFG)).cluster.engine.rope_scaling_factor is None
 
+
+def test_a_worker_whose_context_is_not_reported_yet_is_simulated_with_one_its_blocks_hold():
+    """A worker's block count comes from its metrics and its max_model_len from /v1/models: between the two scrapes
+    the twin took the model's whole context (tiny-llama: 2,048), which the KV check then refused on a small cache
+    (vLLM started the worker: its context fits its blocks besides the null block)."""
+    from live.shadow import shadow_scenario
+
+    cfg = cfg_of(alternatives=False)
+    small = InstanceConfig(num_gpu_blocks=9, block_size=128, max_num_seqs=8, max_num_batched_tokens=2048)
+    eng = base_engine(cfg, small)
+    assert eng["max_model_len"] == 8 * 128
+    res = run_job(ShadowJob(cfg, eng, variants(cfg, 1, eng), _load(5, 2.0)))
+    assert "error" not in res["current"] and res["current"]["finished"] == 5  # simulated, not refused
+    assert "max_model_len" not in base_engine(cfg, InstanceConfig(num_gpu_blocks=512, block_size=128, max_num_seqs=8,
+                                                                  max_num_batched_tokens=2048))
+    assert shadow_scenario(cfg, 1, eng).cluster.max_model_len() == 1024
