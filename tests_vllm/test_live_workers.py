@@ -351,12 +351,14 @@ def test_worker_killed_mid_stream(two_workers):
     """Last in this module: it kills w0. The client gets an SSE error event, w0 is marked down, the stream on
     w1 is not lost, later requests go to w1.
 
-    Deterministic: w0's stream asks for nearly its whole context (ignore_eos), and the test freezes w0's
-    process group (SIGSTOP) as soon as the first chunk arrives, so w0 cannot write another token. What it
-    wrote before the freeze is still on its way to the proxy: on a loaded 2-core guest the client may read its
-    first chunk a second late, when the tiny model (~2 ms a token) has already written the whole answer. So the
-    test lets the proxy settle; if the request then finished, the freeze came too late: w0 is resumed (SIGCONT)
-    and the test tries again. Only a request still open on a frozen worker is killed."""
+    Deterministic: w0's stream asks for nearly its whole context (ignore_eos), and w0's process group is frozen
+    (SIGSTOP) as soon as the proxy relays its first chunk, from the controller's own thread (its `first_token`
+    hook), so w0 cannot write many more tokens. Until 2026-12-07 the freeze came when the client read that chunk:
+    on a 2-core guest the client, sharing the GIL with the controller's thread, could read it a second late, when
+    the tiny model (~2 ms a token) had written the whole answer, and a CI run failed all four tries. What w0
+    wrote before the freeze is still on its way: the test lets the proxy settle; if the request then finished,
+    the freeze came too late: w0 is resumed (SIGCONT) and the test tries again. Only a request still open on a
+    frozen worker is killed."""
     import threading
 
     rc = run_controller(static_config(two_workers), router=Pin())
@@ -365,6 +367,16 @@ def test_worker_killed_mid_stream(two_workers):
     try:
         url, ctl = rc.url, rc.ctl
         out: dict = {}
+        frozen = threading.Event()
+        relay_first_token = ctl.first_token
+
+        def freeze_w0_at_its_first_token(req, worker_id, now):  # on the controller's thread, as the chunk is relayed
+            if worker_id == "w0" and not frozen.is_set():
+                victim.kill(signal.SIGSTOP)
+                frozen.set()
+            relay_first_token(req, worker_id, now)
+
+        ctl.first_token = freeze_w0_at_its_first_token
 
         def stream_on(wid):
             with httpx.Client(timeout=120) as c:
@@ -377,20 +389,22 @@ def test_worker_killed_mid_stream(two_workers):
         t_other.start()
         attempts, killed = 0, False
         with httpx.Client(timeout=120) as c:
-            while not killed and attempts < 4:
+            while not killed and attempts < 8:
                 attempts += 1
+                frozen.clear()
                 with c.stream("POST", url + "/v1/completions", headers={"X-Session-Id": "w0"},
                               json={"model": SERVED, "prompt": "story", "max_tokens": long_tokens, "stream": True,
                                     "ignore_eos": True}) as s:
                     it = s.iter_raw()
                     got = next(it)
-                    victim.kill(signal.SIGSTOP)  # frozen mid-generation: it writes no more tokens
+                    assert frozen.wait(10)  # frozen mid-generation when its first chunk was relayed
                     # what it wrote before the freeze reaches the proxy meanwhile
                     killed = b"[DONE]" not in got and poll_while(lambda: ctl.bookkeeping.load("w0").requests == 1, 3.0)
                     victim.kill(signal.SIGKILL if killed else signal.SIGCONT)
                     got += b"".join(it)
                     status = s.status_code
         t_other.join(120)
+        print(f"w0 killed mid-stream at try {attempts}")  # shown with -s
         assert killed, f"w0 finished {long_tokens} tokens before SIGSTOP landed, {attempts} times: {got[-300:]!r}"
         events = [e for e in got.decode().split("\n\n") if e.strip()]
         assert status == 200
