@@ -633,15 +633,12 @@ def attainment_job(job: ShadowJob, target: float | None = None) -> tuple[float, 
     With `target`, the run stops once the answer's side of `target` is known (`WindowVerdict`), and the value is
     a bound on that side, as `twin.sim.forecaster.FleetForecaster.attainment` answers in the simulator."""
     cl, carried = build_cluster(job, job.variants[0])
-    if target is None:
-        res = cl.run()
-        return float(forecast_metrics(res, job.load.window_s, res.scenario.slo, carried)["attainment"]), True
-    verdict = WindowVerdict(cl, carried, cl.scenario.slo, target)
+    verdict = None if target is None else WindowVerdict(cl, carried, cl.scenario.slo, target)
     # 64 looks over the arrivals (fewer while draining): each is a pass over the log; at 200 a size that meets the
     # target, known only near its end, cost 5 % more than a run without looks (`bench_live_scaler.py`)
-    res = cl.run(stop=verdict.known, slices=64)
-    if verdict.stopped:
-        return verdict.value(), False
+    res = cl.run() if verdict is None else cl.run(stop=verdict.known, slices=64)
+    if verdict is not None and verdict.bound is not None:
+        return verdict.bound, False
     return float(forecast_metrics(res, job.load.window_s, res.scenario.slo, carried)["attainment"]), True
 
 
@@ -659,7 +656,7 @@ class WindowVerdict:
         self.cl, self.carried, self.slo, self.target = cl, carried, slo, target
         self.total = len(cl.log.arrival_s) - carried
         self.ok = self.missed = 0
-        self.stopped = False
+        self.bound: float | None = None  # set once the side is known (the run stopped there)
 
     def _earliest_token(self) -> float:
         t = self.cl.clock.now
@@ -696,18 +693,13 @@ class WindowVerdict:
         return int(met.sum()), int((ended & ~met).sum() + late.sum())
 
     def known(self) -> bool:
-        """True once the window's attainment is on a known side of `target` (the run may stop)."""
-        self.ok, self.missed = self.count()
-        n, target = self.total, self.target
-        # compared as shares, as the scaler compares the value: counts against target x n round (0.55 x 100 is
-        # 55.000000000000007, so 55 not yet missed read as under 0.55 and came back as 0.55, on the other side)
-        self.stopped = n > 0 and (self.ok / n >= target or (n - self.missed) / n < target)
-        return self.stopped
+        """True once the window's attainment is on a known side of `target` (the run may stop): `bound` is then the
+        share met so far (at least `target`), or the share not yet missed (under it)."""
+        from twin.sim.forecaster import side_bound
 
-    def value(self) -> float:
-        """The share met so far (at least `target`), or the share not yet missed (under it)."""
-        n = self.total
-        return self.ok / n if self.ok / n >= self.target else (n - self.missed) / n
+        self.ok, self.missed = self.count()
+        self.bound = side_bound(self.ok, self.missed, self.total, self.target)
+        return self.bound is not None
 
 
 # -- realised: what the proxy measured -----------------------------------------------------------------------
@@ -1029,7 +1021,7 @@ class ShadowInstanceForecaster:
         self.shadow = shadow
         self.calls = 0
         self._scenarios: dict[tuple, tuple[Any, Any]] = {}  # by engine settings: (scenario, its step model)
-        self._context: tuple[tuple, tuple] | None = None  # (key, (stats load, mean output, running by worker))
+        self._context: tuple[tuple, tuple] | None = None  # (key, (window load, mean output, running by worker))
 
     def _scenario(self, engine: dict, horizon_s: float) -> tuple[Any, Any]:
         """The one-instance scenario for `engine` with `horizon_s` as its time limit, and its step model (built once
@@ -1050,8 +1042,8 @@ class ShadowInstanceForecaster:
         return sc.model_copy(update={"sim": sc.sim.model_copy(update={"max_sim_time_s": horizon_s})}), perf
 
     def context(self, now: float) -> tuple[WindowLoad, int, dict[str | None, list[Mirrored]]]:
-        """What every candidate of a decision shares: the last window's lengths and median TPOT (as a load of
-        its outputs only), their mean, and the requests in flight by worker. Computed once per mirror version
+        """What every candidate of a decision shares: the last window's load with its median TPOT, its mean output,
+        and the requests in flight by worker. Computed once per mirror version
         and quarter second: a decision's candidates used to rebuild it each (40 % of a forecast), and with the
         `poisson` load model each drew its own sample (candidates compared on different random lengths)."""
         sh = self.shadow
@@ -1060,15 +1052,13 @@ class ShadowInstanceForecaster:
             return self._context[1]
         recent = sh.mirror.window(now - sh.window_s, now)
         base = sh.load_model.next_window(recent, now - sh.window_s, sh.window_s)
-        m = len(base.output_tokens)
-        stats = WindowLoad(np.zeros(m), np.ones(m, dtype=np.int64), base.output_tokens, base.window_s, None,
-                           base.hash_block_size, tpot_s=realised_metrics(recent)["tpot_p50"])
-        _, mean_out = window_outputs(stats)
+        base.tpot_s = realised_metrics(recent)["tpot_p50"]
+        _, mean_out = window_outputs(base)
         running: dict[str | None, list[Mirrored]] = {}
         for r in sh.mirror.records:
             if r.arrival < now and not r.done:
                 running.setdefault(r.worker, []).append(r)
-        ctx = (stats, mean_out, running)
+        ctx = (base, mean_out, running)
         self._context = (key, ctx)
         return ctx
 
@@ -1083,9 +1073,9 @@ class ShadowInstanceForecaster:
         horizon = float(horizon_s if horizon_s is not None else 60.0)
         worker = sh.ctl.registry.get(instance_id)
         engine = base_engine(sh.ctl.cfg, worker.config) if worker is not None else sh.engine()
-        stats, mean_out, by_worker = self.context(now)
+        base, mean_out, by_worker = self.context(now)
         running = by_worker.get(instance_id, [])
-        load = with_in_flight(stats, running, now, sh.spec.max_requests)
+        load = with_in_flight(base, running, now, sh.spec.max_requests)
         keep = np.arange(load.carried)  # only what is on this worker now; the window's arrivals are not
         offsets, prompts, outs, hashes = load.part(keep)
         if extra_request is not None:

@@ -930,11 +930,7 @@ class _Verdict:
         self.missed += missed
 
     def _side(self) -> bool:
-        target, total = self.target, self.total
-        # the side as the scaler reads the value (`value >= target`): compared as shares, not counts against
-        # target x total, which rounds (0.55 x 100 = 55.000000000000007: 55 left read as under 0.55, returned 0.55)
-        self.known = target is not None and total > 0 and (self.ok / total >= target
-                                                            or (total - self.missed) / total < target)
+        self.known = self.target is not None and side_bound(self.ok, self.missed, self.total, self.target) is not None
         return self.known
 
     @property
@@ -970,9 +966,24 @@ class _Verdict:
 
     def value(self) -> float:
         """A bound on the side of the target the answer is on (see FleetForecaster.attainment)."""
-        if self.ok / self.total >= self.target:
-            return self.ok / self.total
-        return (self.total - self.missed) / self.total
+        bound = side_bound(self.ok, self.missed, self.total, self.target)
+        assert bound is not None, "value() of a verdict not known"
+        return bound
+
+
+def side_bound(ok: int, missed: int, total: int, target: float) -> float | None:
+    """Attainment's bound once its side of `target` is known from `ok` met and `missed` of `total` requests: the
+    share met (at least `target`), or the share not yet missed (under it); None while either side is possible. The
+    simulator's and the live twin scaler's verdicts (`live.shadow.WindowVerdict`). Compared as shares, as the
+    scaler compares the value: counts against target x total round (0.55 x 100 = 55.000000000000007, so 55 not yet
+    missed read as under 0.55 and came back as 0.55)."""
+    if total <= 0:
+        return None
+    if ok / total >= target:
+        return ok / total
+    if (total - missed) / total < target:
+        return (total - missed) / total
+    return None
 
 
 def _empty_like(sched):
