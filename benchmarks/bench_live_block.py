@@ -1,16 +1,19 @@
 #!/usr/bin/env python
 """Decision latency of the Block router in the live controller (`live.shadow.ShadowInstanceForecaster`): each
 decision simulates one twin instance per candidate worker, rebuilt from the controller's mirror of what is in flight
-there, synchronously on the proxy's event loop.
+there, on the controller's routing thread (`Controller.choose`) while the event loop goes on relaying streams.
 
 A controller with `--workers` serving workers (H100 / Llama-3-8B engine settings, the default fitted profile), a
 mirrored last window of 600 finished requests and `--inflight` requests in flight on each worker (prompts 100-1,500
 tokens, outputs 50-400: lengths drawn here, an ASSUMPTION of the bench), then `--decisions` Block decisions
 (`objective: e2e`), each request dispatched where Block sends it. No HTTP: the router and forecaster are called as the
 proxy calls them. Prints p50 / p90 / max per decision and per forecast, and how many scenarios the forecaster holds
-(one per engine setting). No assertions.
+(one per engine setting), and how late the event loop ran meanwhile: a ticker sleeping 1 ms at a time records
+how much later than asked it woke (what a streamed chunk waits for the loop). `--on-loop` calls the router on the
+loop, as the proxy did until 2026-12-07. No assertions.
 
   .venv/bin/python benchmarks/bench_live_block.py [--workers 16] [--inflight 20] [--decisions 40] [--max-candidates 8]
+      [--on-loop]
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=40)
     ap.add_argument("--objective", default="e2e")
     ap.add_argument("--max-candidates", type=int, default=0, help="Block's max_candidates (0: every worker)")
+    ap.add_argument("--on-loop", action="store_true", help="decide on the event loop (the proxy before 2026-12-07)")
     args = ap.parse_args()
     print(f"{platform.node()} {platform.machine()}, load {os.getloadavg()[0]:.2f}; {args.workers} workers, "
-          f"{args.inflight} in flight each, Block objective {args.objective}, max_candidates {args.max_candidates}")
+          f"{args.inflight} in flight each, Block objective {args.objective}, max_candidates {args.max_candidates}, "
+          f"deciding {'on the event loop' if args.on_loop else 'on the routing thread'}")
     print(asyncio.run(run(args)))
 
 
@@ -70,22 +75,41 @@ async def run(args) -> str:
         ctl.dispatched(req, f"w{k % n}", t)
         ctl.first_token(req, f"w{k % n}", t + 0.05)
     fc = ctl.registry.fleet.forecaster
-    walls, calls = [], []
+    walls, calls, lags = [], [], []
+    done = asyncio.Event()
+
+    async def ticker() -> None:  # what a stream relayed meanwhile waits for the loop
+        while not done.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - t - 0.001)
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
     for d in range(args.decisions):
         req = RequestView(f"p{d}", time.monotonic(), int(rng.integers(100, 1500)), 400, (), 16)
-        fleet = ctl.registry.fleet_view(time.monotonic())
-        c0 = fc.calls
-        t0 = time.perf_counter()
-        target = ctl.host.choose(req, fleet)
-        walls.append(time.perf_counter() - t0)
-        calls.append(fc.calls - c0)
-        ctl.dispatched(req, target, time.monotonic())
+        async with ctl.routing():  # as the proxy routes (live.proxy)
+            fleet = ctl.registry.fleet_view(time.monotonic())
+            c0 = fc.calls
+            t0 = time.perf_counter()
+            target = ctl.host.choose(req, fleet) if args.on_loop else await ctl.choose(req, fleet)
+            walls.append(time.perf_counter() - t0)
+            calls.append(fc.calls - c0)
+            ctl.dispatched(req, target, time.monotonic())
         ctl.first_token(req, target, time.monotonic())
+        for _ in range(2):  # the next request is another task of the proxy's: the loop runs due timers between
+            await asyncio.sleep(0)
+    done.set()
+    await tick
+    await ctl.stop()
     w = np.array(walls) * 1e3
     per = w / np.maximum(calls, 1)
+    lag = np.array(lags) * 1e3
     return (f"decision ms: p50 {np.median(w):.1f}, p90 {np.percentile(w, 90):.1f}, max {w.max():.1f}; "
             f"per forecast ms: p50 {np.median(per):.2f}; forecasts per decision {np.mean(calls):.1f}; "
-            f"scenarios held {len(getattr(fc, '_scenarios', {}))}")
+            f"scenarios held {len(getattr(fc, '_scenarios', {}))}\n"
+            f"event loop late by ms: p50 {np.median(lag):.2f}, p99 {np.percentile(lag, 99):.1f}, max {lag.max():.1f} "
+            f"({len(lag)} ticks)")
 
 
 if __name__ == "__main__":

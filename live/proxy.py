@@ -240,34 +240,36 @@ class Proxy:
         tried: list[str] = []
         last_error = ""
         for attempt in (0, 1):
-            fleet = ctl.registry.fleet_view(time.monotonic(), tried)
-            if not fleet.instances:
+            # a look-ahead router decides on its own thread: the decision and its dispatch one at a time
+            async with ctl.routing():
+                fleet = ctl.registry.fleet_view(time.monotonic(), tried)
+                if not fleet.instances:
+                    if attempt:
+                        return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
+                    m.rejected.labels("none_serving").inc()
+                    return error(503, self._none_serving())
                 if attempt:
-                    return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
-                m.rejected.labels("none_serving").inc()
-                return error(503, self._none_serving())
-            if attempt:
-                m.retries.inc()
-            try:  # the host's error rule (twin.policy.host): raise -> answered 500, reject -> answered 503
-                target = ctl.host.choose(req, fleet)
-            except RouterError as e:
-                cause = router_cause(e)
-                log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
-                          "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
-                return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
-            if isinstance(target, Reject) and target.router_error:  # on_error: reject turned a raise into this
-                m.rejected.labels("router_error").inc()
-                return error(503, target.reason)
-            if attempt == 0:
-                m.decision_latency.observe(time.perf_counter() - t0)
-            if isinstance(target, Reject):
-                m.rejected.labels("router_reject").inc()
-                return error(503, f"rejected by router {ctl.router_name!r}: {target.reason}")
-            w = ctl.registry.get(target) if isinstance(target, str) else None
-            if w is None or not w.routable or target in tried:
-                return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
-            ctl.dispatched(req, w.id, time.monotonic())
-            ctl.streamed(req, stream)
+                    m.retries.inc()
+                try:  # the host's error rule (twin.policy.host): raise -> answered 500, reject -> answered 503
+                    target = await ctl.choose(req, fleet)
+                except RouterError as e:
+                    cause = router_cause(e)
+                    log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
+                              "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
+                    return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
+                if isinstance(target, Reject) and target.router_error:  # on_error: reject turned a raise into this
+                    m.rejected.labels("router_error").inc()
+                    return error(503, target.reason)
+                if attempt == 0:
+                    m.decision_latency.observe(time.perf_counter() - t0)
+                if isinstance(target, Reject):
+                    m.rejected.labels("router_reject").inc()
+                    return error(503, f"rejected by router {ctl.router_name!r}: {target.reason}")
+                w = ctl.registry.get(target) if isinstance(target, str) else None
+                if w is None or not w.routable or target in tried:
+                    return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
+                ctl.dispatched(req, w.id, time.monotonic())
+                ctl.streamed(req, stream)
             try:
                 if stream:
                     return await self._stream(request, req, w, path, raw, chat)

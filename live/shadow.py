@@ -129,8 +129,17 @@ class Mirror:
             self.by_id.pop(old.id, None)
             self.version += 1
 
-    def window(self, t0: float, t1: float) -> list[Mirrored]:
-        return [r for r in self.records if t0 <= r.arrival < t1]
+    def snapshot(self) -> list[Mirrored]:
+        """The records as a list, safe to take from another thread: Block's live forecasts run on the routing thread
+        while the event loop appends and trims (iterating the deque itself then raises)."""
+        while True:
+            try:
+                return list(self.records)
+            except RuntimeError:  # deque mutated during iteration: take it again
+                continue
+
+    def window(self, t0: float, t1: float, records: Sequence[Mirrored] | None = None) -> list[Mirrored]:
+        return [r for r in (self.snapshot() if records is None else records) if t0 <= r.arrival < t1]
 
 
 # -- load models: the next window's arrivals from the last one ---------------------------------------------
@@ -1012,9 +1021,10 @@ class ShadowInstanceForecaster:
     one from the mirror: the requests in flight on that worker (`with_in_flight`: the same ASSUMPTIONS as the
     shadow runs: its prompt's KV in the instance's cache once decoding (`warm`), expected output the mean recent
     length above what was streamed, within the cap, less what was streamed at the recent median TPOT), plus the
-    new request, on one twin instance with the worker's engine settings and `shadow.perf`. Synchronous: a
-    decision pays one small simulation per candidate (the router's `max_candidates` bounds it); `calls` counts
-    them.
+    new request, on one twin instance with the worker's engine settings and `shadow.perf`. A decision pays one
+    small simulation per candidate (the router's `max_candidates` bounds it; `calls` counts them), on the
+    controller's routing thread (`Controller.choose`), not the event loop: what it reads of the mirror is a
+    snapshot.
     """
 
     def __init__(self, shadow: "Shadow") -> None:
@@ -1050,12 +1060,13 @@ class ShadowInstanceForecaster:
         key = (sh.mirror.version, math.floor(now * 4.0))
         if self._context is not None and self._context[0] == key:
             return self._context[1]
-        recent = sh.mirror.window(now - sh.window_s, now)
+        records = sh.mirror.snapshot()  # on the routing thread: the loop changes the mirror meanwhile
+        recent = sh.mirror.window(now - sh.window_s, now, records)
         base = sh.load_model.next_window(recent, now - sh.window_s, sh.window_s)
         base.tpot_s = realised_metrics(recent)["tpot_p50"]
         _, mean_out = window_outputs(base)
         running: dict[str | None, list[Mirrored]] = {}
-        for r in sh.mirror.records:
+        for r in records:
             if r.arrival < now and not r.done:
                 running.setdefault(r.worker, []).append(r)
         ctx = (base, mean_out, running)

@@ -545,6 +545,52 @@ def test_block_runs_live_on_the_shadow_twins_per_instance_forecasts():
     assert body["worker"] == "w1" and sum(received) == 5
 
 
+def test_block_decides_off_the_event_loop_one_decision_at_a_time():
+    """A live Block decision simulates every candidate (33 ms at 16 workers): on the event loop, every stream the
+    proxy relays stalled that long. It runs on the controller's routing thread; decisions still come one at a time,
+    each after the dispatch before it: eight requests sent together see 0, 1, ..., 7 in flight, and split four and
+    four between two idle workers (a decision blind to the one before would send both to the same idlest worker).
+    The GIL's switch interval is lowered while routing off the loop and restored at stop."""
+    import sys
+    import threading
+
+    before = sys.getswitchinterval()
+
+    async def main():
+        ws = await fakes()
+        for w in ws:
+            w.delay = 0.5  # all eight still in flight when the last is routed
+        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}
+        seen: list[tuple[str, int]] = []
+        async with proxy(ws, None, shadow=shadow, router={"name": "block", "scrape_interval_s": 0.05,
+                                                          "params": {"objective": "e2e"}}) as (ctl, url, c):
+            choose = ctl.host.choose
+
+            def spy(req, fleet):
+                seen.append((threading.current_thread().name, sum(v.inflight_requests for v in fleet.instances)))
+                return choose(req, fleet)
+
+            ctl.host.choose = spy
+
+            async def one(i):
+                async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": "same prompt",
+                                                                 "max_tokens": 5}) as r:
+                    return r.status, (await r.json())["worker"]
+
+            got = await asyncio.gather(*(one(i) for i in range(8)))
+            during = sys.getswitchinterval()
+        for w in ws:
+            await w.stop()
+        return seen, got, during
+
+    seen, got, during = asyncio.run(main())
+    assert all(name.startswith("llmtwin-route") for name, _ in seen) and len(seen) == 8
+    assert [n for _, n in seen] == list(range(8))
+    assert all(status == 200 for status, _ in got)
+    assert sorted(wk for _, wk in got).count("w0") == 4
+    assert during == min(before, 0.001) and sys.getswitchinterval() == before
+
+
 def test_the_live_block_forecaster_keeps_one_scenario_per_engine_and_shares_a_decisions_context():
     """Block's horizon (its best score so far) differs at every decision: keyed by it, the forecaster's scenarios grew
     without end in a long-running controller. Each forecast still stops at its own horizon. What the candidates of one
