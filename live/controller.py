@@ -479,8 +479,8 @@ class Controller:
 
         The two threads share the GIL, and each pass of the loop gives it up (its poll) and waits up to the switch
         interval to have it back. At CPython's 5 ms a stream waited 20 ms of a 30 ms decision (a few passes a chunk),
-        barely better than on the loop: the controller sets 1 ms while it routes off the loop (loop 1.2 ms late at
-        the median, 7 ms at most, decisions 2 % slower: benchmarks/bench_live_block.py) and restores it at stop."""
+        barely better than on the loop: the controller sets 1 ms while it routes off the loop (loop 0.5 ms late at
+        the median, 7 ms at most, decisions 5 % slower: benchmarks/bench_live_block.py) and restores it at stop."""
         if self._route_thread is None:
             return self.host.choose(req, fleet)
         if self._switch_before is None:

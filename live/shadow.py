@@ -245,21 +245,26 @@ def window_outputs(load: WindowLoad) -> tuple[list[int], int]:
     return outs, max(1, round(sum(outs) / len(outs)))
 
 
-def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, max_requests: int) -> WindowLoad:
+def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, max_requests: int,
+                   residual: tuple[int, Any] | None = None) -> WindowLoad:
     """Prepend the requests in flight at `now` (offset 0), so the forecast starts from the backlog rather than
     idle engines. ASSUMPTIONS: one still waiting for its first token needs its whole prompt; one decoding finds
     its prompt's KV in its instance's prefix cache where the forecast pins it (`warm`; else it is re-prefilled:
     the twin cannot copy a worker's KV cache, and the tokens it produced are not in that cache) and needs its
     expected output less what it produced at the window's median TPOT. Its expected output is the simulator's
     (`expected_stop`): the mean of the window's output lengths above what it produced, within the client's cap
-    (the window's mean at first)."""
+    (the window's mean at first). `residual`: the window's mean output and `ResidualLengths`, where the caller
+    built them already (a live Block decision's candidates share them)."""
     from twin.policy.predictors import ResidualLengths, expected_stop
 
     running = list(running)[-max_requests:]
     if not running:
         return load
-    outs, mean_out = window_outputs(load)
-    lengths = ResidualLengths(outs)
+    if residual is None:
+        outs, mean_out = window_outputs(load)
+        lengths = ResidualLengths(outs)
+    else:
+        mean_out, lengths = residual
     prompt = np.array([max(1, r.prompt_tokens) for r in running], dtype=np.int64)
     left = []
     for r in running:
@@ -392,11 +397,8 @@ def warm(cl: Any, load: WindowLoad, pins: dict[str, int]) -> int:
         r = cl.make_request(i)
         keys = list(r.block_keys[:max(0, (r.num_prompt_tokens - 1) // pool.block_size)])
         keys = keys[pool.num_cached_hits(keys, len(keys)):]  # a prefix shared with one warmed before is there
-        if not keys or pool.get_num_free_blocks() < len(keys) or any(pool.is_cached(x) for x in keys):
-            continue
-        pool.allocate(len(keys))
-        pool.release_keyed([pool.add_copy(x) for x in keys])
-        warmed += 1
+        if keys and pool.cache_free(keys):  # not where a key is cached already or the pool lacks room
+            warmed += 1
     return warmed
 
 
@@ -1051,11 +1053,14 @@ class ShadowInstanceForecaster:
         sc, perf = hit
         return sc.model_copy(update={"sim": sc.sim.model_copy(update={"max_sim_time_s": horizon_s})}), perf
 
-    def context(self, now: float) -> tuple[WindowLoad, int, dict[str | None, list[Mirrored]]]:
+    def context(self, now: float) -> tuple[WindowLoad, int, dict[str | None, list[Mirrored]], Any]:
         """What every candidate of a decision shares: the last window's load with its median TPOT, its mean output,
-        and the requests in flight by worker. Computed once per mirror version
-        and quarter second: a decision's candidates used to rebuild it each (40 % of a forecast), and with the
-        `poisson` load model each drew its own sample (candidates compared on different random lengths)."""
+        the requests in flight by worker, and the window's `ResidualLengths` (the expected output of a request that
+        made some tokens). Computed once per mirror version and quarter second: a decision's candidates used to
+        rebuild it each (40 % of a forecast), and with the `poisson` load model each drew its own sample
+        (candidates compared on different random lengths)."""
+        from twin.policy.predictors import ResidualLengths
+
         sh = self.shadow
         key = (sh.mirror.version, math.floor(now * 4.0))
         if self._context is not None and self._context[0] == key:
@@ -1064,12 +1069,12 @@ class ShadowInstanceForecaster:
         recent = sh.mirror.window(now - sh.window_s, now, records)
         base = sh.load_model.next_window(recent, now - sh.window_s, sh.window_s)
         base.tpot_s = realised_metrics(recent)["tpot_p50"]
-        _, mean_out = window_outputs(base)
+        outs, mean_out = window_outputs(base)
         running: dict[str | None, list[Mirrored]] = {}
         for r in records:
             if r.arrival < now and not r.done:
                 running.setdefault(r.worker, []).append(r)
-        ctx = (base, mean_out, running)
+        ctx = (base, mean_out, running, ResidualLengths(outs))
         self._context = (key, ctx)
         return ctx
 
@@ -1084,9 +1089,9 @@ class ShadowInstanceForecaster:
         horizon = float(horizon_s if horizon_s is not None else 60.0)
         worker = sh.ctl.registry.get(instance_id)
         engine = base_engine(sh.ctl.cfg, worker.config) if worker is not None else sh.engine()
-        base, mean_out, by_worker = self.context(now)
+        base, mean_out, by_worker, lengths = self.context(now)
         running = by_worker.get(instance_id, [])
-        load = with_in_flight(base, running, now, sh.spec.max_requests)
+        load = with_in_flight(base, running, now, sh.spec.max_requests, (mean_out, lengths))
         keep = np.arange(load.carried)  # only what is on this worker now; the window's arrivals are not
         offsets, prompts, outs, hashes = load.part(keep)
         if extra_request is not None:

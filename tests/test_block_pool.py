@@ -162,3 +162,49 @@ def test_events_tell_a_precise_index_every_stored_and_evicted_copy():
         idx.apply("i", e)
     assert idx.match([1, 2], ["i"]) == {"i": 1}
     pool.check()
+
+
+def _state(pool):
+    return (dict(pool.cached_block_hash_to_ref), [k if isinstance(k, int) else (type(k).__name__, getattr(k, "key", 0))
+                                                   for k in pool.free_lru],
+            pool.num_anon_free, pool.num_lru_free, {k: [d.ref for d in v] for k, v in pool.dups.items()},
+            pool.num_evictions)
+
+
+def test_cache_free_leaves_the_pool_as_allocate_add_copy_and_release_did():
+    """The live forecast's `warm` places a decoding request's prompt as cached free blocks in one pass: the same
+    pool, LRU order and counts (evictions included) as the three calls it replaces; refused, with nothing changed,
+    where a key is cached (a first copy or a second) or the pool has too few free blocks."""
+    import random
+
+    rng = random.Random(5)
+    seen = set()
+    for trial in range(60):
+        pools = [BlockPool(40, 16, True) for _ in range(2)]
+        script = []  # the same history on both: registered, duplicated, held and released blocks
+        for _ in range(rng.randrange(0, 6)):
+            n = rng.randrange(1, 6)
+            keys = [rng.randrange(100) for _ in range(n)]
+            script.append((n, keys, rng.random() < 0.6))
+        for pool in pools:
+            for n, keys, release in script:
+                if n > pool.get_num_free_blocks():
+                    continue
+                pool.allocate(n)
+                held = [pool.add_copy(k) for k in keys]
+                if release:
+                    pool.release_keyed(held)
+        keys = list(range(1000 + trial, 1000 + trial + rng.randrange(1, 30)))
+        if rng.random() < 0.3 and pools[0].cached_block_hash_to_ref:
+            keys[rng.randrange(len(keys))] = next(iter(pools[0].cached_block_hash_to_ref))
+        a, b = pools
+        before = _state(a)
+        fits = len(keys) <= b.get_num_free_blocks() and not any(b.is_cached(k) for k in keys)
+        if fits:
+            b.allocate(len(keys))
+            b.release_keyed([b.add_copy(k) for k in keys])
+        assert a.cache_free(keys) is fits
+        seen.add((fits, bool(a.dups)))
+        assert _state(a) == _state(b) and (fits or _state(a) == before)
+        a.check()
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}  # each case was met

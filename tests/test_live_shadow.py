@@ -623,8 +623,9 @@ def test_the_live_block_forecaster_keeps_one_scenario_per_engine_and_shares_a_de
     runs, scenarios, same, after, ctx = asyncio.run(main())
     assert scenarios == 1 and same and not after
     assert all(f.e2e_s is not None for f in runs[:3]) and runs[3].censored  # a horizon too short to finish in
-    _, mean_out, running = ctx
+    _, mean_out, running, lengths = ctx
     assert mean_out == 16 and len(running["w0"]) == 10 and "w1" not in running  # (10 x 12 + 10 x 20 cap) / 20
+    assert lengths.mean == 16.0 and lengths.expected(12) == 20.0  # above 12 made: the ten capped at 20
 
 
 def test_block_without_shadow_is_one_config_line():
