@@ -75,6 +75,11 @@ async def run(args) -> str:
         ctl.dispatched(req, f"w{k % n}", t)
         ctl.first_token(req, f"w{k % n}", t + 0.05)
     fc = ctl.registry.fleet.forecaster
+    import gc
+
+    import twin.sim.cluster  # noqa: F401  (a forecast's first import)
+
+    gc.freeze()  # as `llmtwin live` does at start: the collector's full passes skip what lives as long as it
     walls, calls, lags = [], [], []
     done = asyncio.Event()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -39,6 +40,10 @@ def run(config: Path, overrides: Optional[List[str]] = None, host: Optional[str]
     from live.launcher import LaunchError
     from live.proxy import serve
 
+    # what is loaded by now (modules, the config, the controller) lives as long as the process: frozen, the
+    # collector's full passes skip it. They hold the GIL: a Block decision on the routing thread, and every stream
+    # with it, waited 30-39 ms in one (10-14 ms, then 6-8, frozen: benchmarks/bench_live_block.py)
+    gc.freeze()
     try:
         asyncio.run(serve(ctl))
     except LaunchError as e:

@@ -37,6 +37,22 @@ from live.signals import parse_metrics
 from live.tokens import PromptTokenizer
 
 ROUTE_SWITCH_INTERVAL_S = 0.001  # the GIL's switch interval while a look-ahead router decides off the loop
+_switch = {"holders": 0, "saved": 0.0}  # the setting is the process's: lowered by the first controller, restored by
+# the last (controllers can overlap: tests, an embedding program)
+
+
+def _lower_switch_interval() -> None:
+    if _switch["holders"] == 0:
+        _switch["saved"] = sys.getswitchinterval()
+        sys.setswitchinterval(min(_switch["saved"], ROUTE_SWITCH_INTERVAL_S))
+    _switch["holders"] += 1
+
+
+def _restore_switch_interval() -> None:
+    _switch["holders"] -= 1
+    if _switch["holders"] == 0:
+        sys.setswitchinterval(_switch["saved"])
+
 log = logging.getLogger("llmtwin.live")
 
 
@@ -117,7 +133,7 @@ class Controller:
         # stream the proxy relays would stall that long. It decides on a thread of its own, one decision at a time
         self._route_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._route_lock = asyncio.Lock()
-        self._switch_before: float | None = None  # the interpreter's switch interval before the routing thread's
+        self._switch_held = False  # this controller holds the lowered switch interval (from its first decision)
         if self.shadow is not None and getattr(self.router, "needs_forecaster", False):
             self.registry.fleet.forecaster = self.shadow.instance_forecaster()  # Block's look-ahead, live
             self._route_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmtwin-route")
@@ -197,11 +213,12 @@ class Controller:
             self.kv.close()
         if self.shadow is not None:
             self.shadow.close()
-        if self._route_thread is not None:
+        if self._route_thread is not None:  # a decision asked after this runs inline (an embedder's, a test's)
             self._route_thread.shutdown(wait=False, cancel_futures=True)
-        if self._switch_before is not None:
-            sys.setswitchinterval(self._switch_before)
-            self._switch_before = None
+            self._route_thread = None
+        if self._switch_held:
+            _restore_switch_interval()
+            self._switch_held = False
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -467,6 +484,11 @@ class Controller:
         self._ids += 1
         return f"live-{self._ids}"
 
+    @property
+    def decides_off_loop(self) -> bool:
+        """The router decides on the routing thread (a look-ahead router, until stop)."""
+        return self._route_thread is not None
+
     def routing(self) -> contextlib.AbstractAsyncContextManager:
         """Held by the proxy from the fleet view to the dispatch when the router decides off the loop: decisions come
         one at a time and each sees the dispatches before it, as on the loop (else a burst would all go to the one
@@ -479,14 +501,24 @@ class Controller:
 
         The two threads share the GIL, and each pass of the loop gives it up (its poll) and waits up to the switch
         interval to have it back. At CPython's 5 ms a stream waited 20 ms of a 30 ms decision (a few passes a chunk),
-        barely better than on the loop: the controller sets 1 ms while it routes off the loop (loop 0.5 ms late at
-        the median, 7 ms at most, decisions 5 % slower: benchmarks/bench_live_block.py) and restores it at stop."""
+        barely better than on the loop: from its first decision off the loop to its stop, the controller sets 1 ms,
+        for the whole process (the last such controller to stop restores it). On an idle loop: 0.4-1.8 ms late at
+        the median, 8 ms at most, decisions as fast (benchmarks/bench_live_block.py). A loop busy relaying takes its
+        share of the GIL, so decisions then take longer than on the loop, where they took it all. The collector's full
+        passes hold the GIL too: `llmtwin live` freezes what it loaded at start (`live.cli`)."""
         if self._route_thread is None:
             return self.host.choose(req, fleet)
-        if self._switch_before is None:
-            self._switch_before = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_before, ROUTE_SWITCH_INTERVAL_S))
-        return await asyncio.get_running_loop().run_in_executor(self._route_thread, self.host.choose, req, fleet)
+        if not self._switch_held:
+            _lower_switch_interval()
+            self._switch_held = True
+        return await asyncio.get_running_loop().run_in_executor(self._route_thread, self._decide, req, fleet)
+
+    def _decide(self, req: Any, fleet: FleetView) -> Any:
+        """One decision on the routing thread: the forecaster keeps one context for all its candidates, though the
+        loop changes the mirror meanwhile (`ShadowInstanceForecaster.decision`)."""
+        fc = fleet.forecaster
+        with fc.decision() if hasattr(fc, "decision") else contextlib.nullcontext():
+            return self.host.choose(req, fleet)
 
     def dispatched(self, req: Any, worker_id: str, now: float) -> None:
         self.host.dispatched(req, worker_id, now)

@@ -20,7 +20,8 @@ class ControllerMetrics:
         self.requests = Counter("llmtwin_requests", "Client requests by worker and HTTP status",
                                 ["worker", "status"], registry=r)
         self.decision_latency = Histogram("llmtwin_decision_latency_seconds",
-                                          "Time to build the request view and run the router", buckets=_FAST,
+                                          "Time to build the request view (tokenising the prompt) and run the router, "
+                                          "with a look-ahead router's wait for the decision before it", buckets=_FAST,
                                           registry=r)
         self.upstream_errors = Counter("llmtwin_upstream_errors", "Failed upstream requests by worker and kind",
                                        ["worker", "kind"], registry=r)

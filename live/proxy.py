@@ -242,32 +242,9 @@ class Proxy:
         for attempt in (0, 1):
             # a look-ahead router decides on its own thread: the decision and its dispatch one at a time
             async with ctl.routing():
-                fleet = ctl.registry.fleet_view(time.monotonic(), tried)
-                if not fleet.instances:
-                    if attempt:
-                        return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
-                    m.rejected.labels("none_serving").inc()
-                    return error(503, self._none_serving())
-                if attempt:
-                    m.retries.inc()
-                try:  # the host's error rule (twin.policy.host): raise -> answered 500, reject -> answered 503
-                    target = await ctl.choose(req, fleet)
-                except RouterError as e:
-                    cause = router_cause(e)
-                    log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
-                              "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
-                    return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
-                if isinstance(target, Reject) and target.router_error:  # on_error: reject turned a raise into this
-                    m.rejected.labels("router_error").inc()
-                    return error(503, target.reason)
-                if attempt == 0:
-                    m.decision_latency.observe(time.perf_counter() - t0)
-                if isinstance(target, Reject):
-                    m.rejected.labels("router_reject").inc()
-                    return error(503, f"rejected by router {ctl.router_name!r}: {target.reason}")
-                w = ctl.registry.get(target) if isinstance(target, str) else None
-                if w is None or not w.routable or target in tried:
-                    return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
+                w = await self._decide(req, tried, attempt, t0, last_error)
+                if isinstance(w, web.Response):
+                    return w
                 ctl.dispatched(req, w.id, time.monotonic())
                 ctl.streamed(req, stream)
             try:
@@ -286,6 +263,49 @@ class Proxy:
                                 req.id, w.id, last_error)
         self.count(tried[-1] if tried else "-", "502")
         return error(502, f"upstream failed before the first byte on {', '.join(tried)}: {last_error}")
+
+    async def _decide(self, req: RequestView, tried: list[str], attempt: int, t0: float,
+                      last_error: str) -> Any:
+        """The serving worker the router chose for `req` (not one of `tried`), or the error response to send.
+
+        Off the loop (`Controller.choose`), a worker the router was offered can stop serving while it decides (a
+        drain, a failed health check): the router decides again on the fleet as it is then, up to twice more."""
+        ctl = self.ctl
+        m = ctl.metrics
+        for redo in range(3):
+            fleet = ctl.registry.fleet_view(time.monotonic(), tried)
+            if not fleet.instances:
+                if attempt:
+                    return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
+                m.rejected.labels("none_serving").inc()
+                return error(503, self._none_serving())
+            if attempt and not redo:
+                m.retries.inc()
+            offered = {v.id for v in fleet.instances} if ctl.decides_off_loop else ()
+            try:  # the host's error rule (twin.policy.host): raise -> answered 500, reject -> answered 503
+                target = await ctl.choose(req, fleet)
+            except RouterError as e:
+                cause = router_cause(e)
+                log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
+                          "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
+                return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
+            if isinstance(target, Reject) and target.router_error:  # on_error: reject turned a raise into this
+                m.rejected.labels("router_error").inc()
+                return error(503, target.reason)
+            if attempt == 0 and not redo:
+                m.decision_latency.observe(time.perf_counter() - t0)
+            if isinstance(target, Reject):
+                m.rejected.labels("router_reject").inc()
+                return error(503, f"rejected by router {ctl.router_name!r}: {target.reason}")
+            w = ctl.registry.get(target) if isinstance(target, str) else None
+            if w is not None and w.routable and target not in tried:
+                return w
+            if not isinstance(target, str) or target not in offered:
+                return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
+            log.info("request %s: worker %s stopped serving while router %s decided; deciding again", req.id,
+                     target, ctl.router_name)
+        m.rejected.labels("none_serving").inc()
+        return error(503, f"the workers router {ctl.router_name!r} chose stopped serving while it decided")
 
     async def _unary(self, req: RequestView, w: Any, path: str, raw: bytes) -> web.Response:
         ctl = self.ctl

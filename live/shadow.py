@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import copy
 import logging
 import math
 import multiprocessing
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -130,16 +132,15 @@ class Mirror:
             self.version += 1
 
     def snapshot(self) -> list[Mirrored]:
-        """The records as a list, safe to take from another thread: Block's live forecasts run on the routing thread
-        while the event loop appends and trims (iterating the deque itself then raises)."""
-        while True:
-            try:
-                return list(self.records)
-            except RuntimeError:  # deque mutated during iteration: take it again
-                continue
+        """The records as a list, for another thread: Block's live forecasts run on the routing thread while the
+        event loop appends and trims (iterating the deque from Python there could raise mid-way). `list` copies it
+        in one C call, which holds the GIL throughout, so the loop cannot change it within."""
+        return list(self.records)
 
     def window(self, t0: float, t1: float, records: Sequence[Mirrored] | None = None) -> list[Mirrored]:
-        return [r for r in (self.snapshot() if records is None else records) if t0 <= r.arrival < t1]
+        """The records that arrived in [t0, t1): of `records` (a snapshot) where given, else of the mirror itself
+        (on the loop)."""
+        return [r for r in (self.records if records is None else records) if t0 <= r.arrival < t1]
 
 
 # -- load models: the next window's arrivals from the last one ---------------------------------------------
@@ -1034,6 +1035,18 @@ class ShadowInstanceForecaster:
         self.calls = 0
         self._scenarios: dict[tuple, tuple[Any, Any]] = {}  # by engine settings: (scenario, its step model)
         self._context: tuple[tuple, tuple] | None = None  # (key, (window load, mean output, running by worker))
+        self._pinned: list[tuple | None] | None = None  # within `decision()`: its one context, once built
+
+    @contextlib.contextmanager
+    def decision(self) -> Iterator[None]:
+        """One router decision: its candidates share one context (the first forecast's), though the event loop
+        changes the mirror meanwhile (the controller's routing thread decides off the loop). Else, with
+        `load: poisson`, a context rebuilt between candidates drew a new sample."""
+        self._pinned = [None]
+        try:
+            yield
+        finally:
+            self._pinned = None
 
     def _scenario(self, engine: dict, horizon_s: float) -> tuple[Any, Any]:
         """The one-instance scenario for `engine` with `horizon_s` as its time limit, and its step model (built once
@@ -1061,9 +1074,14 @@ class ShadowInstanceForecaster:
         (candidates compared on different random lengths)."""
         from twin.policy.predictors import ResidualLengths
 
+        pinned = self._pinned
+        if pinned is not None and pinned[0] is not None:
+            return pinned[0]
         sh = self.shadow
         key = (sh.mirror.version, math.floor(now * 4.0))
         if self._context is not None and self._context[0] == key:
+            if pinned is not None:
+                pinned[0] = self._context[1]
             return self._context[1]
         records = sh.mirror.snapshot()  # on the routing thread: the loop changes the mirror meanwhile
         recent = sh.mirror.window(now - sh.window_s, now, records)
@@ -1072,10 +1090,12 @@ class ShadowInstanceForecaster:
         outs, mean_out = window_outputs(base)
         running: dict[str | None, list[Mirrored]] = {}
         for r in records:
-            if r.arrival < now and not r.done:
-                running.setdefault(r.worker, []).append(r)
+            if r.arrival < now and not r.done:  # a copy: the loop sets its first token or finish meanwhile
+                running.setdefault(r.worker, []).append(copy.copy(r))
         ctx = (base, mean_out, running, ResidualLengths(outs))
         self._context = (key, ctx)
+        if pinned is not None:
+            pinned[0] = ctx
         return ctx
 
     def forecast(self, instance_id: str, extra_request: Any = None, horizon_s: float | None = None,

@@ -591,6 +591,80 @@ def test_block_decides_off_the_event_loop_one_decision_at_a_time():
     assert during == min(before, 0.001) and sys.getswitchinterval() == before
 
 
+def test_a_worker_drained_while_block_decides_gets_the_request_decided_again():
+    """Off the loop, the worker Block chooses can stop serving before the decision returns (a scale-down drains
+    the least-loaded worker: the one Block tends to pick). The request is decided again on the fleet as it is then,
+    not answered 500 "not a serving worker". A forecast is stretched here so the drain lands inside the decision."""
+
+    async def main():
+        ws = await fakes()
+        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}
+        async with proxy(ws, None, shadow=shadow, router={"name": "block", "params": {"objective": "e2e"}}) as (
+                ctl, url, c):
+            fc = ctl.registry.fleet.forecaster
+            real = fc.forecast
+            asked: list[str] = []
+
+            def slow(instance_id, *a, **k):
+                asked.append(instance_id)
+                time.sleep(0.05)
+                return real(instance_id, *a, **k)
+
+            fc.forecast = slow
+            for k in range(30):  # a backlog on w0: Block picks w1
+                ctl.shadow.mirror.arrived(RequestView(f"busy{k}", time.monotonic(), 40, 20, (), 16), "w0",
+                                          time.monotonic())
+
+            async def drain_soon():
+                await asyncio.sleep(0.03)
+                ctl.registry.set_state(ctl.registry.get("w1"), "draining")  # what Controller.drain does first
+
+            t = asyncio.create_task(drain_soon())
+            async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 5}) as r:
+                status, body = r.status, await r.json()
+            await t
+        for w in ws:
+            await w.stop()
+        return status, body, asked
+
+    status, body, asked = asyncio.run(main())
+    assert status == 200 and body["worker"] == "w0"
+    assert sorted(asked[:2]) == ["w0", "w1"] and asked[2:] == ["w0"]  # decided again, on w0 alone
+
+
+def test_a_live_block_decision_keeps_one_context_though_the_mirror_changes():
+    """On the routing thread the loop keeps changing the mirror (first tokens, finishes); within one decision every
+    candidate is forecast on the same context (with `load: poisson` a rebuilt one drew a new sample), and its
+    records in flight are copies the loop does not change."""
+    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": {"name": "block"},
+                        "shadow": {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}})
+
+    async def main():
+        ctl = Controller(cfg)
+        w = Worker("w0", "http://127.0.0.1:1", state="starting")
+        w.config = WCFG
+        ctl.add_worker(w)
+        ctl.registry.set_state(w, "serving", 0.0)
+        now = time.monotonic()
+        for i in range(6):
+            req = view(i, now - 2.0 + i * 0.1, 40, 20)
+            ctl.dispatched(req, "w0", req.arrival_time)
+        fc = ctl.registry.fleet.forecaster
+        with fc.decision():
+            first = fc.context(now)
+            ctl.first_token(view(0, 0.0), "w0", now)  # the loop, meanwhile
+            ctl.finished(view(1, 0.0), "w0", now, 12)
+            same = fc.context(now) is first
+        after = fc.context(now)
+        return first, same, after
+
+    first, same, after = asyncio.run(main())
+    assert same and after is not first
+    running = first[2]["w0"]
+    assert len(running) == 6 and all(r.first_token is None and r.finish is None for r in running)
+    assert len(after[2]["w0"]) == 5
+
+
 def test_the_live_block_forecaster_keeps_one_scenario_per_engine_and_shares_a_decisions_context():
     """Block's horizon (its best score so far) differs at every decision: keyed by it, the forecaster's scenarios grew
     without end in a long-running controller. Each forecast still stops at its own horizon. What the candidates of one
@@ -686,3 +760,20 @@ def test_a_worker_whose_context_is_not_reported_yet_is_simulated_with_one_its_bl
     assert "max_model_len" not in base_engine(cfg, InstanceConfig(num_gpu_blocks=512, block_size=128, max_num_seqs=8,
                                                                   max_num_batched_tokens=2048))
     assert shadow_scenario(cfg, 1, eng).cluster.max_model_len() == 1024
+
+
+def test_the_switch_interval_is_restored_by_the_last_routing_controller_to_stop():
+    """The GIL's switch interval is the process's: two controllers routing off the loop at once (tests, a program
+    embedding both) lower it once, the first to stop leaves it low for the other, the last restores it."""
+    import sys
+
+    from live import controller as c
+
+    before = sys.getswitchinterval()
+    c._lower_switch_interval()
+    c._lower_switch_interval()
+    low = sys.getswitchinterval()
+    c._restore_switch_interval()
+    still = sys.getswitchinterval()
+    c._restore_switch_interval()
+    assert low == still == min(before, c.ROUTE_SWITCH_INTERVAL_S) and sys.getswitchinterval() == before

@@ -102,6 +102,8 @@ class Block(RouterBase):
         self.last_scores = scores
         best = min(scores.values())
         tied = [v for v in insts if scores[v.id] == best]
-        fewest = min(v.inflight_requests for v in tied)
-        tied = [v for v in tied if v.inflight_requests == fewest]
+        # each count read once: live, the controller's loop updates them while Block decides on its own thread
+        load = {v.id: v.inflight_requests for v in tied}
+        fewest = min(load.values())
+        tied = [v for v in tied if load[v.id] == fewest]
         return tied[0].id if len(tied) == 1 else tied[self._rng.randrange(len(tied))].id
