@@ -632,19 +632,25 @@ def test_a_worker_drained_while_block_decides_gets_the_request_decided_again():
     assert sorted(asked[:2]) == ["w0", "w1"] and asked[2:] == ["w0"]  # decided again, on w0 alone
 
 
+def block_controller(*ids: str) -> Controller:
+    """A controller routing with Block (shadow on, synchronous twin engine) over serving workers `ids`."""
+    ctl = Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": {"name": "block"},
+                                   "shadow": {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}}))
+    for wid in ids:
+        w = Worker(wid, "http://127.0.0.1:1", state="starting")
+        w.config = WCFG
+        ctl.add_worker(w)
+        ctl.registry.set_state(w, "serving", 0.0)
+    return ctl
+
+
 def test_a_live_block_decision_keeps_one_context_though_the_mirror_changes():
     """On the routing thread the loop keeps changing the mirror (first tokens, finishes); within one decision every
     candidate is forecast on the same context (with `load: poisson` a rebuilt one drew a new sample), and its
     records in flight are copies the loop does not change."""
-    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": {"name": "block"},
-                        "shadow": {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}})
 
     async def main():
-        ctl = Controller(cfg)
-        w = Worker("w0", "http://127.0.0.1:1", state="starting")
-        w.config = WCFG
-        ctl.add_worker(w)
-        ctl.registry.set_state(w, "serving", 0.0)
+        ctl = block_controller("w0")
         now = time.monotonic()
         for i in range(6):
             req = view(i, now - 2.0 + i * 0.1, 40, 20)
@@ -669,16 +675,9 @@ def test_the_live_block_forecaster_keeps_one_scenario_per_engine_and_shares_a_de
     """Block's horizon (its best score so far) differs at every decision: keyed by it, the forecaster's scenarios grew
     without end in a long-running controller. Each forecast still stops at its own horizon. What the candidates of one
     decision share (the window's lengths, the requests in flight by worker) is built once per mirror version."""
-    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": {"name": "block"},
-                        "shadow": {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}})
 
     async def main():
-        ctl = Controller(cfg)
-        for wid in ("w0", "w1"):
-            w = Worker(wid, "http://127.0.0.1:1", state="starting")
-            w.config = WCFG
-            ctl.add_worker(w)
-            ctl.registry.set_state(w, "serving", 0.0)
+        ctl = block_controller("w0", "w1")
         now = time.monotonic()
         for i in range(20):
             req = view(i, now - 4.0 + i * 0.1, 40, 20)
