@@ -185,3 +185,16 @@ def test_command_line_mistakes_are_one_line_too(args, says):
 def test_no_arguments_still_show_the_help():
     r = CliRunner().invoke(app, [])
     assert "Usage" in r.output and "simulate" in r.output
+
+
+def test_a_bug_surfaces_as_itself_not_as_the_error_handlers_own(monkeypatch):
+    """An unexpected exception (a bug) passes through with its own traceback: the handler's `except` named click's
+    Abort, which typer 0.2x's copy of click lacks, so every such traceback ended in an AttributeError instead."""
+    import twin.scenario
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(twin.scenario, "load_scenario", boom)
+    r = CliRunner().invoke(app, ["simulate", str(QUICKSTART), "-q"])
+    assert isinstance(r.exception, RuntimeError) and str(r.exception) == "boom"

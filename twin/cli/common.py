@@ -38,7 +38,7 @@ class _OneLineErrors(typer.core.TyperGroup):
             where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
             err.print(f"[bold red]error:[/] {escape(e.format_message() + where)}", highlight=False, soft_wrap=True)
             sys.exit(e.exit_code)
-        except exc.Abort:
+        except (typer.Abort, getattr(exc, "Abort", typer.Abort)):  # typer 0.2x's own click copy has no Abort
             err.print("aborted", highlight=False)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
