@@ -198,3 +198,63 @@ def test_a_bug_surfaces_as_itself_not_as_the_error_handlers_own(monkeypatch):
     monkeypatch.setattr(twin.scenario, "load_scenario", boom)
     r = CliRunner().invoke(app, ["simulate", str(QUICKSTART), "-q"])
     assert isinstance(r.exception, RuntimeError) and str(r.exception) == "boom"
+
+
+# -- a second fuzzing pass (2026-12-07): extreme values that crashed, hung or misled -------------------------
+@pytest.mark.parametrize("sets, words", [
+    (["workload.arrival.process=gamma", "workload.arrival.cv=1e160"], "less than or equal to 100"),
+    (["workload.arrival.rate=1e-18"], "s, past 1e+09 s (about 31 years)"),  # it ran: every latency 0 ms
+    (["workload.arrival.rate=1e-30"], "check workload.arrival.rate"),  # never ended
+    (["workload.sessions={think_time_s: 1e300}"], "less than or equal to 1000000"),
+    (["whatif.partial_kv={link_bandwidth_gbs: 1e-300}"], "greater than or equal to 0.01"),
+    (["scaler.name=static", "scaler.interval_s=1e-9"], "greater than or equal to 0.01"),
+])
+def test_extreme_scenario_values_are_refused_in_one_line(sets, words):
+    args = ["simulate", QUICKSTART, "-q", *SMALL]
+    for s in sets:
+        args += ["--set", s]
+    assert words in one_error(args)
+
+
+def test_trace_timing_scaled_past_the_simulated_horizon_is_refused(tmp_path):
+    trace = ROOT / "traces" / "azure_code.sample.csv"
+    for flag in ("--rate-scale", "--target-rate"):
+        line = one_error(["replay", trace, "--scenario", QUICKSTART, "-q", flag, "1e-300", "--out", tmp_path / "r"])
+        assert "past 1e+09 s" in line and "rate_scale, target_rate or rate" in line
+    line = one_error(["replay", ROOT / "traces" / "sharegpt.sample.json", "--scenario", QUICKSTART, "-q", "--rate", "5",
+                      "--max-requests", "5", "--chars-per-token", "1e-300", "--out", tmp_path / "r"])
+    assert "--chars-per-token" in line  # an OverflowError in the reader before
+
+
+def test_values_that_divided_by_zero_now_run(tmp_path):
+    """Every layer skipped by early exits (layer_share 0.99 of 32 rounds to 32) and a mix of 1e308:1e308 tokens
+    (the sum overflows) divided by zero; a token now exits after one layer at least, and the mix is normalised."""
+    r = CliRunner().invoke(app, ["simulate", str(QUICKSTART), "-q", *SMALL, "--out", str(tmp_path / "e"),
+                                 "--set", "whatif.early_exit={layer_share: 0.99, token_share: 1}"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["check", "--mix", "1e308:1e308"])
+    assert r.exit_code == 0 and "mixed, prompt:output 1e+308:1e+308" in r.output, r.output
+
+
+def test_a_long_scenario_name_makes_a_short_run_folder(tmp_path):
+    from twin.cli.common import default_out
+
+    out = default_out("a" * 300, tmp_path)  # OSError: File name too long, after the whole run
+    assert len(out.name) < 120 and out.name.startswith("a" * 80 + "-")
+
+
+def test_a_scrape_interval_far_below_the_clock_resolution_still_answers():
+    from twin.sim.instance import ScrapeClock
+
+    c = ScrapeClock(0.0, 1e-25)  # k + 1 is k as a float past 2**53 ticks: the search looped for ever
+    t = c.last_tick(5.0)
+    assert 4.99 < t <= 5.0 and c.last_tick(5.0) == t
+
+
+def test_a_sweep_point_file_that_is_not_text_is_run_again(tmp_path):
+    from twin.analysis.sweep import point_path, read_point
+
+    p = point_path(tmp_path, "k")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(b"\xff\xfe")  # a UnicodeDecodeError stopped the resumed sweep
+    assert read_point(tmp_path, "k") is None

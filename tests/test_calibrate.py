@@ -247,7 +247,13 @@ def test_a_profile_cell_that_is_no_number_is_one_line(tmp_path):
     df.loc[3, col] = "abc"
     df.to_csv(csv, index=False)
     r = CliRunner().invoke(app, ["calibrate", str(csv), "--out", str(tmp_path / "p.yaml")])
-    assert r.exit_code == 2 and f"line 5: field {col}: 'abc' is not a number" in r.output, r.output
+    assert r.exit_code == 2 and f"line 5: field {col}: 'abc' is not a finite number" in r.output, r.output
+    df.loc[3, col] = 0.1
+    df["n_head"] = df["n_head"].astype(float)
+    df.loc[2, "n_head"] = float("inf")  # an OverflowError in the shape match before (a fuzzing pass, 2026-12-07)
+    df.to_csv(csv, index=False)
+    r = CliRunner().invoke(app, ["calibrate", str(csv), "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 2 and "line 4: field n_head: inf is not a finite number" in r.output, r.output
 
 
 @pytest.mark.parametrize("meta,says", [

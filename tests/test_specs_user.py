@@ -146,7 +146,7 @@ def test_a_missing_or_directory_spec_file_is_one_line(tmp_path):
     ("models", "Llama-3-8B", {"num_attention_heads": 40}, "unknown field 'num_attention_heads'"),
     ("hardware", "H100", {"device_memory_gib": -5}, "device_memory_gib must be >= 0, got -5"),
     ("hardware", "H100", {"peak_flops": "nan"}, "peak_flops must map dtypes to FLOP/s"),
-    ("hardware", "H100", {"peak_flops": {"bf16": float("nan")}}, "peak_flops must map dtypes to FLOP/s > 0"),
+    ("hardware", "H100", {"peak_flops": {"bf16": float("nan")}}, "peak_flops must map dtypes to FLOP/s >= 1e9"),
     ("hardware", "H100", {"bogus_field": 1}, "unknown field 'bogus_field'"),
 ])
 def test_figures_no_gpu_or_model_has_and_unknown_fields_are_refused(tmp_path, section, entry, fields, says):
@@ -156,3 +156,14 @@ def test_figures_no_gpu_or_model_has_and_unknown_fields_are_refused(tmp_path, se
     line = one_error(invoke("--specs", f, "simulate", QUICKSTART, "-q", "--set", "workload.num_requests=5",
                             "--out", tmp_path / "run"))
     assert says in line and str(f) in line, line
+
+
+def test_a_gpu_slower_than_any_accelerator_is_refused(tmp_path):
+    """A fuzzing pass (2026-12-07): hbm_bandwidth or peak FLOP/s of 1e-300 made step times where the clock stops
+    moving, and the run hung."""
+    f = write(tmp_path, {"hardware": {"H100": {"hbm_bandwidth": 1.0e-300}}})
+    r = invoke("--specs", f, "simulate", QUICKSTART, "-q", "--set", "workload.num_requests=20")
+    assert r.exit_code == 2 and "hbm_bandwidth must be >= 1e9 bytes/s" in r.output
+    f = write(tmp_path, {"hardware": {"H100": {"peak_flops": {"bf16": 1.0e-300}}}}, "flops.yaml")
+    r = invoke("--specs", f, "simulate", QUICKSTART, "-q", "--set", "workload.num_requests=20")
+    assert r.exit_code == 2 and "peak_flops must map dtypes to FLOP/s >= 1e9" in r.output

@@ -262,7 +262,8 @@ class ClusterSpec(_Spec):
 class ArrivalSpec(_Spec):
     process: Literal["poisson", "gamma"] = "poisson"
     rate: float = Field(gt=0, description="requests per second")
-    cv: float = Field(1.0, gt=0, description="coefficient of variation of the gaps (gamma only)")
+    cv: float = Field(1.0, gt=0, le=100, description="coefficient of variation of the gaps (gamma only; traces "
+                      "measure up to about 10, and past 1e154 the gamma's shape underflows to 0)")
 
 
 class LengthSpec(_Spec):
@@ -287,7 +288,7 @@ class LengthSpec(_Spec):
 
 class SessionSpec(_Spec):
     turns_mean: float = Field(3.0, ge=1)
-    think_time_s: float = Field(10.0, ge=0)
+    think_time_s: float = Field(10.0, ge=0, le=1e6)
     closed_loop: bool = True  # a turn waits for the previous answer (false: think time after it was sent)
 
 
@@ -296,7 +297,7 @@ class ClosedLoopSpec(_Spec):
     ends, after `think_time_s` (fixed, or exponential with that mean): `vllm bench serve --max-concurrency`."""
 
     concurrency: int = Field(gt=0, description="clients, i.e. requests in flight")
-    think_time_s: float = Field(0.0, ge=0)
+    think_time_s: float = Field(0.0, ge=0, le=1e6)
     think: Literal["fixed", "exponential"] = "fixed"
     ramp_up_s: float = Field(0.0, ge=0, description="client c starts at c x ramp_up_s / concurrency")
 
@@ -317,10 +318,10 @@ class TraceSpec(_Spec):
     max_prompt_tokens: Optional[int] = Field(None, gt=0)
     max_total_tokens: Optional[int] = Field(None, gt=1)
     shuffle: bool = True  # sharegpt, lengths: rows are independent samples
-    think_time_s: float = Field(10.0, ge=0)  # sharegpt: gap before a conversation's next turn
+    think_time_s: float = Field(10.0, ge=0, le=1e6)  # sharegpt: gap before a conversation's next turn
     tokenizer: Optional[str] = None  # sharegpt: local Hugging Face tokenizer folder
     output_lengths: Optional[str] = None  # sharegpt: length CSV for turns without an answer
-    chars_per_token: float = Field(4.0, gt=0)  # sharegpt: the estimate without a tokenizer
+    chars_per_token: float = Field(4.0, ge=0.1, le=1000)  # sharegpt: the estimate without a tokenizer
     models: list[str] = []  # burstgpt: keep these Model values
     log_types: list[str] = []  # burstgpt: conversation | api
     keep_failed: bool = False  # burstgpt: keep rows with Response tokens 0
@@ -416,7 +417,8 @@ class ScalerSpec(_Spec):
 
     name: str = "none"
     params: dict[str, Any] = {}
-    interval_s: float = Field(30.0, gt=0, description="decision period")
+    interval_s: float = Field(30.0, ge=0.01, description="decision period (at least 10 ms: a scaler that decided "
+                              "every nanosecond ran for hours)")
 
     @field_validator("name")
     @classmethod
@@ -435,7 +437,7 @@ class ChunkPlanSpec(_Spec):
     start-up delay), as the live launcher does when it (re)starts workers."""
 
     online: bool = False
-    interval_s: float = Field(60.0, gt=0)
+    interval_s: float = Field(60.0, ge=0.01)  # each re-plan simulates candidates: at 1 us, a run never ended
     window_s: float = Field(120.0, gt=0)
     min_requests: int = Field(50, ge=1)
     candidates: list[int] = []  # empty: the planner's default ladder 256..16384

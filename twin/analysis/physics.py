@@ -132,7 +132,8 @@ def ceilings(perf: StepTimeModel, cfg: EngineConfig, context: int, mix: tuple[fl
         bound = ("memory (KV reads)" if g["decode_attn"] > g["linear"] else
                  "compute" if max_seqs >= cross else "memory (weight reads)")
     p, o = mix
-    share_p, share_o = p / (p + o), o / (p + o)
+    top = max(p, o)  # shares of the larger: 1e308 + 1e308 overflows to inf
+    share_p, share_o = (p / top) / (p / top + o / top), (o / top) / (p / top + o / top)
     if decode > 0:
         mixed = 1.0 / (share_p / prefill + share_o / decode)
     else:

@@ -397,7 +397,7 @@ def read_point(out: Path, key: str) -> Optional[dict]:
         return None
     try:
         rec = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not JSON, or not UTF-8 text (UnicodeDecodeError): run it again
         return None
     return rec if isinstance(rec, dict) and rec.get("key") == key else None
 

@@ -179,7 +179,7 @@ def _slo_and_cost(s: dict) -> str:
 
 def default_out(name: str, root: Path = Path("runs")) -> Path:
     """runs/<scenario name>-<local time>, a new folder (a suffix when one of that second exists)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:80].rstrip("-.") or "run"  # a file name's limit: 255
     base = root / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}"
     out, k = base, 2
     while out.exists():

@@ -113,10 +113,12 @@ def read_profile_csv(path: str | Path) -> pd.DataFrame:
     for col in df.columns:  # the shapes, token counts and times the fit reads are numbers: name a cell that is not
         if col in (*SHAPE_COLS, "num_tokens", "num_tensor_parallel_workers") or str(col).startswith("time_stats."):
             v = pd.to_numeric(df[col], errors="coerce")
-            bad = v.isna() & df[col].notna()
+            bad = (v.isna() & df[col].notna()) | np.isinf(v.to_numpy(dtype=float, na_value=0.0))
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
-                raise TwinInputError(f"{path}: line {i + 2}: field {col}: {df[col].iloc[i]!r} is not a number")
+                cell = df[col].iloc[i]
+                cell = cell.item() if isinstance(cell, np.generic) else cell  # inf, not np.float64(inf)
+                raise TwinInputError(f"{path}: line {i + 2}: field {col}: {cell!r} is not a finite number")
             df[col] = v
     return df
 

@@ -45,9 +45,13 @@ class ScrapeClock:
         k = self.k
         if start + (k + 1) * dt <= now:
             k = max(k, int((now - start) / dt) - 1)
-            while start + (k + 1) * dt <= now:
+            for _ in range(8):  # a step or two from the estimate (bounded: past 2**53 ticks, k + 1 is k as a float)
+                if start + (k + 1) * dt > now:
+                    break
                 k += 1
-        while k > 0 and start + k * dt > now:
+        for _ in range(8):
+            if k <= 0 or start + k * dt <= now:
+                break
             k -= 1
         self.k = k
         self.cur = start + k * dt

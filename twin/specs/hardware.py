@@ -32,12 +32,15 @@ class GPUSpec:
 
     def __post_init__(self) -> None:
         """Figures no GPU has are refused (a ValueError: `spec_entry_errors` names the file and the entry)."""
-        bad = [k for k, v in self.peak_flops.items() if not 0 < v < float("inf")]
+        # floors no accelerator is below: a step time from 1e-300 FLOP/s ran the clock where it stops moving
+        bad = [k for k, v in self.peak_flops.items() if not 1e9 <= v < float("inf")]
         if bad or not self.peak_flops:
-            raise ValueError(f"peak_flops must map dtypes to FLOP/s > 0 (bad: {', '.join(bad) or 'none given'})")
+            raise ValueError(f"peak_flops must map dtypes to FLOP/s >= 1e9 (bad: {', '.join(bad) or 'none given'})")
         for f in ("hbm_bytes", "hbm_bandwidth"):
             if not 0 < getattr(self, f) < float("inf"):
                 raise ValueError(f"{f} must be > 0, got {getattr(self, f)}")
+        if self.hbm_bandwidth < 1e9:
+            raise ValueError(f"hbm_bandwidth must be >= 1e9 bytes/s, got {self.hbm_bandwidth:g}")
         if not 0 <= self.device_memory_bytes < float("inf"):
             raise ValueError(f"device_memory_gib must be >= 0, got {self.device_memory_bytes / GiB:g}")
         for f in ("nvlink_bandwidth", "host_link_bandwidth", "num_sms", "gpus_per_node"):

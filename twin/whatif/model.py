@@ -122,7 +122,7 @@ class WhatIfModel:
         skipped: set[int] = set()
         self._exit_share = 0.0
         if ee.enabled and ee.token_share > 0:
-            k = round(ee.layer_share * L)
+            k = min(round(ee.layer_share * L), L - 1)  # a token exits after one layer at least: never all skipped
             skipped = set(range(L - k, L))
             self._exit_share = ee.token_share
         self.fp8_layers = sorted(fp8)

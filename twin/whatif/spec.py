@@ -68,7 +68,7 @@ class PartialKVSpec(_Action):
         "ASSUMPTION: share of the transfer time hidden behind compute"))
     link: Literal["spec", "pcie4-x16", "pcie5-x16", "nvlink-c2c"] = Field(
         "spec", description="spec: the GPU's own host link (hardware.yaml host_link)")
-    link_bandwidth_gbs: Optional[float] = Field(None, gt=0, description="GB/s per direction; overrides link")
+    link_bandwidth_gbs: Optional[float] = Field(None, ge=0.01, description="GB/s per direction; overrides link")
 
     @model_validator(mode="after")
     def _fractions(self) -> "PartialKVSpec":

@@ -78,6 +78,19 @@ def empty_reason(t, stats: TraceStats) -> str:
     return f"the filters left none; {span} ({rows})"
 
 
+MAX_SPAN_S = 1e9  # simulated seconds (~31 years): past this the float clock loses microseconds, and the run its sense
+
+
+def check_span(stream: RequestStream, where: str, knob: str) -> RequestStream:
+    """Refuse arrivals spread past `MAX_SPAN_S` (a rate of 1e-18 req/s ran, and reported every latency as 0 ms;
+    at 1e-30 the run never ended)."""
+    last = float(np.max(stream.arrival_s)) if len(stream) else 0.0
+    if not last <= MAX_SPAN_S:
+        raise TwinInputError(f"{where}: the arrivals span {last:.3g} s, past {MAX_SPAN_S:.0e} s (about 31 years) of "
+                             f"simulated time: check {knob}")
+    return stream
+
+
 def build_stream(sc) -> RequestStream:
     """The request stream a scenario's `workload` section describes."""
     w = sc.workload
@@ -86,6 +99,7 @@ def build_stream(sc) -> RequestStream:
         if not len(stream):
             raise TwinInputError(f"workload.trace {w.trace.path}: no requests left to replay: "
                                  + empty_reason(w.trace, stream.stats))
+        check_span(stream, f"workload.trace {w.trace.path}", "the trace's rate_scale, target_rate or rate")
         max_len = sc.cluster.max_model_len()
         return apply_context_limit(stream, max_len, w.on_too_long, f"workload.trace {w.trace.path}")
     rng = np.random.default_rng(sc.seed)
@@ -125,5 +139,6 @@ def build_stream(sc) -> RequestStream:
         stream.stats = stats
     else:
         stream = RequestStream(arrivals, prompt, output, stats=stats)
+    check_span(stream, "workload", "workload.arrival.rate" + (" and sessions.think_time_s" if w.sessions else ""))
     max_len = sc.cluster.max_model_len()
     return apply_context_limit(stream, max_len, w.on_too_long, "workload")

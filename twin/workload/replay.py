@@ -67,8 +67,8 @@ class ArrivalProcess:
         if self.rate is None:
             raise TwinInputError(f"{fmt} traces have no timestamps: give an arrival rate "
                                  "(--rate, or workload.arrival.rate in the scenario)")
-        if self.process not in ("poisson", "gamma") or self.rate <= 0 or self.cv <= 0:
-            raise TwinInputError(f"arrival: need process poisson|gamma, rate > 0, cv > 0 "
+        if self.process not in ("poisson", "gamma") or self.rate <= 0 or not 0 < self.cv <= 100:
+            raise TwinInputError(f"arrival: need process poisson|gamma, rate > 0, 0 < cv <= 100 "
                                  f"(got {self.process!r}, {self.rate!r}, {self.cv!r})")
         if self.process == "poisson":
             return poisson_arrivals(n, self.rate, rng)

@@ -144,8 +144,8 @@ def read_arena(path: Path, bad: BadRows, tokenizer: str | Path | None = None, ch
                answers: str | Path | None = None) -> ArenaRows:
     from twin.workload.formats.sharegpt import load_tokenizer
 
-    if not chars_per_token > 0:
-        raise TwinInputError(f"chars_per_token must be > 0 (got {chars_per_token!r})")
+    if not 0.1 <= chars_per_token <= 1000:
+        raise TwinInputError(f"chars_per_token must be 0.1 to 1000 characters (got {chars_per_token!r})")
     p_path, a_path = find_pair(Path(path), answers)
     bad_a = BadRows(a_path, bad.skip)
     bad_p = BadRows(p_path, bad.skip)
