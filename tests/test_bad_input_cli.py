@@ -258,3 +258,8 @@ def test_a_sweep_point_file_that_is_not_text_is_run_again(tmp_path):
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_bytes(b"\xff\xfe")  # a UnicodeDecodeError stopped the resumed sweep
     assert read_point(tmp_path, "k") is None
+
+
+def test_an_activation_reserve_that_leaves_no_kv_cache_is_named():
+    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "cluster.engine.activation_reserve_gb=1000"])
+    assert "cluster.engine.activation_reserve_gb 1000 leaves no room for a KV cache" in line  # it blamed the weights

@@ -68,6 +68,12 @@ def num_gpu_blocks(cfg: EngineConfig, device_memory_bytes: float, weight_bytes_p
     per_block = kv_bytes_per_token_per_gpu * cfg.block_size
     n = int(avail // per_block)
     if n < 2:
+        left = requested - weight_bytes_per_gpu
+        if left >= 2 * per_block:  # without the reserve there was room: name it, not the weights
+            raise TwinInputError(
+                f"cluster.engine.activation_reserve_gb {cfg.activation_reserve_gb:g} leaves no room for a KV cache: "
+                f"{device_memory_bytes / gib:.1f} GiB x {cfg.gpu_memory_utilization} less the weights "
+                f"({weight_bytes_per_gpu / gib:.1f} GiB per GPU) leaves {left / 1e9:.1f} GB")
         raise TwinInputError(
             f"the model's weights ({weight_bytes_per_gpu / gib:.1f} GiB per GPU) leave no room for a KV cache "
             f"in {device_memory_bytes / gib:.1f} GiB x {cfg.gpu_memory_utilization}: use more tensor "

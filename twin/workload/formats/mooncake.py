@@ -76,7 +76,7 @@ def read_mooncake(path: Path, bad: BadRows) -> RequestStream:
                 continue
             ts = rec["timestamp"]
             if not _time_ms(ts):
-                bad.bad(where, "timestamp", f"{shown(ts)} is not a time in ms >= 0")
+                bad.bad(where, "timestamp", f"{shown(ts)} is not a time in ms from 0 to {MAX_TIME_S * 1000:.0e}")
                 continue
             problem = next((k for k in ("input_length", "output_length") if not _count(rec[k])), None)
             if problem:
