@@ -263,3 +263,26 @@ def test_a_sweep_point_file_that_is_not_text_is_run_again(tmp_path):
 def test_an_activation_reserve_that_leaves_no_kv_cache_is_named():
     line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "cluster.engine.activation_reserve_gb=1000"])
     assert "cluster.engine.activation_reserve_gb 1000 leaves no room for a KV cache" in line  # it blamed the weights
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["workload.arrival.cv=5"], "cv 5 applies to process gamma only"),
+    (["workload.lengths={kind: fixed, prompt_tokens: 100, output_tokens: 10, max_total_tokens: 2}"],
+     "max_total_tokens applies to kind trace, not 'fixed'"),
+    (["workload.lengths={kind: fixed, prompt_tokens: 100, output_tokens: 10, range_ratio: 0.5}"],
+     "range_ratio applies to kind uniform, not 'fixed'"),
+    (["workload.lengths.range_ratio=0.5"], "range_ratio applies to kind uniform, not 'trace'"),
+])
+def test_a_setting_that_does_not_apply_is_refused_not_ignored(sets, words):
+    args = ["simulate", QUICKSTART, "-q", *SMALL]
+    for s in sets:
+        args += ["--set", s]
+    assert words in one_error(args)
+
+
+def test_a_length_csv_of_true_and_false_is_not_read_as_one_and_zero(tmp_path):
+    csv = tmp_path / "l.csv"
+    csv.write_text("num_prefill_tokens,num_decode_tokens\nTrue,False\n")
+    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "workload.lengths={kind: trace, path: "
+                      f"{csv}}}"])
+    assert "field num_prefill_tokens: True is not a token count" in line

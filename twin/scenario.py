@@ -265,6 +265,12 @@ class ArrivalSpec(_Spec):
     cv: float = Field(1.0, gt=0, le=100, description="coefficient of variation of the gaps (gamma only; traces "
                       "measure up to about 10, and past 1e154 the gamma's shape underflows to 0)")
 
+    @model_validator(mode="after")
+    def _applies(self) -> "ArrivalSpec":
+        if self.process == "poisson" and self.cv != 1.0:  # was ignored without a word
+            raise ValueError(f"cv {self.cv:g} applies to process gamma only (a Poisson process's gaps have CV 1)")
+        return self
+
 
 class LengthSpec(_Spec):
     """`fixed` lengths; `uniform`: each length an integer uniform in [int(L x range_ratio), L], as the random
@@ -283,6 +289,13 @@ class LengthSpec(_Spec):
             raise ValueError(f"kind '{self.kind}' needs prompt_tokens and output_tokens")
         if self.kind == "trace" and not self.path:
             raise ValueError("kind 'trace' needs path (a CSV with num_prefill_tokens, num_decode_tokens)")
+        applies = {"range_ratio": ("uniform",), "path": ("trace",), "max_total_tokens": ("trace",),
+                   "prompt_tokens": ("fixed", "uniform"), "output_tokens": ("fixed", "uniform")}
+        idle = [k for k in sorted(self.model_fields_set) if self.kind not in applies.get(k, (self.kind,))
+                and getattr(self, k) is not None]
+        if idle:  # they were ignored without a word
+            raise ValueError(f"{', '.join(idle)} {'applies' if len(idle) == 1 else 'apply'} to kind "
+                             f"{' or '.join(applies[idle[0]])}, not '{self.kind}'")
         return self
 
 

@@ -127,6 +127,10 @@ def build_stream(sc) -> RequestStream:
                            rows_used=len(p_all) - capped, rows_filtered=capped)
         if capped:
             stats.notes.append(f"{capped} length rows over max_total_tokens left out of the sampling pool")
+        zero = int(np.count_nonzero(o_all == 0))
+        if zero:
+            stats.notes.append(f"{zero} length rows with num_decode_tokens 0 run with 1 output token (vLLM emits one "
+                               "at least)")
     if w.closed_loop is not None:
         from twin.workload.closed_loop import closed_loop_stream
 

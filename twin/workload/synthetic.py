@@ -49,6 +49,9 @@ def read_length_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
                              f"{len(df.columns) + 1}")
     out = []
     for col in LENGTH_COLUMNS:
+        if pd.api.types.is_bool_dtype(df[col]):  # pandas reads a column of true/false as booleans: 1 and 0
+            raise TwinInputError(f"{path}: line 2: field {col}: {shown(df[col].iloc[0].item())} is not a token "
+                                 "count >= 0")
         v = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
         with np.errstate(invalid="ignore"):
             bad = ~np.isfinite(v) | (v < 0) | (v > MAX_TOKENS) | (v != np.floor(v))
