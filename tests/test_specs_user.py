@@ -167,3 +167,11 @@ def test_a_gpu_slower_than_any_accelerator_is_refused(tmp_path):
     f = write(tmp_path, {"hardware": {"H100": {"peak_flops": {"bf16": 1.0e-300}}}}, "flops.yaml")
     r = invoke("--specs", f, "simulate", QUICKSTART, "-q", "--set", "workload.num_requests=20")
     assert r.exit_code == 2 and "peak_flops must map dtypes to FLOP/s >= 1e9" in r.output
+
+
+def test_an_alias_that_names_another_entry_is_refused(tmp_path):
+    """It took the other entry's name over: cluster.hardware H200-SXM-141GB resolved to the H100, and `twin specs`
+    listed the H100 twice and no H200 (a fuzzing pass, 2026-12-07)."""
+    f = write(tmp_path, {"hardware": {"H100": {"aliases": ["H200-SXM-141GB"]}}})
+    r = invoke("--specs", f, "validate", QUICKSTART)
+    assert r.exit_code == 2 and "alias 'H200-SXM-141GB' already names entry 'H200-SXM-141GB'" in r.output, r.output

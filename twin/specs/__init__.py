@@ -90,6 +90,7 @@ def _merged(name: str, files: tuple[str, ...]) -> tuple[dict, dict]:
                 known, old = found
                 table[known] = {**old, **entry}
                 where[known] = f"{where.get(known, BUILT_IN)} + {f}"
+                _check_names(table, known, f, section, key)
                 continue
             missing = [field for field in REQUIRED[name] if field not in entry]
             if missing:
@@ -97,7 +98,20 @@ def _merged(name: str, files: tuple[str, ...]) -> tuple[dict, dict]:
                                      f"(a new entry needs: {', '.join(REQUIRED[name])})")
             table[key] = dict(entry)
             where[key] = f
+            _check_names(table, key, f, section, key)
     return table, where
+
+
+def _check_names(table: dict, key: str, path: str, section: str, given: str) -> None:
+    """Entry `key`'s aliases name no other entry: one that did took that entry's name over (H200 read as H100)."""
+    aliases = table[key].get("aliases", [])
+    if not isinstance(aliases, list):
+        return  # the entry's own check names a bad value
+    for a in aliases:
+        for other, entry in table.items():
+            if other != key and (str(a).lower() == other.lower()
+                                 or str(a).lower() in (str(x).lower() for x in entry.get("aliases", []) or [])):
+                raise TwinInputError(f"{path}: {section} entry {given!r}: alias {a!r} already names entry {other!r}")
 
 
 @lru_cache(maxsize=32)
