@@ -286,3 +286,8 @@ def test_a_length_csv_of_true_and_false_is_not_read_as_one_and_zero(tmp_path):
     line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "workload.lengths={kind: trace, path: "
                       f"{csv}}}"])
     assert "field num_prefill_tokens: True is not a token count" in line
+
+
+def test_mxfp4_on_a_dense_model_is_refused():
+    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "cluster.dtype=mxfp4"])  # ran as bf16
+    assert "dtype mxfp4 quantizes MoE experts only" in line

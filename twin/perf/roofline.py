@@ -120,6 +120,9 @@ class RooflineModel:
             raise TwinInputError(f"perf.api_rho_cap must be in [0, 1), got {self.api_rho_cap}")
         m, tp = self.model, self.tensor_parallel
         mx = self.dtype == "mxfp4"  # MoE experts at 4.25 bits, weight-only: the rest BF16, compute at 16 bits
+        if mx and not m.is_moe:  # it ran exactly as bf16 without a word
+            raise TwinInputError(f"dtype mxfp4 quantizes MoE experts only (gpt-oss); {m.name} has none: use bf16, "
+                                 "fp16 or fp8")
         wb = 2 if mx else DTYPE_BYTES[self.dtype]
         eb = MXFP4_BYTES if mx and m.is_moe else wb  # bytes per expert weight
         attn_dtype = "fp16" if self.dtype == "fp16" else "bf16"  # attention and LM head: 16-bit
