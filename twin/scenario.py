@@ -292,7 +292,7 @@ class LengthSpec(_Spec):
         applies = {"range_ratio": ("uniform",), "path": ("trace",), "max_total_tokens": ("trace",),
                    "prompt_tokens": ("fixed", "uniform"), "output_tokens": ("fixed", "uniform")}
         idle = [k for k in sorted(self.model_fields_set) if self.kind not in applies.get(k, (self.kind,))
-                and getattr(self, k) is not None]
+                and getattr(self, k) != type(self).model_fields[k].default]  # a dump's defaults are no setting
         if idle:  # they were ignored without a word
             raise ValueError(f"{', '.join(idle)} {'applies' if len(idle) == 1 else 'apply'} to kind "
                              f"{' or '.join(applies[idle[0]])}, not '{self.kind}'")
