@@ -113,13 +113,19 @@ def read_profile_csv(path: str | Path) -> pd.DataFrame:
     for col in df.columns:  # the shapes, token counts and times the fit reads are numbers: name a cell that is not
         if col in (*SHAPE_COLS, "num_tokens", "num_tensor_parallel_workers") or str(col).startswith("time_stats."):
             v = pd.to_numeric(df[col], errors="coerce")
-            bad = (v.isna() & df[col].notna()) | np.isinf(v.to_numpy(dtype=float, na_value=0.0))
+            # a time may be missing (that operator not measured); a shape or a token count may not
+            empty_ok = str(col).startswith("time_stats.")
+            bad = ((v.isna() & (df[col].notna() | (not empty_ok)))
+                   | np.isinf(v.to_numpy(dtype=float, na_value=0.0)))
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
                 cell = df[col].iloc[i]
                 cell = cell.item() if isinstance(cell, np.generic) else cell  # inf, not np.float64(inf)
-                raise TwinInputError(f"{path}: line {i + 2}: field {col}: {cell!r} is not a finite number")
+                what = "an empty cell" if pd.isna(cell) else repr(cell)
+                raise TwinInputError(f"{path}: line {i + 2}: field {col}: {what} is not a finite number")
             df[col] = v
+    if df.empty:
+        raise TwinInputError(f"{path}: no rows, only a header (an operator profile has one row per measurement)")
     return df
 
 
