@@ -291,3 +291,9 @@ def test_a_length_csv_of_true_and_false_is_not_read_as_one_and_zero(tmp_path):
 def test_mxfp4_on_a_dense_model_is_refused():
     line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "cluster.dtype=mxfp4"])  # ran as bf16
     assert "dtype mxfp4 quantizes MoE experts only" in line
+
+
+def test_a_huge_time_in_a_message_is_short():
+    from twin.workload.formats.common import seconds
+
+    assert seconds(1e300) == "1e+300 s" and seconds(1_000_000.0) == "1,000,000 s"  # it printed 300 digits

@@ -182,5 +182,8 @@ def note_count(notes: list[str], n: int, text: str) -> None:
 
 
 def seconds(x: float) -> str:
-    """1,000,000 s, 521.589 s: times in messages, without exponents."""
+    """1,000,000 s, 521.589 s: times in messages, without exponents up to a trillion seconds (1e+300 s past it,
+    not 300 digits)."""
+    if not abs(x) < 1e12:
+        return f"{x:.3g} s"
     return f"{x:,.3f}".rstrip("0").rstrip(".") + " s"
