@@ -297,3 +297,7 @@ def test_a_huge_time_in_a_message_is_short():
     from twin.workload.formats.common import seconds
 
     assert seconds(1e300) == "1e+300 s" and seconds(1_000_000.0) == "1,000,000 s"  # it printed 300 digits
+
+
+def test_an_endless_scenario_file_is_refused():
+    assert "/dev/zero: over 16 MiB; a scenario is a small YAML file" in one_error(["validate", "/dev/zero"])

@@ -632,10 +632,14 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict:
         raise TwinInputError(f"{what} file {path} does not exist")
     if path.is_dir():
         raise TwinInputError(f"{path}: is a folder; give a {what} YAML file")
+    limit = 16 << 20  # a scenario or config is a few kB: /dev/zero, or a trace given by mistake, was read for ever
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
     except OSError as e:
         raise TwinInputError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise TwinInputError(f"{path}: over 16 MiB; a {what} is a small YAML file")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
