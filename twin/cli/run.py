@@ -54,11 +54,13 @@ def validate(
     set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value"),
 ) -> None:
     """Check a scenario without running it; print the fully resolved scenario."""
+    from twin.sim.build import check_policies
     from twin.sim.metrics import resolved_engine
     from twin.scenario import load_scenario
 
     try:
         sc = load_scenario(scenario, set_)
+        check_policies(sc)  # the router, scaler and predictor built: simulate refused a bad parameter, validate not
         out = {**sc.model_dump(), "resolved": {"engine": resolved_engine(sc)}}  # vLLM's defaults filled in
     except TwinInputError as e:
         _fail(str(e))

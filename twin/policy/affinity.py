@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Mapping
 
-from twin.policy.base import RouterBase, register_router, router_from
+from twin.policy.base import ParamError, RouterBase, check_seed, register_router, require, router_from
 from twin.policy.views import FleetView, Reject, RequestView
 
 
@@ -29,14 +29,22 @@ class SessionAffinity(RouterBase):
         spec: Mapping[str, Any] = {"name": "least-outstanding"} if inner is None else inner
         if isinstance(spec, str):
             spec = {"name": spec}
-        if not isinstance(spec, Mapping) or "name" not in spec:
-            raise ValueError(f"inner must be {{name: ..., params: {{...}}}}, got {inner!r}")
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        require(isinstance(spec, Mapping) and "name" in spec, "inner",
+                f"must be {{name: ..., params: {{...}}}}, got {inner!r}")
+        require(max_sessions >= 1, "max_sessions", f"must be >= 1, got {max_sessions}")
+        seed = check_seed(seed)
+        inner_params = spec.get("params") or {}
+        require(isinstance(inner_params, Mapping), "inner.params", f"must be a mapping, got {inner_params!r}")
         try:
-            self.inner = router_from(str(spec["name"]), seed, dict(spec.get("params") or {}))
+            self.inner = router_from(str(spec["name"]), seed, dict(inner_params))
         except KeyError:
-            raise ValueError(f"inner: unknown router {spec['name']!r}") from None
+            raise ParamError("inner", f"unknown router {spec['name']!r}") from None
+        except LookupError as e:
+            raise ParamError("inner", str(e)) from None
+        except ParamError as e:
+            raise e.below("inner.params") from None
+        except (TypeError, ValueError) as e:
+            raise ParamError("inner.params", str(e)) from None
         self.prefix_index = getattr(self.inner, "prefix_index", None)
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, str] = OrderedDict()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
+import numbers
 import sys
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
@@ -63,15 +65,15 @@ def register_router(name: str, *aliases: str) -> Callable[[type], type]:
     return deco
 
 
-def _load_object(ref: str) -> Any:
-    """`pkg.module:Name` or `path/to/file.py:Name`."""
+def _load_object(ref: str, kind: str = "router") -> Any:
+    """`pkg.module:Name` or `path/to/file.py:Name`; `kind` (router, scaler, ...) names what it is in errors."""
     target, _, attr = ref.rpartition(":")
     if not target or not attr:
         raise KeyError(ref)
     if target.endswith(".py"):
         path = Path(target)
         if not path.exists():
-            raise LookupError(f"router file {target} does not exist")
+            raise LookupError(f"{kind} file {target} does not exist")
         mod_name = f"llmtwin_user_{abs(hash(str(path.resolve())))}"
         spec = importlib.util.spec_from_file_location(mod_name, path)
         if spec is None or spec.loader is None:
@@ -120,24 +122,32 @@ def router_params(cls: type) -> dict[str, Any]:
 def make_router(name: str, seed: int | None = None, **params: Any) -> Router:
     """Build a router by name; `seed` is passed when the router takes one and params do not set it.
 
-    Raises KeyError for an unknown name, LookupError for a user reference that cannot be loaded and
-    TypeError (naming the accepted parameters) for parameters the router does not take.
+    Raises KeyError for an unknown name, LookupError for a user reference that cannot be loaded,
+    TypeError (naming the accepted parameters) for parameters the router does not take and `ParamError` (a
+    ValueError naming the parameter) for a value of the wrong kind or out of range.
     """
     return router_from(name, seed, params)
 
 
 def router_from(name: str, seed: int | None, params: dict[str, Any]) -> Router:
-    """`make_router` with the parameters as a dict, so they may hold their own `seed` (which then wins)."""
+    """`make_router` with the parameters as a dict, so they may hold their own `seed` (which then wins).
+
+    Parameter values are judged by their defaults' kinds before the router is built (`judge_params`); a value
+    refused there or by the constructor's own `ParamError` raises `ParamError` naming the parameter."""
     cls = resolve_router_class(name)
     accepted = router_params(cls)
     if seed is not None and "seed" in accepted and "seed" not in params:
         params = {**params, "seed": seed}
     unknown = [k for k in params if k not in accepted]
     if unknown and accepted is not None and not _takes_kwargs(cls):
-        takes = ", ".join(f"{k}={v!r}" if v is not inspect.Parameter.empty else k for k, v in accepted.items())
-        raise TypeError(f"router {name!r} takes no parameter {', '.join(map(repr, unknown))} "
-                        f"(it takes: {takes or 'none'})")
-    return cls(**params)
+        raise TypeError(f"router {name!r} {takes_no(accepted, unknown)}")
+    return cls(**judge_params(cls, params))
+
+
+def takes_no(accepted: dict[str, Any], unknown: list[str]) -> str:
+    """What a policy's builder says of parameters it does not take: `takes no parameter 'x' (it takes: a=1, b)`."""
+    takes = ", ".join(f"{k}={v!r}" if v is not inspect.Parameter.empty else k for k, v in accepted.items())
+    return f"takes no parameter {', '.join(map(repr, unknown))} (it takes: {takes or 'none'})"
 
 
 def _takes_kwargs(cls: type) -> bool:
@@ -153,27 +163,105 @@ def has_hook(router: Any, name: str) -> bool:
     return fn is not None and fn is not getattr(RouterBase, name)
 
 
-def param_types_problem(cls: Any, params: dict, prefix: str) -> str | None:
-    """The first parameter whose value is not of its default's kind (a number, true/false), said plainly: a
-    constructor's own TypeError read "'<' not supported between instances of 'str' and 'int'"."""
-    import math
+class ParamError(ValueError):
+    """A policy parameter's value refused: `param` names it (dotted below a nested one, `inner.params.seed`),
+    `reason` says why. Constructors raise it; the builders say `router.params.<param>: <reason>` (or scaler.params,
+    predictor.params) in one line. A plain ValueError or TypeError from a constructor reads `router.params: ...`."""
 
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.reason = reason
+
+    def below(self, outer: str) -> "ParamError":
+        """The same refusal, for a policy built inside another's parameter `outer` (e.g. `inner.params`)."""
+        return ParamError(f"{outer}.{self.param}", self.reason)
+
+
+def require(ok: bool, param: str, reason: str) -> None:
+    """Refuse parameter `param` unless `ok` (write `ok` so that NaN fails it: `0 < q <= 1`, not `not q <= 0`)."""
+    if not ok:
+        raise ParamError(param, reason)
+
+
+def as_number(param: str, v: Any, integer: bool = False) -> int | float:
+    """`v` as a number (never NaN, never true/false); a string that reads as one is taken (YAML 1.1 reads `1e-3`
+    as a string); `integer`: a whole number, as an int (`1.5` is refused, `2.0` and `"1e3"` are taken)."""
+    x = v
+    if isinstance(v, str):
+        try:
+            x = float(v)
+        except ValueError:
+            raise ParamError(param, f"{v!r} is not a number") from None
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or math.isnan(x):
+        raise ParamError(param, f"{v!r} is not a number")
+    if integer:
+        if isinstance(x, numbers.Integral):
+            return int(x)
+        if not math.isfinite(x) or x != int(x):
+            raise ParamError(param, f"{v!r} is not a whole number")
+        return int(x)
+    return float(x) if isinstance(v, str) else x
+
+
+def _allows_none(p: inspect.Parameter) -> bool:
+    """None is a value the parameter declares (`float | None`, `Optional[int]`), or it declares nothing."""
+    a = p.annotation
+    if a is inspect.Parameter.empty:
+        return True
+    text = a if isinstance(a, str) else repr(a)
+    return "None" in text or "Optional" in text
+
+
+def judge_params(cls: Any, params: dict) -> dict:
+    """`params` judged by the kind of each constructor parameter's default, before the constructor runs: a
+    true/false default takes only true or false (a quoted "false" is truthy: it silently turned a feature on), an
+    int default a whole number (made an int), a float default a number (a string that reads as one is taken:
+    YAML 1.1 reads `1e-3` as a string); never NaN. Parameters without such a default (a user's own, a name,
+    a mapping) are passed as given. Returns the parameters with the values taken; raises `ParamError`."""
+    if not params:  # the common case, and a forecast builds a cluster (so a router) per candidate
+        return {}
     try:
         sig = inspect.signature(cls)
     except (TypeError, ValueError):
-        return None
+        return dict(params)
+    out = dict(params)
     for k, v in params.items():
         p = sig.parameters.get(k)
         if p is None or p.default is inspect.Parameter.empty or p.default is None:
             continue
         d = p.default
+        if not isinstance(d, (bool, int, float)):
+            continue
+        if v is None and _allows_none(p):
+            continue
         if isinstance(d, bool):
             if not isinstance(v, bool):
-                return f"{prefix}.{k}: {v!r} is not true or false"
-        elif isinstance(d, (int, float)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
-                return f"{prefix}.{k}: {v!r} is not a number"
+                raise ParamError(k, f"{v!r} is not true or false")
+        else:
+            out[k] = as_number(k, v, integer=isinstance(d, int))
+    return out
+
+
+def param_types_problem(cls: Any, params: dict, prefix: str) -> str | None:
+    """The first parameter whose value is not of its default's kind, as one line (`judge_params`), or None."""
+    try:
+        judge_params(cls, params)
+    except ParamError as e:
+        return f"{prefix}.{e}"
     return None
+
+
+def policy_error(e: BaseException, prefix: str) -> str:
+    """A constructor's refusal as one line: `prefix.<param>: <reason>` for a `ParamError`, else `prefix: <error>`."""
+    return f"{prefix}.{e}" if isinstance(e, ParamError) else f"{prefix}: {e}"
+
+
+def check_seed(seed: Any, param: str = "seed") -> int:
+    """A seed as a scenario's: a whole number >= 0."""
+    n = as_number(param, seed, integer=True)
+    require(n >= 0, param, f"must be >= 0, got {n}")
+    return n
 
 
 def build_router(spec: Any, seed: int | None) -> Router:
@@ -186,12 +274,10 @@ def build_router(spec: Any, seed: int | None) -> Router:
         raise TwinInputError(f"router.name: unknown router {spec.name!r}") from None
     except LookupError as e:
         raise TwinInputError(f"router.name: {e}") from None
+    except TwinInputError:
+        raise
     except (TypeError, ValueError) as e:
-        try:
-            plain = param_types_problem(resolve_router_class(spec.name), dict(spec.params), "router.params")
-        except LookupError:
-            plain = None
-        raise TwinInputError(plain or f"router.params: {e}") from None
+        raise TwinInputError(policy_error(e, "router.params")) from None
 
 
 def prefix_index_kind(router: Any, wanted: str | None) -> str | None:

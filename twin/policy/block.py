@@ -11,8 +11,8 @@ Objectives: `ttft` (the new request's first token), `e2e` (its completion), `mak
 would be idle). A candidate whose forecast hits the horizon first scores as infinitely late; ties go to
 the instance with fewer requests in flight, then at random.
 
-Branch and bound (`prune`, on by default, for `ttft` and `e2e`): candidates are forecast fewest-in-flight first, and each later
-forecast gets as horizon the best score so far (a hair above it). Every objective is a time since now that
+Branch and bound (`prune`, on by default, for `ttft` and `e2e`): candidates are forecast fewest-in-flight first, and
+each later forecast gets as horizon the best score so far (a hair above it). Every objective is a time since now that
 the forecast reaches only by running its fork that far, so a candidate that hits that horizon would score
 strictly worse than the best: it cannot win or tie, and its fork stops there instead of running to its own
 finish. The choice (and the random tie-break's draws) is the same as with every forecast run out; only
@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import random
 
-from twin.policy.base import RouterBase, register_router
+from twin.policy.base import RouterBase, check_seed, register_router, require
 from twin.policy.routers import NO_INSTANCE
 from twin.policy.views import FleetView, Reject, RequestView
 
@@ -51,17 +51,16 @@ class Block(RouterBase):
 
     def __init__(self, objective: str = "e2e", horizon_s: float = 60.0, max_candidates: int = 0,
                  seed: int = 0, prune: bool = True, max_forecasts: int = 0) -> None:
-        if objective not in _UNTIL:
-            raise ValueError(f"objective must be one of {', '.join(_UNTIL)}, got {objective!r}")
-        if horizon_s <= 0:
-            raise ValueError("horizon_s must be > 0")
+        require(objective in _UNTIL, "objective", f"must be one of {', '.join(_UNTIL)}, got {objective!r}")
+        require(0 < horizon_s < math.inf, "horizon_s", f"must be a finite number > 0, got {horizon_s}")
+        require(max_candidates >= 0, "max_candidates",
+                f"must be >= 0 (0: every serving instance), got {max_candidates}")
+        require(max_forecasts >= 0, "max_forecasts", f"must be >= 0 (0: forecast every candidate), got {max_forecasts}")
         self.objective = objective
         self.horizon_s = horizon_s
         self.max_candidates = max_candidates  # 0: every serving instance; else the k with fewest in flight
-        self._rng = random.Random(seed)
+        self._rng = random.Random(check_seed(seed))
         self.prune = prune  # bound each forecast's horizon by the best score so far (module docstring)
-        if max_forecasts < 0:
-            raise ValueError("max_forecasts must be >= 0 (0: forecast every candidate)")
         self.max_forecasts = max_forecasts  # 0: all; else the k lowest by the forecaster's estimate (changes choices)
         self.last_scores: dict[str, float] = {}
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkabl
 import numpy as np
 
 from twin.errors import TwinInputError
+from twin.policy.base import ParamError, check_seed, judge_params
 from twin.policy.views import RequestView
 
 
@@ -153,13 +154,20 @@ class Constant(PredictorBase):
 DEFAULT_PRIOR_TOKENS = 256.0
 
 
+def _prior(kind: str, prior: Any) -> float:
+    """A learning predictor's `prior` (tokens): a finite number >= 0 (NaN failed at the first prediction)."""
+    if not (isinstance(prior, (int, float)) and not isinstance(prior, bool) and 0 <= prior < math.inf):
+        raise TwinInputError(f"{kind} predictor: prior must be a finite number >= 0 (got {prior!r})")
+    return float(prior)
+
+
 class Mean(PredictorBase):
     """The running mean of the observed output lengths (`prior` until the first observation)."""
 
     name = "mean"
 
     def __init__(self, prior: float = DEFAULT_PRIOR_TOKENS) -> None:
-        self.prior = float(prior)
+        self.prior = _prior("mean", prior)
         self.count = 0
         self.total = 0.0
 
@@ -276,7 +284,7 @@ class BucketQuantile(PredictorBase):
         self.min_count = int(min_count)
         self.window = int(window)
         self.max_turn = int(max_turn)
-        self.prior = float(prior)
+        self.prior = _prior("bucket-quantile", prior)
         self.sessions = SessionTracker()
         self._buckets: dict[tuple[int, int], _Window] = {}
         self._prompt_buckets: dict[int, _Window] = {}
@@ -351,11 +359,16 @@ class Noisy(PredictorBase):
         if isinstance(inner, str):
             if inner == "noisy":
                 raise TwinInputError("noisy predictor: inner must be another kind of predictor")
-            inner = make_predictor(inner, **(inner_params or {}))
+            if inner_params is not None and not isinstance(inner_params, dict):
+                raise TwinInputError(f"noisy predictor: inner_params must be a mapping (got {inner_params!r})")
+            try:
+                inner = predictor_from(inner, inner_params or {})
+            except ParamError as e:
+                raise e.below("inner_params") from None
         elif inner_params:
             raise TwinInputError("noisy predictor: inner_params apply only when inner is a predictor name")
-        if not (isinstance(error_rate, (int, float)) and error_rate >= 0):
-            raise TwinInputError(f"noisy predictor: error_rate must be >= 0 (got {error_rate!r})")
+        if not (isinstance(error_rate, (int, float)) and 0 <= error_rate < math.inf):
+            raise TwinInputError(f"noisy predictor: error_rate must be a finite number >= 0 (got {error_rate!r})")
         if dist not in ("uniform", "lognormal"):
             raise TwinInputError(f"noisy predictor: dist must be uniform or lognormal (got {dist!r})")
         if dist == "uniform" and error_rate > 0.5:
@@ -363,7 +376,7 @@ class Noisy(PredictorBase):
                                  f"{error_rate:g}; its factor would go below 0); use dist=lognormal")
         self.inner = inner
         self.error_rate = float(error_rate)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.dist = dist
         self._sigma = lognormal_sigma(self.error_rate) if dist == "lognormal" and error_rate > 0 else 0.0
         self.needs_truth = bool(getattr(inner, "needs_truth", False))
@@ -461,11 +474,14 @@ PREDICTORS: dict[str, Callable[..., Any]] = {
 }
 
 
-def make_predictor(name: str, **params: Any) -> Any:
-    """Build a predictor by registry name; a bad name or parameter is one clear TwinInputError."""
-    cls = PREDICTORS.get(name)
+def predictor_from(name: str, params: dict[str, Any]) -> Any:
+    """A predictor by registry name, its parameters judged by their defaults' kinds first
+    (`twin.policy.base.judge_params`): raises TwinInputError for a bad name, a parameter it does not take or a value
+    its constructor refuses, and `ParamError` (naming the parameter) for a value of the wrong kind."""
+    cls = PREDICTORS.get(name) if isinstance(name, str) else None
     if cls is None:
         raise TwinInputError(f"unknown length predictor {name!r} (known: {', '.join(PREDICTORS)})")
+    params = judge_params(cls, params)
     try:
         return cls(**params)
     except TypeError as e:
@@ -473,6 +489,15 @@ def make_predictor(name: str, **params: Any) -> Any:
 
         takes = [p for p in inspect.signature(cls).parameters]
         raise TwinInputError(f"length predictor {name!r}: {e} (it takes: {', '.join(takes) or 'none'})") from None
+
+
+def make_predictor(name: str, **params: Any) -> Any:
+    """Build a predictor by registry name (a scenario's or live config's `predictor:`); a bad name or parameter
+    is one clear TwinInputError (`predictor.params.<name>: ...` for a value of the wrong kind)."""
+    try:
+        return predictor_from(name, params)
+    except ParamError as e:
+        raise TwinInputError(f"predictor.params.{e}") from None
 
 
 def evaluate(predictions: Sequence[float], truth: Sequence[float]) -> dict[str, float]:

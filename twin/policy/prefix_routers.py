@@ -12,7 +12,7 @@ from itertools import repeat
 from operator import add, mul
 from typing import Any, Callable, Mapping, Sequence
 
-from twin.policy.base import RouterBase, register_router
+from twin.policy.base import ParamError, RouterBase, check_seed, register_router, require
 from twin.policy.routers import NO_INSTANCE
 from twin.policy.scorers import (Context, build_filters, build_scorers, cached_blocks, fuse_scorers,
                                 max_score_pick)
@@ -22,8 +22,7 @@ LOAD_SIGNALS = ("bookkeeping", "gauges")
 
 
 def _check_signal(signal: str) -> str:
-    if signal not in LOAD_SIGNALS:
-        raise ValueError(f"load_signal must be 'bookkeeping' or 'gauges', got {signal!r}")
+    require(signal in LOAD_SIGNALS, "load_signal", f"must be 'bookkeeping' or 'gauges', got {signal!r}")
     return signal
 
 
@@ -109,12 +108,16 @@ class LMetric(RouterBase):
                  cold_start: bool = True, warmup_s: float = 60.0, cold_batch_frac: float = 0.5,
                  cold_token_penalty: float = 10.0, seed: int = 0) -> None:
         self.load_signal = _check_signal(load_signal)
-        if bs_offset < 0:
-            raise ValueError(f"bs_offset must be >= 0, got {bs_offset}")
-        if hotspot_window < 1 or hotspot_prefix_blocks < 1 or hotspot_min_requests < 1:
-            raise ValueError("hotspot_window, hotspot_prefix_blocks and hotspot_min_requests must be >= 1")
-        if warmup_s < 0 or not 0 < cold_batch_frac <= 1:
-            raise ValueError("warmup_s must be >= 0 and cold_batch_frac in (0, 1]")
+        require(0 <= bs_offset < math.inf, "bs_offset", f"must be >= 0, got {bs_offset}")
+        for k, v in (("hotspot_window", hotspot_window), ("hotspot_prefix_blocks", hotspot_prefix_blocks),
+                     ("hotspot_min_requests", hotspot_min_requests)):
+            require(v >= 1, k, f"must be >= 1, got {v}")
+        require(warmup_s >= 0, "warmup_s", f"must be >= 0, got {warmup_s}")
+        require(0 < cold_batch_frac <= 1, "cold_batch_frac", f"must be in (0, 1], got {cold_batch_frac}")
+        # inf: an idle warming instance would score inf x 0 = NaN
+        require(0 <= cold_token_penalty < math.inf, "cold_token_penalty",
+                f"must be a finite number >= 0, got {cold_token_penalty}")
+        seed = check_seed(seed)
         self.bs_offset = bs_offset
         self.hotspot = hotspot
         self.hotspot_prefix_blocks = hotspot_prefix_blocks
@@ -251,8 +254,15 @@ class Weighted(RouterBase):
     prefix_index = "any"
 
     def __init__(self, scorers: Any = DEFAULT_WEIGHTS, filters: Any = (), seed: int = 0) -> None:
-        self.scorers = build_scorers(scorers)
-        self.filters = build_filters(list(filters) if isinstance(filters, tuple) else filters)
+        try:
+            self.scorers = build_scorers(scorers)
+        except ValueError as e:
+            raise ParamError("scorers", str(e)) from None
+        try:
+            self.filters = build_filters(list(filters) if isinstance(filters, tuple) else filters)
+        except ValueError as e:
+            raise ParamError("filters", str(e)) from None
+        seed = check_seed(seed)
         self.prefix_index = ("any" if any(getattr(s, "needs_prefix_index", False) for _, _, s in self.scorers)
                              else None)
         self._rng = random.Random(seed)
@@ -309,8 +319,11 @@ class KVCost(RouterBase):
     prefix_index = "any"
 
     def __init__(self, overlap_score_weight: float = 1.0, temperature: float = 0.0, seed: int = 0) -> None:
-        if overlap_score_weight < 0 or temperature < 0:
-            raise ValueError("overlap_score_weight and temperature must be >= 0")
+        # inf: costs of inf - inf (NaN), or a uniform draw (temperature)
+        require(0 <= overlap_score_weight < math.inf, "overlap_score_weight",
+                f"must be a finite number >= 0, got {overlap_score_weight}")
+        require(0 <= temperature < math.inf, "temperature", f"must be a finite number >= 0, got {temperature}")
+        seed = check_seed(seed)
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
         self._rng = random.Random(seed)
@@ -431,10 +444,11 @@ class CacheAware(RouterBase):
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, fallback: str = "smallest-cache",
                  load_signal: str = "bookkeeping", seed: int = 0) -> None:
-        if not 0 <= cache_threshold <= 1:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
-        if fallback not in ("smallest-cache", "least-loaded"):
-            raise ValueError(f"fallback must be 'smallest-cache' or 'least-loaded', got {fallback!r}")
+        require(0 <= cache_threshold <= 1, "cache_threshold", f"must be in [0, 1], got {cache_threshold}")
+        require(balance_abs_threshold >= 0, "balance_abs_threshold", f"must be >= 0, got {balance_abs_threshold}")
+        require(fallback in ("smallest-cache", "least-loaded"), "fallback",
+                f"must be 'smallest-cache' or 'least-loaded', got {fallback!r}")
+        seed = check_seed(seed)
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Sequence
 
-from twin.policy.base import RouterBase, register_router
+from twin.policy.base import RouterBase, check_seed, register_router
 from twin.policy.views import FleetView, InstanceView, Reject, RequestView, argmin_index
 
 NO_INSTANCE = Reject("no instance is serving")
@@ -67,8 +67,8 @@ class Random(RouterBase):
     reads_gauges = False
 
     def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
-        self._rng = random.Random(seed)
+        self.seed = check_seed(seed)
+        self._rng = random.Random(self.seed)
 
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
         insts = fleet.instances
@@ -92,7 +92,7 @@ class LeastOutstanding(RouterBase):
             raise ValueError(f"signal must be 'bookkeeping' or 'gauges', got {signal!r}")
         self.signal = signal
         self.reads_gauges = signal == "gauges"
-        self._rng = random.Random(seed)
+        self._rng = random.Random(check_seed(seed))
 
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
         if not fleet.instances:
@@ -109,7 +109,7 @@ class LeastKV(RouterBase):
     name = "least-kv"
 
     def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
+        self._rng = random.Random(check_seed(seed))
 
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
         if not fleet.instances:
@@ -125,7 +125,7 @@ class PowerOfTwo(RouterBase):
     reads_gauges = False
 
     def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
+        self._rng = random.Random(check_seed(seed))
 
     def choose(self, req: RequestView, fleet: FleetView) -> str | Reject:
         insts = fleet.instances

@@ -13,7 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Protocol
 
-from twin.policy.forecast import make_load_predictor
+from twin.policy.base import ParamError, as_number, require
+from twin.policy.forecast import LOAD_PREDICTORS, make_load_predictor
 from twin.policy.views import FleetView
 
 ACTIVE = ("starting", "serving")
@@ -92,6 +93,37 @@ class Scaler(Protocol):
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction: ...
 
 
+def load_predictor(name: Any, params: Any) -> Any:
+    """A throughput or twin scaler's load predictor (`predictor`, `predictor_params`), refused as a `ParamError`."""
+    from twin.policy.base import judge_params, router_params, takes_no
+
+    require(isinstance(name, str) and name in LOAD_PREDICTORS, "predictor",
+            f"unknown load predictor {name!r} (known: {', '.join(LOAD_PREDICTORS)})")
+    params = {} if params is None else params
+    require(isinstance(params, Mapping), "predictor_params", f"must be a mapping, got {params!r}")
+    cls = LOAD_PREDICTORS[name]
+    accepted = router_params(cls)
+    unknown = [k for k in params if k not in accepted]
+    require(not unknown, "predictor_params", f"load predictor {name!r} {takes_no(accepted, unknown)}")
+    try:
+        return make_load_predictor(name, **judge_params(cls, dict(params)))
+    except ParamError as e:
+        raise e.below("predictor_params") from None
+    except (TypeError, ValueError) as e:
+        raise ParamError("predictor_params", str(e)) from None
+
+
+def _finite(param: str, v: Any, low: float, strict: bool = True) -> None:
+    """Refuse `v` unless it is finite and above `low` (at least `low` with `strict` False); NaN fails."""
+    ok = low < v < math.inf if strict else low <= v < math.inf
+    require(ok, param, f"must be a finite number {'>' if strict else '>='} {low:g}, got {v}")
+
+
+def _optional(param: str, v: Any, integer: bool = False) -> Any:
+    """A parameter that defaults to None: None, or a number (a string that reads as one is taken)."""
+    return None if v is None else as_number(param, v, integer)
+
+
 def active_count(fleet: FleetView) -> int:
     return sum(1 for v in fleet.all_instances if v.state in ACTIVE)
 
@@ -116,23 +148,26 @@ def register_scaler(name: str):
 
 def make_scaler(name: str, **params) -> Scaler:
     """A scaler by registry name, or `module:Class` / `file.py:Class`; bad names or parameters are one line.
-    The one registry of both worlds: a scenario's `scaler:` and a live config's."""
+    The one registry of both worlds: a scenario's `scaler:` and a live config's. Parameter values are judged by
+    their defaults' kinds before the scaler is built (`twin.policy.base.judge_params`), as a router's."""
     from twin.errors import TwinInputError
-    from twin.policy.base import _load_object
+    from twin.policy.base import _load_object, _takes_kwargs, judge_params, policy_error, router_params, takes_no
 
     try:
-        cls = SCALERS[name] if name in SCALERS else _load_object(name)
+        cls = SCALERS[name] if name in SCALERS else _load_object(name, "scaler")
     except KeyError:
         raise TwinInputError(f"scaler.name: unknown scaler {name!r} (known: {', '.join(SCALERS)}; or "
                              "module:Class, file.py:Class)") from None
     except LookupError as e:
         raise TwinInputError(f"scaler.name: {e}") from None
+    accepted = router_params(cls)
+    unknown = [k for k in params if k not in accepted]
+    if unknown and not _takes_kwargs(cls):
+        raise TwinInputError(f"scaler.params: scaler {name!r} {takes_no(accepted, unknown)}")
     try:
-        obj = cls(**params)
+        obj = cls(**judge_params(cls, params))
     except (TypeError, ValueError) as e:
-        from twin.policy.base import param_types_problem
-
-        raise TwinInputError(param_types_problem(cls, params, "scaler.params") or f"scaler.params: {e}") from None
+        raise TwinInputError(policy_error(e, "scaler.params")) from None
     if not callable(getattr(obj, "decide", None)):
         raise TwinInputError(f"scaler.name: {name} has no decide(now, fleet, forecast)")
     return obj
@@ -152,8 +187,7 @@ class StaticScaler(ScalerBase):
     name = "static"
 
     def __init__(self, target: int = 1) -> None:
-        if target < 0:
-            raise ValueError("target must be >= 0")
+        require(target >= 0, "target", f"must be >= 0, got {target}")
         self.target = target
 
     def decide(self, now: float, fleet: FleetView, forecast: Any | None = None) -> ScaleAction:
@@ -183,10 +217,18 @@ class ThresholdScaler(ScalerBase):
                  window_s: float = 60.0, cooldown_s: float = 300.0, max_step_frac: float = 0.2,
                  scale_down_frac: float = 0.3, early_periods: int = 0, interval_s: float = 30.0,
                  slo: Any = None) -> None:
-        if metric is not None and metric not in SLO_METRICS:
-            raise ValueError(f"metric must be e2e_s, ttft_s or tpot_s, got {metric!r}")
-        if threshold_s is not None and threshold_s <= 0:
-            raise ValueError("threshold_s must be > 0")
+        require(metric is None or metric in SLO_METRICS, "metric", f"must be e2e_s, ttft_s or tpot_s, got {metric!r}")
+        threshold_s = _optional("threshold_s", threshold_s)
+        if threshold_s is not None:
+            _finite("threshold_s", threshold_s, 0)
+        require(0 < quantile <= 1, "quantile", f"must be in (0, 1], got {quantile}")
+        _finite("window_s", window_s, 0)
+        require(cooldown_s >= 0, "cooldown_s", f"must be >= 0, got {cooldown_s}")
+        _finite("max_step_frac", max_step_frac, 0, strict=False)
+        # above 1 a P99 under the threshold scales down, and the next one over it up again
+        require(0 <= scale_down_frac <= 1, "scale_down_frac", f"must be in [0, 1], got {scale_down_frac}")
+        require(early_periods >= 0, "early_periods", f"must be >= 0, got {early_periods}")
+        _finite("interval_s", interval_s, 0)
         self._metric_given = metric
         self._threshold_given = threshold_s
         self.metric = metric or "e2e_s"
@@ -265,8 +307,15 @@ class QueueScaler(ScalerBase):
     def __init__(self, target_waiting: float = 5.0, tolerance: float = 0.1, stabilization_s: float = 300.0,
                  scale_up_percent: float | None = 100.0, scale_up_pods: int = 4,
                  scale_up_period_s: float = 15.0) -> None:
-        if target_waiting <= 0:
-            raise ValueError("target_waiting must be > 0")
+        _finite("target_waiting", target_waiting, 0)
+        require(tolerance >= 0, "tolerance", f"must be >= 0, got {tolerance}")
+        require(stabilization_s >= 0, "stabilization_s", f"must be >= 0, got {stabilization_s}")
+        scale_up_percent = _optional("scale_up_percent", scale_up_percent)
+        if scale_up_percent is not None:
+            _finite("scale_up_percent", scale_up_percent, 0, strict=False)
+        # the HPA's scale-up policy of type Pods takes a value > 0
+        require(scale_up_pods >= 1, "scale_up_pods", f"must be >= 1, got {scale_up_pods}")
+        _finite("scale_up_period_s", scale_up_period_s, 0, strict=False)
         self.target_waiting = target_waiting
         self.tolerance = tolerance
         self.stabilization_s = stabilization_s
@@ -319,7 +368,19 @@ class ThroughputScaler(ScalerBase):
     def __init__(self, predictor: str = "moving-average", predictor_params: dict | None = None,
                  interval_s: float = 30.0, history: int = 20, capacity_req_s: float | None = None,
                  capacity_tokens: float | None = None, headroom: float = 0.1, min_change_s: float = 0.0) -> None:
-        self.predictor = make_load_predictor(predictor, **(predictor_params or {}))
+        self.predictor = load_predictor(predictor, predictor_params)
+        _finite("interval_s", interval_s, 0)
+        require(history >= 1, "history", f"must be >= 1 (intervals of arrivals to forecast from), got {history}")
+        capacity_req_s = _optional("capacity_req_s", capacity_req_s)
+        if capacity_req_s is not None:  # None: measured before the run
+            _finite("capacity_req_s", capacity_req_s, 0)
+        capacity_tokens = _optional("capacity_tokens", capacity_tokens)
+        if capacity_tokens is not None:
+            _finite("capacity_tokens", capacity_tokens, 0)
+        # an over-provisioning fraction: below 0 it would plan past the rate one instance serves within the SLO
+        require(0 <= headroom < math.inf, "headroom", "must be a finite number >= 0 (the fraction to over-provision "
+                f"by; to load instances harder, raise capacity_req_s), got {headroom}")
+        require(min_change_s >= 0, "min_change_s", f"must be >= 0, got {min_change_s}")
         self.interval_s = interval_s
         self.history = history
         self.capacity_req_s = capacity_req_s
@@ -363,8 +424,8 @@ class TwinScaler(ScalerBase):
     every size scored the same, e.g. 0 behind a backlog. `search: outward` (default) forecasts N first, then goes down
     while sizes meet the target or up until one does: with attainment growing with the fleet that is the
     same choice for fewer forecasts (at most 3, not 4; a scale-up skips N-1); `upward` forecasts N-1, N, ...
-    in turn, as before, and is exact without that assumption. Sizes outside `min_instances`..`max_instances` (the world's
-    limits, given by the simulator's fleet) are not forecast: the fleet would clamp them anyway.
+    in turn, as before, and is exact without that assumption. Sizes outside `min_instances`..`max_instances` (the
+    world's limits, given by the simulator's fleet) are not forecast: the fleet would clamp them anyway.
 
     The world supplies `forecast`, an object with `attainment(n_instances, horizon_s, rate, slo, oracle,
     target)` (the simulator's `twin.sim.forecaster.FleetForecaster`, or the live shadow twin). With
@@ -389,28 +450,32 @@ class TwinScaler(ScalerBase):
                  max_instances: int | None = None, arrivals: str = "poisson",
                  stabilization_s: float = 0.0, search: str = "outward", when_short: str = "gain",
                  tolerance: float = 0.01) -> None:
-        if not 0 < target <= 1:
-            raise ValueError("target must be in (0, 1]")
-        if when_short not in WHEN_SHORT:
-            raise ValueError(f"when_short must be one of {', '.join(WHEN_SHORT)}, got {when_short!r}")
+        require(0 < target <= 1, "target", f"must be in (0, 1], got {target}")
+        require(when_short in WHEN_SHORT, "when_short", f"must be one of {', '.join(WHEN_SHORT)}, got {when_short!r}")
         self.when_short = when_short
-        if not 0 <= tolerance < 1:
-            raise ValueError("tolerance must be in [0, 1)")
+        require(0 <= tolerance < 1, "tolerance", f"must be in [0, 1), got {tolerance}")
         self.tolerance = tolerance
-        if arrivals not in ("poisson", "pattern"):
-            raise ValueError(f"arrivals must be poisson or pattern, got {arrivals!r}")
+        require(arrivals in ("poisson", "pattern"), "arrivals", f"must be poisson or pattern, got {arrivals!r}")
         self.arrivals = arrivals
-        if stabilization_s < 0:
-            raise ValueError("stabilization_s must be >= 0")
+        require(stabilization_s >= 0, "stabilization_s", f"must be >= 0, got {stabilization_s}")
         self.stabilization_s = stabilization_s
-        if search not in ("outward", "upward"):
-            raise ValueError(f"search must be outward or upward, got {search!r}")
+        require(search in ("outward", "upward"), "search", f"must be outward or upward, got {search!r}")
         self.search = search
+        _finite("horizon_s", horizon_s, 0)  # each decision forecasts that far: inf never ends
+        require(max_step >= 1, "max_step", f"must be >= 1 (the most instances one decision adds), got {max_step}")
+        _finite("interval_s", interval_s, 0)
+        require(history >= 1, "history", f"must be >= 1 (intervals of arrivals to forecast from), got {history}")
+        min_instances = _optional("min_instances", min_instances, integer=True)
+        max_instances = _optional("max_instances", max_instances, integer=True)
+        for k, v in (("min_instances", min_instances), ("max_instances", max_instances)):
+            require(v is None or v >= 1, k, f"must be >= 1, got {v}")
+        require(min_instances is None or max_instances is None or min_instances <= max_instances, "min_instances",
+                f"{min_instances} is above max_instances ({max_instances})")
         self._recs: deque[tuple[float, int]] = deque()
         self.horizon_s = horizon_s
         self.target = target
         self.max_step = max_step
-        self.predictor = make_load_predictor(predictor, **(predictor_params or {}))
+        self.predictor = load_predictor(predictor, predictor_params)
         self.interval_s = interval_s
         self.history = history
         self.oracle = oracle
@@ -481,7 +546,8 @@ class TwinScaler(ScalerBase):
                                        f"{self.tolerance:g} of it{tail}")
         met = tried[choice] >= self.target
         return ScaleAction(choice, f"twin forecast over {self.horizon_s:.0f} s: attainment "
-                                   f"{('>= ' if met else '<= ') if self.early_stop else ''}{tried[choice]:.2f} with {choice}"
+                                   f"{('>= ' if met else '<= ') if self.early_stop else ''}{tried[choice]:.2f} "
+                                   f"with {choice}"
                                    f"{'' if met else f' (none of {sizes[0]}-{sizes[-1]} reaches {self.target:g})'}"
                                    f"{tail}")
 

@@ -25,6 +25,7 @@ When every scorer is a built-in (its exact class), `weighted` sums them in one p
 
 from __future__ import annotations
 
+import math
 import random
 from itertools import repeat
 from operator import mul, sub
@@ -198,7 +199,8 @@ def max_score_pick(instances: Sequence[InstanceView], totals: Sequence[float], r
     return tied[rng.randrange(len(tied))].id
 
 
-def fuse_scorers(scorers: Sequence[tuple[str, float, Any]]) -> Callable[[Context, Sequence[InstanceView]], list[float]] | None:
+def fuse_scorers(scorers: Sequence[tuple[str, float, Any]]
+                 ) -> Callable[[Context, Sequence[InstanceView]], list[float]] | None:
     """The weighted sum in one pass over the instances when every scorer is a built-in (exact type): the same
     products and sums in the same order as scoring each and adding (so the same floats), without a list and
     two C passes per scorer. None when a scorer is a user's (or a subclass), or every weight is 0."""
@@ -229,15 +231,17 @@ def fuse_scorers(scorers: Sequence[tuple[str, float, Any]]) -> Callable[[Context
             return None
     if not terms:
         return None
-    loop = f"for v, {', '.join(cols)} in zip(insts, {', '.join('c' + c[1:] for c in cols)})" if cols else "for v in insts"
+    loop = (f"for v, {', '.join(cols)} in zip(insts, {', '.join('c' + c[1:] for c in cols)})" if cols
+            else "for v in insts")
     src = "\n".join(["def totals(ctx, insts):", *setup, f"    return [{' + '.join(terms)} {loop}]"])
     exec(src, ns)  # noqa: S102 - built from the fixed terms above
     return ns["totals"]
 
 
 def _build(kind: str, registry: Mapping[str, Callable[..., Any]], spec: Any) -> tuple[str, Any]:
-    """A plugin from a name, `{name: ..., params: {...}}` or a `module:Class` reference."""
-    from twin.policy.base import _load_object
+    """A plugin from a name, `{name: ..., params: {...}}` or a `module:Class` reference; its parameters are
+    judged by their defaults' kinds first (`twin.policy.base.judge_params`)."""
+    from twin.policy.base import ParamError, _load_object, judge_params
 
     params: dict[str, Any] = {}
     if isinstance(spec, Mapping):
@@ -251,9 +255,14 @@ def _build(kind: str, registry: Mapping[str, Callable[..., Any]], spec: Any) -> 
     if cls is None:
         if ":" not in spec:
             raise ValueError(f"unknown {kind} {spec!r} (known: {', '.join(sorted(registry))})")
-        cls = _load_object(spec)
+        try:
+            cls = _load_object(spec, kind)
+        except (KeyError, LookupError) as e:
+            raise ValueError(f"{kind} {spec!r}: {e}") from None
     try:
-        return spec, cls(**params)
+        return spec, cls(**judge_params(cls, params))
+    except ParamError as e:
+        raise ValueError(f"{kind} {spec!r}: params.{e}") from None
     except TypeError as e:
         raise ValueError(f"{kind} {spec!r}: {e}") from None
 
@@ -276,8 +285,9 @@ def build_scorers(spec: Any) -> list[tuple[str, float, Scorer]]:
             weight = float(w)
         except (TypeError, ValueError):
             raise ValueError(f"scorer weight must be a number, got {w!r}") from None
-        if weight < 0:
-            raise ValueError(f"scorer weight must be >= 0, got {weight}")
+        if isinstance(w, bool) or not 0 <= weight < math.inf:  # NaN and inf made every total NaN or inf
+            label = name_or_spec.get("name") if isinstance(name_or_spec, Mapping) else name_or_spec
+            raise ValueError(f"scorer weight must be a finite number >= 0, got {w!r} for {label!r}")
         name, scorer = _build("scorer", SCORERS, name_or_spec)
         out.append((name, weight, scorer))
     if not out:

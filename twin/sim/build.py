@@ -1,13 +1,17 @@
-"""A scenario turned into the parts of a run: the engine's config, the step-time model, the router."""
+"""A scenario turned into the parts of a run: the engine's config, the step-time model, the router, the scaler."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from twin.engine.config import EngineConfig
 from twin.engine.defaults import resolve_batch_limits
+from twin.errors import TwinInputError
 from twin.specs.vllm_versions import GENERATION_KNOBS, generation
 from twin.perf.registry import build_perf
 from twin.policy.base import Router
 from twin.policy.base import build_router as build_router_from
+from twin.policy.scalers import make_scaler
 from twin.scenario import Scenario
 from twin.specs.hardware import get_gpu
 
@@ -31,4 +35,35 @@ def build_router(sc: Scenario) -> Router:
     return build_router_from(sc.router, sc.seed)
 
 
-__all__ = ["build_perf", "build_router", "engine_config"]
+def build_scaler(scenario: Scenario, max_instances: int | None = None) -> Any:
+    """The scenario's scaler, given the scenario's SLO where it takes one (the twin and threshold scalers);
+    bad names or parameters are one TwinInputError line. A `min_instances` of its own above the fleet's
+    `max_instances` (the cluster's by default) is refused: the fleet could never reach it."""
+    sc = scenario.scaler
+    scaler = make_scaler(sc.name, **sc.params)
+    if getattr(scaler, "slo", 0) is None:  # the twin and threshold scalers read the scenario's
+        try:
+            scaler.slo = scenario.slo
+        except (TypeError, ValueError) as e:
+            raise TwinInputError(f"scaler.params: {e}") from None
+    top = scenario.cluster.max_instances if max_instances is None else max_instances
+    low = getattr(scaler, "min_instances", None)
+    if isinstance(low, int) and top is not None and low > top:
+        raise TwinInputError(f"scaler.params.min_instances: {low} is above cluster.max_instances ({top}); "
+                             "the fleet never grows that far")
+    return scaler
+
+
+def check_policies(sc: Scenario) -> None:
+    """Build the scenario's router, scaler and length predictor as a run would, and drop them: a bad name, a
+    user file that does not exist, a parameter they do not take or a value they refuse is the one
+    TwinInputError line `twin simulate` would give, without running (`twin validate`)."""
+    build_router(sc)
+    build_scaler(sc)
+    if sc.predictor is not None:
+        from twin.policy.predictors import make_predictor
+
+        make_predictor(sc.predictor.name, **sc.predictor.params)
+
+
+__all__ = ["build_perf", "build_router", "build_scaler", "check_policies", "engine_config"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from twin.errors import TwinInputError
-from twin.policy.scalers import ACTIVE, ScaleAction, make_scaler, plan_scale
+from twin.policy.scalers import ACTIVE, ScaleAction, plan_scale
+from twin.sim.build import build_scaler
 
 
 @dataclass
@@ -45,12 +45,7 @@ class Fleet:
 
     def __post_init__(self) -> None:
         sc = self.cluster.scenario.scaler
-        self.scaler = make_scaler(sc.name, **sc.params)  # bad names or parameters: one TwinInputError line
-        if getattr(self.scaler, "slo", 0) is None:  # the twin and threshold scalers read the scenario's
-            try:
-                self.scaler.slo = self.cluster.scenario.slo
-            except (TypeError, ValueError) as e:
-                raise TwinInputError(f"scaler.params: {e}") from None
+        self.scaler = build_scaler(self.cluster.scenario, self.max_instances)  # bad ones: one TwinInputError line
         self.interval_s = sc.interval_s
         self.decisions = 0
 
