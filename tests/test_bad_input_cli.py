@@ -301,3 +301,12 @@ def test_a_huge_time_in_a_message_is_short():
 
 def test_an_endless_scenario_file_is_refused():
     assert "/dev/zero: over 16 MiB; a scenario is a small YAML file" in one_error(["validate", "/dev/zero"])
+
+
+@pytest.mark.parametrize("rows, says", [("", "has no rows, only a header"),
+                                        ("0,10\n0,5\n", "every row of the length trace (2) has a prompt of 0 tokens")])
+def test_a_length_trace_with_no_usable_row_says_why(tmp_path, rows, says):
+    csv = tmp_path / "l.csv"
+    csv.write_text("num_prefill_tokens,num_decode_tokens\n" + rows)  # both read "fits max_total_tokens"
+    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", f"workload.lengths.path={csv}"])
+    assert says in line

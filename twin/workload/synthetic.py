@@ -75,8 +75,12 @@ def sample_lengths(prompt: np.ndarray, output: np.ndarray, n: int, rng: np.rando
         keep &= prompt + np.maximum(output, 1) <= max_total_tokens
     n_out = int((~keep).sum())
     p, o = prompt[keep], np.maximum(output[keep], 1)
-    if len(p) == 0:
-        raise TwinInputError("no length-trace row fits max_total_tokens")
+    if len(p) == 0:  # say which: it read "fits max_total_tokens" for an empty file and without a cap
+        if len(prompt) == 0:
+            raise TwinInputError("the length trace has no rows, only a header")
+        if not (prompt > 0).any():
+            raise TwinInputError(f"every row of the length trace ({len(prompt)}) has a prompt of 0 tokens")
+        raise TwinInputError(f"no length-trace row fits max_total_tokens {max_total_tokens}")
     idx = rng.integers(0, len(p), size=n)
     return p[idx], o[idx], n_out
 
