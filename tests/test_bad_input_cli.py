@@ -310,3 +310,12 @@ def test_a_length_trace_with_no_usable_row_says_why(tmp_path, rows, says):
     csv.write_text("num_prefill_tokens,num_decode_tokens\n" + rows)  # both read "fits max_total_tokens"
     line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", f"workload.lengths.path={csv}"])
     assert says in line
+
+
+def test_a_check_across_fields_names_the_flags_in_it():
+    """A cross-field refusal blamed the file alone, though the flags set the values it names (the fuzzing pass)."""
+    line = one_error(["validate", QUICKSTART, "--set", "cluster.min_instances=5", "--set", "cluster.max_instances=2",
+                      "--set", "seed=3"])
+    assert "with --set cluster.min_instances=5, --set cluster.max_instances=2:" in line and "seed=3" not in line
+    line = one_error(["validate", QUICKSTART, "--set", "chunk_plan.candidates.0=5"])
+    assert "with --set chunk_plan.candidates.0=5: chunk_plan.candidates: Input should be a valid list" in line

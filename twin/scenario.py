@@ -538,7 +538,15 @@ def _format_error(e: ValidationError, source: str, flags: Flags | None = None) -
             sub, msg = msg[1:].split(": ", 1)
             loc = f"{loc}.{sub}" if loc != "(top level)" else sub
         flag = next((f for path, f in (flags or {}).items() if loc == path or loc.startswith(path + ".")), None)
-        lines.append(f"{flag}: {msg}{tail}" if flag else f"{source}: {loc}: {msg}{tail}")
+        if flag:
+            lines.append(f"{flag}: {msg}{tail}")
+            continue
+        # flags below the field refused (a check across fields, a type the flag's path made): they are in it
+        below = {path: f for path, f in (flags or {}).items() if loc == "(top level)" or path.startswith(loc + ".")}
+        named = [f for path, f in below.items() if path.rsplit(".", 1)[-1] in msg]
+        if not named and loc != "(top level)":
+            named = list(below.values())
+        lines.append(f"{source}{' with ' + ', '.join(named) if named else ''}: {loc}: {msg}{tail}")
     return "\n".join(lines)
 
 
