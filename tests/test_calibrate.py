@@ -253,11 +253,15 @@ def test_a_profile_cell_that_is_no_number_is_one_line(tmp_path):
     df.loc[2, "n_head"] = float("inf")  # an OverflowError in the shape match before (a fuzzing pass, 2026-12-07)
     df.to_csv(csv, index=False)
     r = CliRunner().invoke(app, ["calibrate", str(csv), "--out", str(tmp_path / "p.yaml")])
-    assert r.exit_code == 2 and "line 4: field n_head: inf is not a finite number" in r.output, r.output
+    assert r.exit_code == 2 and "line 4: field n_head: inf is not a finite whole number" in r.output, r.output
     df.loc[2, "n_head"] = float("nan")  # an empty cell: it read "rows of 2 different model shapes"
     df.to_csv(csv, index=False)
     r = CliRunner().invoke(app, ["calibrate", str(csv), "--out", str(tmp_path / "p.yaml")])
-    assert r.exit_code == 2 and "line 4: field n_head: an empty cell is not a finite number" in r.output, r.output
+    assert r.exit_code == 2 and "line 4: field n_head: an empty cell is not a finite whole number" in r.output, r.output
+    df.loc[2, "n_head"] = 32.5  # a fraction was cut to a whole number without a word
+    df.to_csv(csv, index=False)
+    r = CliRunner().invoke(app, ["calibrate", str(csv), "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 2 and "line 4: field n_head: 32.5 is not a finite whole number" in r.output, r.output
     df.iloc[:0].to_csv(csv, index=False)  # a header only: it read "rows of 0 different model shapes"
     r = CliRunner().invoke(app, ["calibrate", str(csv), "--out", str(tmp_path / "p.yaml")])
     assert r.exit_code == 2 and "no rows, only a header" in r.output, r.output

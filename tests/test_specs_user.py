@@ -175,3 +175,9 @@ def test_an_alias_that_names_another_entry_is_refused(tmp_path):
     f = write(tmp_path, {"hardware": {"H100": {"aliases": ["H200-SXM-141GB"]}}})
     r = invoke("--specs", f, "validate", QUICKSTART)
     assert r.exit_code == 2 and "alias 'H200-SXM-141GB' already names entry 'H200-SXM-141GB'" in r.output, r.output
+
+
+def test_a_fractional_count_in_a_model_is_refused_not_cut(tmp_path):
+    f = write(tmp_path, {"models": {"Llama-3-8B": {"max_model_len": 1.5}}})  # it became 1 without a word
+    r = invoke("--specs", f, "validate", QUICKSTART)
+    assert r.exit_code == 2 and "max_model_len must be a whole number, got 1.5" in r.output, r.output

@@ -115,14 +115,18 @@ def read_profile_csv(path: str | Path) -> pd.DataFrame:
             v = pd.to_numeric(df[col], errors="coerce")
             # a time may be missing (that operator not measured); a shape or a token count may not
             empty_ok = str(col).startswith("time_stats.")
-            bad = ((v.isna() & (df[col].notna() | (not empty_ok)))
-                   | np.isinf(v.to_numpy(dtype=float, na_value=0.0)))
+            vals = v.to_numpy(dtype=float, na_value=0.0)
+            bad = (v.isna() & (df[col].notna() | (not empty_ok))) | np.isinf(vals)
+            whole = not empty_ok  # shapes, token counts, TP degrees are counts: 128.7 was cut to 128
+            if whole:
+                bad |= np.isfinite(vals) & (vals != np.floor(vals))
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
                 cell = df[col].iloc[i]
                 cell = cell.item() if isinstance(cell, np.generic) else cell  # inf, not np.float64(inf)
                 what = "an empty cell" if pd.isna(cell) else repr(cell)
-                raise TwinInputError(f"{path}: line {i + 2}: field {col}: {what} is not a finite number")
+                raise TwinInputError(f"{path}: line {i + 2}: field {col}: {what} is not a finite "
+                                     + ("whole number" if whole else "number"))
             df[col] = v
     if df.empty:
         raise TwinInputError(f"{path}: no rows, only a header (an operator profile has one row per measurement)")

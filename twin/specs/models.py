@@ -8,6 +8,8 @@ weights occupy) or *active* (what one token's forward pass multiplies).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from twin import specs
@@ -146,22 +148,33 @@ def get_model(name: str) -> ModelSpec:
     if found is None:
         raise TwinInputError(f"unknown model {name!r} (known: {', '.join(known_models())})")
     key, e = found
+    tied = e.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):  # bool("false") is True
+        raise ValueError(f"tie_word_embeddings must be true or false, got {tied!r}")
     return ModelSpec(
         name=key,
-        num_layers=int(e["num_layers"]),
-        hidden_size=int(e["hidden_size"]),
-        num_heads=int(e["num_heads"]),
-        num_kv_heads=int(e["num_kv_heads"]),
-        head_dim=int(e["head_dim"]),
-        intermediate_size=int(e["intermediate_size"]),
-        vocab_size=int(e["vocab_size"]),
+        num_layers=_whole(e, "num_layers"),
+        hidden_size=_whole(e, "hidden_size"),
+        num_heads=_whole(e, "num_heads"),
+        num_kv_heads=_whole(e, "num_kv_heads"),
+        head_dim=_whole(e, "head_dim"),
+        intermediate_size=_whole(e, "intermediate_size"),
+        vocab_size=_whole(e, "vocab_size"),
         num_params=float(e["num_params"]),
-        max_model_len=int(e["max_model_len"]),
+        max_model_len=_whole(e, "max_model_len"),
         source=e.get("source", ""),
         aliases=tuple(e.get("aliases", [])),
-        tie_word_embeddings=bool(e.get("tie_word_embeddings", False)),
-        num_experts=int(e.get("num_experts", 0)),
-        num_experts_per_tok=int(e.get("num_experts_per_tok", 0)),
-        moe_intermediate_size=int(e.get("moe_intermediate_size", 0)),
+        tie_word_embeddings=tied,
+        num_experts=_whole(e, "num_experts", 0),
+        num_experts_per_tok=_whole(e, "num_experts_per_tok", 0),
+        moe_intermediate_size=_whole(e, "moe_intermediate_size", 0),
         num_active_params=float(e.get("num_active_params", 0.0)),
     )
+
+
+def _whole(entry: dict, key: str, default: int | None = None) -> int:
+    """A count field as an int; 1.5 is refused, not cut to 1 (a KeyError when missing and required)."""
+    v = entry[key] if default is None else entry.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+        raise ValueError(f"{key} must be a whole number, got {v!r}")
+    return int(v)
