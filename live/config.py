@@ -114,10 +114,11 @@ class LauncherSpec(_Spec):
 class HealthSpec(_Spec):
     """Health checks send one tiny completion: a broken engine can still answer 200 on /health."""
 
-    interval_s: float = Field(5.0, gt=0)
+    # floors: a health check every nanosecond hammered the workers (a fuzzing pass, 2026-12-07)
+    interval_s: float = Field(5.0, ge=0.05)
     timeout_s: float = Field(30.0, gt=0)
-    backoff_initial_s: float = Field(1.0, gt=0)
-    backoff_max_s: float = Field(30.0, gt=0)
+    backoff_initial_s: float = Field(1.0, ge=0.01)
+    backoff_max_s: float = Field(30.0, ge=0.01)
 
 
 class TokenizerSpec(_Spec):
@@ -151,7 +152,7 @@ class ShadowSpec(_Spec):
     under the current configuration and alternatives, export forecasts and their realised error."""
 
     enabled: bool = False
-    interval_s: float = Field(10.0, gt=0, description="how often the shadow twin runs")
+    interval_s: float = Field(10.0, ge=0.1, description="how often the shadow twin runs (each run simulates)")
     window_s: Optional[float] = Field(None, gt=0, description="the observed window replayed (default: interval_s)")
     max_requests: int = Field(2000, gt=0, description=(
         "cost bound: at most this many of the window's most recent requests are simulated (the window shrinks "
@@ -208,7 +209,7 @@ class LiveConfig(_Spec):
     router: RouterSpec = RouterSpec()
     # the scenario's own predictor section: its guesses fill predicted_output_tokens before the router decides
     predictor: Optional[PredictorSpec] = None
-    min_scrape_interval_s: float = Field(0.02, gt=0, description=(
+    min_scrape_interval_s: float = Field(0.02, ge=0.001, description=(
         "live floor for router.scrape_interval_s (0 means exact in the twin; live scrapes cannot be)"))
     workers: list[WorkerSpec] = Field(default_factory=list)
     launcher: Optional[LauncherSpec] = None

@@ -113,3 +113,11 @@ def test_two_workers_on_one_kv_event_endpoint_are_refused():
                                   {"url": "http://b:1", "kv_events_endpoint": ep}]})
     for ok in ("tcp://*:5557", "tcp://[::1]:5557", "ipc:///tmp/kv.sock"):
         parse_config({"workers": [{"url": "http://[::1]:8000", "kv_events_endpoint": ok}]})
+
+
+@pytest.mark.parametrize("section, key", [("health", "interval_s"), ("health", "backoff_initial_s"),
+                                          ("shadow", "interval_s")])
+def test_live_intervals_have_floors(section, key):
+    """A health check or a shadow run every nanosecond was accepted (a fuzzing pass, 2026-12-07)."""
+    with pytest.raises(TwinInputError, match=f"{section}.{key}"):
+        parse_config({"workers": [{"url": "http://127.0.0.1:1"}], section: {key: 1e-9}})
