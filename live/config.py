@@ -245,6 +245,11 @@ class LiveConfig(_Spec):
             raise ValueError("scaler twin reads the shadow twin's forecasts: set shadow.enabled: true (and "
                              "shadow.hardware, shadow.model)")
         if self.scaler.name == "twin":
+            lo = self.scaler.params.get("min_instances")
+            if (self.launcher is not None and isinstance(lo, int) and not isinstance(lo, bool)
+                    and lo > self.launcher.max_workers):  # the fleet could never reach it: found by a fuzzing pass
+                raise ValueError(f"scaler.params.min_instances {lo} is above launcher.max_workers "
+                                 f"{self.launcher.max_workers}: the fleet can never have that many")
             if self.scaler.params.get("oracle"):
                 raise ValueError("scaler.params.oracle: the live controller cannot see the future; drop oracle")
             slo = self.scaler.params.get("slo") or self.shadow.slo.model_dump(exclude_none=True)

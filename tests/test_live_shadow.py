@@ -350,6 +350,9 @@ def test_config_errors_are_one_line():
     with pytest.raises(TwinInputError, match="cannot see the future"):
         parse_config({"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin", "params": {"oracle": True}},
                       "shadow": {**SHADOW, "slo": {"ttft_s": 1.0}}})
+    with pytest.raises(TwinInputError, match="min_instances 9 is above launcher.max_workers 8"):
+        parse_config({"launcher": {"model": "m", "num_workers": 0}, "shadow": {**SHADOW, "slo": {"ttft_s": 1.0}},
+                      "scaler": {"name": "twin", "params": {"min_instances": 9}}})
     assert parse_config({"workers": [{"url": "http://x:1"}]}).shadow.enabled is False
 
 
