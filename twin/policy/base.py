@@ -138,9 +138,18 @@ def router_from(name: str, seed: int | None, params: dict[str, Any]) -> Router:
     accepted = router_params(cls)
     if seed is not None and "seed" in accepted and "seed" not in params:
         params = {**params, "seed": seed}
+    return construct(cls, params, f"router {name!r}", accepted)
+
+
+def construct(cls: Any, params: dict[str, Any], what: str, accepted: dict[str, Any] | None = None) -> Any:
+    """`cls(**params)` for a policy (a router, scaler, load predictor): a parameter it does not take is a
+    TypeError naming `what` and what it takes, and the values are judged by their defaults' kinds first
+    (`judge_params`, raising `ParamError`). `accepted`: `router_params(cls)`, where the caller has it."""
+    if accepted is None:
+        accepted = router_params(cls)
     unknown = [k for k in params if k not in accepted]
-    if unknown and accepted is not None and not _takes_kwargs(cls):
-        raise TypeError(f"router {name!r} {takes_no(accepted, unknown)}")
+    if unknown and not _takes_kwargs(cls):
+        raise TypeError(f"{what} {takes_no(accepted, unknown)}")
     return cls(**judge_params(cls, params))
 
 
@@ -182,6 +191,12 @@ def require(ok: bool, param: str, reason: str) -> None:
     """Refuse parameter `param` unless `ok` (write `ok` so that NaN fails it: `0 < q <= 1`, not `not q <= 0`)."""
     if not ok:
         raise ParamError(param, reason)
+
+
+def require_finite(param: str, v: Any, low: float, strict: bool = True) -> None:
+    """Refuse `v` unless it is finite and above `low` (at least `low` with `strict` False); NaN fails."""
+    ok = low < v < math.inf if strict else low <= v < math.inf
+    require(ok, param, f"must be a finite number {'>' if strict else '>='} {low:g}, got {v}")
 
 
 def as_number(param: str, v: Any, integer: bool = False) -> int | float:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import random
 
-from twin.policy.base import RouterBase, check_seed, register_router, require
+from twin.policy.base import RouterBase, check_seed, register_router, require, require_finite
 from twin.policy.routers import NO_INSTANCE
 from twin.policy.views import FleetView, Reject, RequestView
 
@@ -52,7 +52,7 @@ class Block(RouterBase):
     def __init__(self, objective: str = "e2e", horizon_s: float = 60.0, max_candidates: int = 0,
                  seed: int = 0, prune: bool = True, max_forecasts: int = 0) -> None:
         require(objective in _UNTIL, "objective", f"must be one of {', '.join(_UNTIL)}, got {objective!r}")
-        require(0 < horizon_s < math.inf, "horizon_s", f"must be a finite number > 0, got {horizon_s}")
+        require_finite("horizon_s", horizon_s, 0)
         require(max_candidates >= 0, "max_candidates",
                 f"must be >= 0 (0: every serving instance), got {max_candidates}")
         require(max_forecasts >= 0, "max_forecasts", f"must be >= 0 (0: forecast every candidate), got {max_forecasts}")

@@ -12,7 +12,7 @@ from itertools import repeat
 from operator import add, mul
 from typing import Any, Callable, Mapping, Sequence
 
-from twin.policy.base import ParamError, RouterBase, check_seed, register_router, require
+from twin.policy.base import ParamError, RouterBase, check_seed, register_router, require, require_finite
 from twin.policy.routers import NO_INSTANCE
 from twin.policy.scorers import (Context, build_filters, build_scorers, cached_blocks, fuse_scorers,
                                 max_score_pick)
@@ -115,8 +115,7 @@ class LMetric(RouterBase):
         require(warmup_s >= 0, "warmup_s", f"must be >= 0, got {warmup_s}")
         require(0 < cold_batch_frac <= 1, "cold_batch_frac", f"must be in (0, 1], got {cold_batch_frac}")
         # inf: an idle warming instance would score inf x 0 = NaN
-        require(0 <= cold_token_penalty < math.inf, "cold_token_penalty",
-                f"must be a finite number >= 0, got {cold_token_penalty}")
+        require_finite("cold_token_penalty", cold_token_penalty, 0, strict=False)
         seed = check_seed(seed)
         self.bs_offset = bs_offset
         self.hotspot = hotspot
@@ -320,9 +319,8 @@ class KVCost(RouterBase):
 
     def __init__(self, overlap_score_weight: float = 1.0, temperature: float = 0.0, seed: int = 0) -> None:
         # inf: costs of inf - inf (NaN), or a uniform draw (temperature)
-        require(0 <= overlap_score_weight < math.inf, "overlap_score_weight",
-                f"must be a finite number >= 0, got {overlap_score_weight}")
-        require(0 <= temperature < math.inf, "temperature", f"must be a finite number >= 0, got {temperature}")
+        require_finite("overlap_score_weight", overlap_score_weight, 0, strict=False)
+        require_finite("temperature", temperature, 0, strict=False)
         seed = check_seed(seed)
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature

@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Protocol
 
-from twin.policy.base import ParamError, as_number, require
-from twin.policy.forecast import LOAD_PREDICTORS, make_load_predictor
+from twin.policy.base import ParamError, as_number, require, require_finite
+from twin.policy.forecast import LOAD_PREDICTORS
 from twin.policy.views import FleetView
 
 ACTIVE = ("starting", "serving")
@@ -95,28 +95,18 @@ class Scaler(Protocol):
 
 def load_predictor(name: Any, params: Any) -> Any:
     """A throughput or twin scaler's load predictor (`predictor`, `predictor_params`), refused as a `ParamError`."""
-    from twin.policy.base import judge_params, router_params, takes_no
+    from twin.policy.base import construct
 
     require(isinstance(name, str) and name in LOAD_PREDICTORS, "predictor",
             f"unknown load predictor {name!r} (known: {', '.join(LOAD_PREDICTORS)})")
     params = {} if params is None else params
     require(isinstance(params, Mapping), "predictor_params", f"must be a mapping, got {params!r}")
-    cls = LOAD_PREDICTORS[name]
-    accepted = router_params(cls)
-    unknown = [k for k in params if k not in accepted]
-    require(not unknown, "predictor_params", f"load predictor {name!r} {takes_no(accepted, unknown)}")
     try:
-        return make_load_predictor(name, **judge_params(cls, dict(params)))
+        return construct(LOAD_PREDICTORS[name], dict(params), f"load predictor {name!r}")
     except ParamError as e:
         raise e.below("predictor_params") from None
     except (TypeError, ValueError) as e:
         raise ParamError("predictor_params", str(e)) from None
-
-
-def _finite(param: str, v: Any, low: float, strict: bool = True) -> None:
-    """Refuse `v` unless it is finite and above `low` (at least `low` with `strict` False); NaN fails."""
-    ok = low < v < math.inf if strict else low <= v < math.inf
-    require(ok, param, f"must be a finite number {'>' if strict else '>='} {low:g}, got {v}")
 
 
 def _optional(param: str, v: Any, integer: bool = False) -> Any:
@@ -151,7 +141,7 @@ def make_scaler(name: str, **params) -> Scaler:
     The one registry of both worlds: a scenario's `scaler:` and a live config's. Parameter values are judged by
     their defaults' kinds before the scaler is built (`twin.policy.base.judge_params`), as a router's."""
     from twin.errors import TwinInputError
-    from twin.policy.base import _load_object, _takes_kwargs, judge_params, policy_error, router_params, takes_no
+    from twin.policy.base import _load_object, construct, policy_error
 
     try:
         cls = SCALERS[name] if name in SCALERS else _load_object(name, "scaler")
@@ -160,12 +150,8 @@ def make_scaler(name: str, **params) -> Scaler:
                              "module:Class, file.py:Class)") from None
     except LookupError as e:
         raise TwinInputError(f"scaler.name: {e}") from None
-    accepted = router_params(cls)
-    unknown = [k for k in params if k not in accepted]
-    if unknown and not _takes_kwargs(cls):
-        raise TwinInputError(f"scaler.params: scaler {name!r} {takes_no(accepted, unknown)}")
     try:
-        obj = cls(**judge_params(cls, params))
+        obj = construct(cls, params, f"scaler {name!r}")
     except (TypeError, ValueError) as e:
         raise TwinInputError(policy_error(e, "scaler.params")) from None
     if not callable(getattr(obj, "decide", None)):
@@ -220,15 +206,15 @@ class ThresholdScaler(ScalerBase):
         require(metric is None or metric in SLO_METRICS, "metric", f"must be e2e_s, ttft_s or tpot_s, got {metric!r}")
         threshold_s = _optional("threshold_s", threshold_s)
         if threshold_s is not None:
-            _finite("threshold_s", threshold_s, 0)
+            require_finite("threshold_s", threshold_s, 0)
         require(0 < quantile <= 1, "quantile", f"must be in (0, 1], got {quantile}")
-        _finite("window_s", window_s, 0)
+        require_finite("window_s", window_s, 0)
         require(cooldown_s >= 0, "cooldown_s", f"must be >= 0, got {cooldown_s}")
-        _finite("max_step_frac", max_step_frac, 0, strict=False)
+        require_finite("max_step_frac", max_step_frac, 0, strict=False)
         # above 1 a P99 under the threshold scales down, and the next one over it up again
         require(0 <= scale_down_frac <= 1, "scale_down_frac", f"must be in [0, 1], got {scale_down_frac}")
         require(early_periods >= 0, "early_periods", f"must be >= 0, got {early_periods}")
-        _finite("interval_s", interval_s, 0)
+        require_finite("interval_s", interval_s, 0)
         self._metric_given = metric
         self._threshold_given = threshold_s
         self.metric = metric or "e2e_s"
@@ -307,15 +293,15 @@ class QueueScaler(ScalerBase):
     def __init__(self, target_waiting: float = 5.0, tolerance: float = 0.1, stabilization_s: float = 300.0,
                  scale_up_percent: float | None = 100.0, scale_up_pods: int = 4,
                  scale_up_period_s: float = 15.0) -> None:
-        _finite("target_waiting", target_waiting, 0)
+        require_finite("target_waiting", target_waiting, 0)
         require(tolerance >= 0, "tolerance", f"must be >= 0, got {tolerance}")
         require(stabilization_s >= 0, "stabilization_s", f"must be >= 0, got {stabilization_s}")
         scale_up_percent = _optional("scale_up_percent", scale_up_percent)
         if scale_up_percent is not None:
-            _finite("scale_up_percent", scale_up_percent, 0, strict=False)
+            require_finite("scale_up_percent", scale_up_percent, 0, strict=False)
         # the HPA's scale-up policy of type Pods takes a value > 0
         require(scale_up_pods >= 1, "scale_up_pods", f"must be >= 1, got {scale_up_pods}")
-        _finite("scale_up_period_s", scale_up_period_s, 0, strict=False)
+        require_finite("scale_up_period_s", scale_up_period_s, 0, strict=False)
         self.target_waiting = target_waiting
         self.tolerance = tolerance
         self.stabilization_s = stabilization_s
@@ -369,14 +355,14 @@ class ThroughputScaler(ScalerBase):
                  interval_s: float = 30.0, history: int = 20, capacity_req_s: float | None = None,
                  capacity_tokens: float | None = None, headroom: float = 0.1, min_change_s: float = 0.0) -> None:
         self.predictor = load_predictor(predictor, predictor_params)
-        _finite("interval_s", interval_s, 0)
+        require_finite("interval_s", interval_s, 0)
         require(history >= 1, "history", f"must be >= 1 (intervals of arrivals to forecast from), got {history}")
         capacity_req_s = _optional("capacity_req_s", capacity_req_s)
         if capacity_req_s is not None:  # None: measured before the run
-            _finite("capacity_req_s", capacity_req_s, 0)
+            require_finite("capacity_req_s", capacity_req_s, 0)
         capacity_tokens = _optional("capacity_tokens", capacity_tokens)
         if capacity_tokens is not None:
-            _finite("capacity_tokens", capacity_tokens, 0)
+            require_finite("capacity_tokens", capacity_tokens, 0)
         # an over-provisioning fraction: below 0 it would plan past the rate one instance serves within the SLO
         require(0 <= headroom < math.inf, "headroom", "must be a finite number >= 0 (the fraction to over-provision "
                 f"by; to load instances harder, raise capacity_req_s), got {headroom}")
@@ -461,9 +447,9 @@ class TwinScaler(ScalerBase):
         self.stabilization_s = stabilization_s
         require(search in ("outward", "upward"), "search", f"must be outward or upward, got {search!r}")
         self.search = search
-        _finite("horizon_s", horizon_s, 0)  # each decision forecasts that far: inf never ends
+        require_finite("horizon_s", horizon_s, 0)  # each decision forecasts that far: inf never ends
         require(max_step >= 1, "max_step", f"must be >= 1 (the most instances one decision adds), got {max_step}")
-        _finite("interval_s", interval_s, 0)
+        require_finite("interval_s", interval_s, 0)
         require(history >= 1, "history", f"must be >= 1 (intervals of arrivals to forecast from), got {history}")
         min_instances = _optional("min_instances", min_instances, integer=True)
         max_instances = _optional("max_instances", max_instances, integer=True)
