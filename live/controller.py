@@ -493,7 +493,7 @@ class Controller:
         """Held by the proxy from the fleet view to the dispatch when the router decides off the loop: decisions come
         one at a time and each sees the dispatches before it, as on the loop (else a burst would all go to the one
         worker that looked idlest). A no-op for routers that decide on the loop."""
-        return self._route_lock if self._route_thread is not None else contextlib.nullcontext()
+        return self._route_lock if self.decides_off_loop else contextlib.nullcontext()
 
     async def choose(self, req: Any, fleet: FleetView) -> Any:
         """The router's decision through the host (its error rule): inline for most routers (microseconds), on the

@@ -1035,18 +1035,20 @@ class ShadowInstanceForecaster:
         self.calls = 0
         self._scenarios: dict[tuple, tuple[Any, Any]] = {}  # by engine settings: (scenario, its step model)
         self._context: tuple[tuple, tuple] | None = None  # (key, (window load, mean output, running by worker))
-        self._pinned: list[tuple | None] | None = None  # within `decision()`: its one context, once built
+        self._deciding = False  # within `decision()`
+        self._decision_key: tuple | None = None  # the context key its first forecast used
 
     @contextlib.contextmanager
     def decision(self) -> Iterator[None]:
-        """One router decision: its candidates share one context (the first forecast's), though the event loop
-        changes the mirror meanwhile (the controller's routing thread decides off the loop). Else, with
-        `load: poisson`, a context rebuilt between candidates drew a new sample."""
-        self._pinned = [None]
+        """One router decision: its candidates share one context (the first forecast's key holds for the rest),
+        though the event loop changes the mirror meanwhile (the controller's routing thread decides off the loop).
+        Else, with `load: poisson`, a context rebuilt between candidates drew a new sample."""
+        self._deciding = True
         try:
             yield
         finally:
-            self._pinned = None
+            self._deciding = False
+            self._decision_key = None
 
     def _scenario(self, engine: dict, horizon_s: float) -> tuple[Any, Any]:
         """The one-instance scenario for `engine` with `horizon_s` as its time limit, and its step model (built once
@@ -1074,14 +1076,11 @@ class ShadowInstanceForecaster:
         (candidates compared on different random lengths)."""
         from twin.policy.predictors import ResidualLengths
 
-        pinned = self._pinned
-        if pinned is not None and pinned[0] is not None:
-            return pinned[0]
         sh = self.shadow
-        key = (sh.mirror.version, math.floor(now * 4.0))
+        key = self._decision_key or (sh.mirror.version, math.floor(now * 4.0))
+        if self._deciding:
+            self._decision_key = key
         if self._context is not None and self._context[0] == key:
-            if pinned is not None:
-                pinned[0] = self._context[1]
             return self._context[1]
         records = sh.mirror.snapshot()  # on the routing thread: the loop changes the mirror meanwhile
         recent = sh.mirror.window(now - sh.window_s, now, records)
@@ -1094,8 +1093,6 @@ class ShadowInstanceForecaster:
                 running.setdefault(r.worker, []).append(copy.copy(r))
         ctx = (base, mean_out, running, ResidualLengths(outs))
         self._context = (key, ctx)
-        if pinned is not None:
-            pinned[0] = ctx
         return ctx
 
     def forecast(self, instance_id: str, extra_request: Any = None, horizon_s: float | None = None,

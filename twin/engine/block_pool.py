@@ -289,7 +289,7 @@ class BlockPool:
         `allocate`, `add_copy` per block and `release_keyed` took three. False, and nothing changed, where a key is
         cached already or fewer blocks are free."""
         m = self.cached_block_hash_to_ref
-        if (len(keys) > self.num_anon_free + self.num_lru_free or not m.keys().isdisjoint(keys)
+        if (len(keys) > self.get_num_free_blocks() or not m.keys().isdisjoint(keys)
                 or (self.dups and not self.dups.keys().isdisjoint(keys))):
             return False
         self.allocate(len(keys))
