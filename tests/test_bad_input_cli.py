@@ -201,6 +201,11 @@ def test_a_bug_surfaces_as_itself_not_as_the_error_handlers_own(monkeypatch):
 
 
 # -- a second fuzzing pass (2026-12-07): extreme values that crashed, hung or misled -------------------------
+def refused(*sets: str) -> str:
+    """The one line `twin simulate` (the quickstart, made small) refuses these `--set` overrides with."""
+    return one_error(["simulate", QUICKSTART, "-q", *SMALL, *(a for s in sets for a in ("--set", s))])
+
+
 @pytest.mark.parametrize("sets, words", [
     (["workload.arrival.process=gamma", "workload.arrival.cv=1e160"], "less than or equal to 100"),
     (["workload.arrival.rate=1e-18"], "s, past 1e+09 s (about 31 years)"),  # it ran: every latency 0 ms
@@ -210,10 +215,7 @@ def test_a_bug_surfaces_as_itself_not_as_the_error_handlers_own(monkeypatch):
     (["scaler.name=static", "scaler.interval_s=1e-9"], "greater than or equal to 0.01"),
 ])
 def test_extreme_scenario_values_are_refused_in_one_line(sets, words):
-    args = ["simulate", QUICKSTART, "-q", *SMALL]
-    for s in sets:
-        args += ["--set", s]
-    assert words in one_error(args)
+    assert words in refused(*sets)
 
 
 def test_trace_timing_scaled_past_the_simulated_horizon_is_refused(tmp_path):
@@ -261,7 +263,7 @@ def test_a_sweep_point_file_that_is_not_text_is_run_again(tmp_path):
 
 
 def test_an_activation_reserve_that_leaves_no_kv_cache_is_named():
-    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "cluster.engine.activation_reserve_gb=1000"])
+    line = refused("cluster.engine.activation_reserve_gb=1000")
     assert "cluster.engine.activation_reserve_gb 1000 leaves no room for a KV cache" in line  # it blamed the weights
 
 
@@ -274,22 +276,18 @@ def test_an_activation_reserve_that_leaves_no_kv_cache_is_named():
     (["workload.lengths.range_ratio=0.5"], "range_ratio applies to kind uniform, not 'trace'"),
 ])
 def test_a_setting_that_does_not_apply_is_refused_not_ignored(sets, words):
-    args = ["simulate", QUICKSTART, "-q", *SMALL]
-    for s in sets:
-        args += ["--set", s]
-    assert words in one_error(args)
+    assert words in refused(*sets)
 
 
 def test_a_length_csv_of_true_and_false_is_not_read_as_one_and_zero(tmp_path):
     csv = tmp_path / "l.csv"
     csv.write_text("num_prefill_tokens,num_decode_tokens\nTrue,False\n")
-    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "workload.lengths={kind: trace, path: "
-                      f"{csv}}}"])
+    line = refused(f"workload.lengths={{kind: trace, path: {csv}}}")
     assert "field num_prefill_tokens: True is not a token count" in line
 
 
 def test_mxfp4_on_a_dense_model_is_refused():
-    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", "cluster.dtype=mxfp4"])  # ran as bf16
+    line = refused("cluster.dtype=mxfp4")  # ran as bf16
     assert "dtype mxfp4 quantizes MoE experts only" in line
 
 
@@ -308,7 +306,7 @@ def test_an_endless_scenario_file_is_refused():
 def test_a_length_trace_with_no_usable_row_says_why(tmp_path, rows, says):
     csv = tmp_path / "l.csv"
     csv.write_text("num_prefill_tokens,num_decode_tokens\n" + rows)  # both read "fits max_total_tokens"
-    line = one_error(["simulate", QUICKSTART, "-q", *SMALL, "--set", f"workload.lengths.path={csv}"])
+    line = refused(f"workload.lengths.path={csv}")
     assert says in line
 
 
