@@ -133,7 +133,8 @@ def ceilings(perf: StepTimeModel, cfg: EngineConfig, context: int, mix: tuple[fl
                  "compute" if max_seqs >= cross else "memory (weight reads)")
     p, o = mix
     top = max(p, o)  # shares of the larger: 1e308 + 1e308 overflows to inf
-    share_p, share_o = (p / top) / (p / top + o / top), (o / top) / (p / top + o / top)
+    p1, o1 = p / top, o / top
+    share_p, share_o = p1 / (p1 + o1), o1 / (p1 + o1)
     if decode > 0:
         mixed = 1.0 / (share_p / prefill + share_o / decode)
     else:

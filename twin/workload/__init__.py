@@ -81,14 +81,13 @@ def empty_reason(t, stats: TraceStats) -> str:
 MAX_SPAN_S = 1e9  # simulated seconds (~31 years): past this the float clock loses microseconds, and the run its sense
 
 
-def check_span(stream: RequestStream, where: str, knob: str) -> RequestStream:
+def check_span(stream: RequestStream, where: str, knob: str) -> None:
     """Refuse arrivals spread past `MAX_SPAN_S` (a rate of 1e-18 req/s ran, and reported every latency as 0 ms;
     at 1e-30 the run never ended)."""
     last = float(np.max(stream.arrival_s)) if len(stream) else 0.0
     if not last <= MAX_SPAN_S:
         raise TwinInputError(f"{where}: the arrivals span {last:.3g} s, past {MAX_SPAN_S:.0e} s (about 31 years) of "
                              f"simulated time: check {knob}")
-    return stream
 
 
 def build_stream(sc) -> RequestStream:
