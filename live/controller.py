@@ -32,7 +32,6 @@ from live.kv_subscriber import KVEventSubscriber
 from live.metrics import ControllerMetrics
 from live.registry import Registry, Worker
 from live.scaling import make_scaler, plan_scale
-from twin.policy.signals import RecentWindow
 from live.signals import parse_metrics
 from live.tokens import PromptTokenizer
 
@@ -455,14 +454,7 @@ class Controller:
         if self.shadow is not None and getattr(self.scaler, "needs_forecaster", False):
             # the twin scaler simulates in its decide(): a thread keeps the event loop serving meanwhile
             forecast = self.shadow.fleet_forecaster(fleet.now)
-            signals = None
-            if fleet.signals is not None:  # a copy: the loop keeps appending to the original meanwhile
-                signals = RecentWindow(fleet.signals.horizon_s, fleet.signals.observed_since)
-                signals.arrivals.extend(fleet.signals.arrivals)
-                signals.first_arrival_s = fleet.signals.first_arrival_s
-                signals.completions.extend(fleet.signals.completions)
-            view = FleetView(fleet.now, list(fleet.instances), fleet.bookkeeping, fleet.prefix_index, forecast,
-                             list(fleet.all_instances), signals=signals, extras=fleet.extras)
+            view = fleet.snapshot(forecast)  # the loop keeps changing the fleet meanwhile
             decided = await asyncio.to_thread(self.scaler.decide, view.now, view, forecast)
         else:
             decided = self.scaler.decide(fleet.now, fleet, None)
@@ -511,7 +503,9 @@ class Controller:
         if not self._switch_held:
             _lower_switch_interval()
             self._switch_held = True
-        return await asyncio.get_running_loop().run_in_executor(self._route_thread, self._decide, req, fleet)
+        # on a snapshot: the loop records first tokens and finishes meanwhile (the lock keeps dispatches out)
+        return await asyncio.get_running_loop().run_in_executor(self._route_thread, self._decide, req,
+                                                                fleet.snapshot())
 
     def _decide(self, req: Any, fleet: FleetView) -> Any:
         """One decision on the routing thread: the forecaster keeps one context for all its candidates, though the

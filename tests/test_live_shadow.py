@@ -674,6 +674,48 @@ def test_a_live_block_decision_keeps_one_context_though_the_mirror_changes():
     assert len(after[2]["w0"]) == 5
 
 
+def test_a_router_off_the_loop_decides_on_the_fleet_as_it_was_when_it_began():
+    """A look-ahead router runs on the routing thread while the loop records first tokens and finishes: it reads a
+    snapshot of the fleet (in-flight counts, recent window), so two reads within one decision agree, as in the
+    simulator. Before, a count read twice could change in between (Block's tie-break once raised on that)."""
+    import threading
+
+    async def main():
+        ctl = block_controller("w0", "w1")
+        now = time.monotonic()
+        for i in range(4):
+            ctl.dispatched(view(i, now, 40, 20), "w0", now)
+        ctl.first_token(view(3, now), "w0", now)
+        ctl.finished(view(3, now, 40, 20), "w0", now + 0.1, 12)
+        started, loop_done = threading.Event(), threading.Event()
+        reads = []
+
+        def choose(req, fleet):
+            reads.append((fleet.inflight_counts(), len(fleet.signals.completions),
+                          fleet.signals.mean_lengths(now + 1.0, 60.0)))
+            started.set()
+            loop_done.wait(10.0)
+            reads.append((fleet.inflight_counts(), len(fleet.signals.completions),
+                          fleet.signals.mean_lengths(now + 1.0, 60.0)))
+            return "w1"
+
+        ctl.host.choose = choose
+        task = asyncio.create_task(ctl.choose(view(9, now, 40, 20), ctl.registry.fleet_view(now)))
+        await asyncio.to_thread(started.wait, 10.0)
+        ctl.first_token(view(0, now), "w0", now + 0.2)  # the loop, meanwhile
+        ctl.finished(view(0, now, 40, 20), "w0", now + 0.3, 30)
+        ctl.dispatched(view(5, now, 40, 20), "w1", now + 0.3)
+        loop_done.set()
+        picked = await task
+        live = ctl.registry.fleet_view(now).inflight_counts()
+        await ctl.stop()
+        return picked, reads, live
+
+    picked, reads, live = asyncio.run(main())
+    assert picked == "w1" and reads[0] == reads[1] == ([3, 0], 1, (40.0, 12.0))
+    assert live == [2, 1]  # the books themselves moved on
+
+
 def test_the_live_block_forecaster_keeps_one_scenario_per_engine_and_shares_a_decisions_context():
     """Block's horizon (its best score so far) differs at every decision: keyed by it, the forecaster's scenarios grew
     without end in a long-running controller. Each forecast still stops at its own horizon. What the candidates of one

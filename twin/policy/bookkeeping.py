@@ -76,6 +76,17 @@ class Bookkeeping:
         else:
             ld.prompt_tokens -= f.prompt_tokens
 
+    def snapshot(self) -> "Bookkeeping":
+        """A copy its owner's updates do not reach: the live controller's routing thread decides on the counts as
+        they were when the decision began, while its event loop records first tokens and finishes."""
+        b = Bookkeeping()
+        b.loads = {k: InstanceLoad(v.requests, v.prompt_tokens, v.decode_tokens, v.dispatched_total)
+                   for k, v in self.loads.items()}
+        for k, f in self._flights.items():
+            g = b._flights[k] = _Flight(f.instance_id, f.prompt_tokens, f.expected_output)
+            g.decoding = f.decoding
+        return b
+
     def instance_of(self, request_id: str) -> str | None:
         f = self._flights.get(request_id)
         return None if f is None else f.instance_id

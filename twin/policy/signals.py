@@ -57,6 +57,19 @@ class RecentWindow:
         self._first_in: dict[float, tuple[int, float]] = {}
         self._in_order = True  # completions came in time order (`recent` is then a suffix from a cursor)
 
+    def copy(self) -> "RecentWindow":
+        """A copy its owner's appends do not reach (a policy deciding on another thread reads it)."""
+        w = RecentWindow(self.horizon_s, self.observed_since)
+        w.arrivals.extend(self.arrivals)
+        w.completions.extend(self.completions)
+        w.total_arrivals, w.total_completions = self.total_arrivals, self.total_completions
+        w.first_arrival_s = self.first_arrival_s
+        w._cum.extend(self._cum)
+        w._sum_p, w._sum_o, w._trimmed = self._sum_p, self._sum_o, self._trimmed
+        w._first_in = dict(self._first_in)
+        w._in_order = self._in_order
+        return w
+
     def _trim(self, now: float) -> None:
         cut = now - self.horizon_s
         a, c = self.arrivals, self.completions
