@@ -505,7 +505,7 @@ class Controller:
             self._switch_held = True
         # on a snapshot: the loop records first tokens and finishes meanwhile (the lock keeps dispatches out)
         return await asyncio.get_running_loop().run_in_executor(self._route_thread, self._decide, req,
-                                                                fleet.snapshot())
+                                                                fleet.snapshot(window=False))
 
     def _decide(self, req: Any, fleet: FleetView) -> Any:
         """One decision on the routing thread: the forecaster keeps one context for all its candidates, though the

@@ -676,7 +676,7 @@ def test_a_live_block_decision_keeps_one_context_though_the_mirror_changes():
 
 def test_a_router_off_the_loop_decides_on_the_fleet_as_it_was_when_it_began():
     """A look-ahead router runs on the routing thread while the loop records first tokens and finishes: it reads a
-    snapshot of the fleet (in-flight counts, recent window), so two reads within one decision agree, as in the
+    snapshot of the fleet (in-flight counts, the views), so two reads within one decision agree, as in the
     simulator. Before, a count read twice could change in between (Block's tie-break once raised on that)."""
     import threading
 
@@ -691,12 +691,10 @@ def test_a_router_off_the_loop_decides_on_the_fleet_as_it_was_when_it_began():
         reads = []
 
         def choose(req, fleet):
-            reads.append((fleet.inflight_counts(), len(fleet.signals.completions),
-                          fleet.signals.mean_lengths(now + 1.0, 60.0)))
+            reads.append((fleet.inflight_counts(), [v.inflight_prompt_tokens for v in fleet.instances]))
             started.set()
             loop_done.wait(10.0)
-            reads.append((fleet.inflight_counts(), len(fleet.signals.completions),
-                          fleet.signals.mean_lengths(now + 1.0, 60.0)))
+            reads.append((fleet.inflight_counts(), [v.inflight_prompt_tokens for v in fleet.instances]))
             return "w1"
 
         ctl.host.choose = choose
@@ -712,7 +710,7 @@ def test_a_router_off_the_loop_decides_on_the_fleet_as_it_was_when_it_began():
         return picked, reads, live
 
     picked, reads, live = asyncio.run(main())
-    assert picked == "w1" and reads[0] == reads[1] == ([3, 0], 1, (40.0, 12.0))
+    assert picked == "w1" and reads[0] == reads[1] == ([3, 0], [120, 0])
     assert live == [2, 1]  # the books themselves moved on
 
 

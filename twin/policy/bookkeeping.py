@@ -77,14 +77,12 @@ class Bookkeeping:
             ld.prompt_tokens -= f.prompt_tokens
 
     def snapshot(self) -> "Bookkeeping":
-        """A copy its owner's updates do not reach: the live controller's routing thread decides on the counts as
-        they were when the decision began, while its event loop records first tokens and finishes."""
+        """A read-only copy its owner's updates do not reach: the live controller's routing thread decides on the
+        counts as they were when the decision began, while its event loop records first tokens and finishes."""
         b = Bookkeeping()
         b.loads = {k: InstanceLoad(v.requests, v.prompt_tokens, v.decode_tokens, v.dispatched_total)
                    for k, v in self.loads.items()}
-        for k, f in self._flights.items():
-            g = b._flights[k] = _Flight(f.instance_id, f.prompt_tokens, f.expected_output)
-            g.decoding = f.decoding
+        b._flights = dict(self._flights)  # the records shared: a router reads only where each went (`instance_of`)
         return b
 
     def instance_of(self, request_id: str) -> str | None:

@@ -316,19 +316,21 @@ class FleetView:
     signals: RecentWindow | None = None  # recent arrivals and completed requests (scalers read it)
     extras: Mapping[str, Any] = field(default_factory=dict)
 
-    def snapshot(self, forecaster: Forecaster | None = None) -> "FleetView":
+    def snapshot(self, forecaster: Forecaster | None = None, window: bool = True) -> "FleetView":
         """The fleet as it is now, in a copy its owner's updates do not reach: a policy deciding on the live
-        controller's routing or scaler thread reads in-flight counts, instance lists and the recent window as they
-        were when it began, as a simulated decision does, while the event loop records first tokens and finishes.
-        Gauges are replaced whole at a scrape, so they are shared; so is the prefix index (too large to copy per
-        decision: its lookups are single reads). `forecaster`: the snapshot's own, else this view's."""
+        controller's routing or scaler thread reads in-flight counts, instance lists and (with `window`) the recent
+        window as they were when it began, as a simulated decision does, while the event loop records first tokens
+        and finishes. Gauges are replaced whole at a scrape, so they are shared; so is the prefix index (too large to
+        copy per decision: its lookups are single reads), and without `window` the recent window (an hour of
+        arrivals and completions: 11 ms to copy at 40 req/s, which no router reads). `forecaster`: the snapshot's
+        own, else this view's."""
         books = self.bookkeeping.snapshot()
         views = {v.id: InstanceView(v.id, v.state, v.gauges, v.config, books.load(v.id), v.started_at)
                  for v in list(self.all_instances) + list(self.instances)}
+        signals = self.signals.copy() if window and self.signals is not None else self.signals
         return FleetView(self.now, [views[v.id] for v in self.instances], books, self.prefix_index,
                          forecaster if forecaster is not None else self.forecaster,
-                         [views[v.id] for v in self.all_instances],
-                         self.signals.copy() if self.signals is not None else None, dict(self.extras))
+                         [views[v.id] for v in self.all_instances], signals, dict(self.extras))
 
     def by_id(self, instance_id: str) -> InstanceView | None:
         for v in self.instances:
