@@ -20,7 +20,7 @@ def compare(
     routers: Optional[str] = typer.Option(None, "--routers", help="comma-separated router names"),
     router: List[str] = typer.Option([], "--router", help=(
         "a contender as inline YAML: '{label: lm-stale, name: lmetric, scrape_interval_s: 0.1, "
-        "prefix_index: precise, params: {...}, set: [cluster.num_instances=8]}' (repeatable)")),
+        "prefix_index: precise, params: {...}, set: \\[cluster.num_instances=8]}' (repeatable)")),
     set_: List[str] = typer.Option([], "--set", help="override a scenario field for every run: dotted.path=value"),
     seeds: int = typer.Option(1, "--seeds", min=1, help="repeat on this many seeds (scenario seed, +1, ...)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="the first seed (default: the scenario's)"),

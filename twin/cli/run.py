@@ -30,8 +30,9 @@ ARRIVAL_FLAGS = {"process": "--arrival", "rate": "--rate", "cv": "--cv"}
 def simulate(
     scenario: Path = typer.Argument(..., help="scenario YAML file"),
     set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value (repeatable)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="folder for summary.json and requests.parquet "
-                                                            "(default: a new runs/<name>-<time>)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for summary.json, requests.parquet "
+                                                            "and timeline.parquet "
+                                                            "(default: a new runs/<name>-<date>-<time>)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
 ) -> None:
@@ -96,8 +97,9 @@ def replay(
     scenario: Path = typer.Option(..., "--scenario",
                                   help="scenario YAML: cluster, router, SLOs (its workload is replaced)"),
     set_: List[str] = typer.Option([], "--set", help="override a scenario field: dotted.path=value (repeatable)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="folder for summary.json and requests.parquet "
-                                                            "(default: a new runs/<name>-<time>)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for summary.json, requests.parquet "
+                                                            "and timeline.parquet "
+                                                            "(default: a new runs/<name>-<date>-<time>)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed (sampling, arrivals)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
     start: Optional[float] = typer.Option(None, "--start",

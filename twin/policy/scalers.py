@@ -402,7 +402,9 @@ WHEN_SHORT = ("gain", "hold", "largest")  # TwinScaler: no size reaches the targ
 
 @register_scaler("twin")
 class TwinScaler(ScalerBase):
-    """Ours: look ahead with the twin. At each decision, run the fleet forward over `horizon_s` with
+    """Ours: look ahead with the twin, and take the smallest fleet whose forecast SLO attainment reaches `target`.
+
+    At each decision, run the fleet forward over `horizon_s` with
     N-1, N, N+1, ... N+`max_step` instances (new ones paying the start-up delay) and choose the smallest whose
     forecast SLO attainment reaches `target`; when none does, the largest, or while instances are starting what
     `when_short` says (`_best_effort`; default `gain`: the smallest within `tolerance` of the largest's
