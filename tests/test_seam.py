@@ -200,6 +200,35 @@ def test_simulate_writes_a_timeline_and_plot_draws_it(tmp_path):
     assert r.exit_code == 2 and "no requests.parquet" in r.output
 
 
+def test_plot_on_a_compare_folder_draws_one_curve_per_contender(tmp_path, monkeypatch):
+    """`twin compare` writes requests.parquet and timeline.parquet with a `label` column beside its figures; `twin
+    plot` read the folder as one run and overwrote compare's latency_cdf.png with a single curve over all of them."""
+    import twin.analysis.report as report
+
+    out = tmp_path / "cmp"
+    r = runner.invoke(app, ["compare", QUICK, "--routers", "round-robin,least-outstanding", "--set",
+                            "workload.num_requests=60", "-q", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    drawn: dict[str, dict[str, int]] = {}  # figure -> {curve: rows}
+    real_cdfs, real_tl = report.latency_cdfs, report.timelines
+
+    def cdfs(reqs, path, title=""):
+        drawn[path.name] = {k: len(v) for k, v in reqs.items()}
+        return real_cdfs(reqs, path, title)
+
+    def tls(frames, path, title=""):
+        drawn[path.name] = {k: len(v) for k, v in frames.items()}
+        return real_tl(frames, path, title)
+
+    monkeypatch.setattr(report, "latency_cdfs", cdfs)
+    monkeypatch.setattr(report, "timelines", tls)
+    r = runner.invoke(app, ["plot", str(out)])
+    assert r.exit_code == 0, r.output
+    assert drawn["latency_cdf.png"] == {"round-robin": 60, "least-outstanding": 60}
+    assert sorted(drawn["timelines.png"]) == ["least-outstanding", "round-robin"]
+    assert not (out / "timeline.png").exists()
+
+
 def test_routers_command_lists_names_and_parameters():
     r = runner.invoke(app, ["routers"])
     assert r.exit_code == 0

@@ -118,7 +118,9 @@ def summary_row(summary: dict) -> dict:
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
-    """Figures for any run folder written by `twin simulate`/`replay` (requests.parquet, timeline.parquet)."""
+    """Figures for any run folder written by `twin simulate`/`replay` (requests.parquet, timeline.parquet), or by
+    `twin compare`: its tables hold a `label` column, one curve per contender, drawn again as compare drew them
+    (read as one run, its figure was overwritten by a single curve over every contender's requests)."""
     from twin.errors import TwinInputError, out_folder
 
     run_dir = Path(run_dir)
@@ -128,12 +130,21 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     out = out_folder(Path(out) if out is not None else run_dir)
     df = _read_table(req_path, ["status", *(col for col, _ in LATENCIES)])
     name = run_dir.name
-    written = [latency_cdfs({name: df}, out / "latency_cdf.png", name)]
+    written = [latency_cdfs(_by_label(df, name), out / "latency_cdf.png", name)]
     tl_path = run_dir / "timeline.parquet"
     if tl_path.is_file():
         tl = _read_table(tl_path, ["t_s", "instance", "running", "waiting", "kv_usage"])
-        written.append(timelines({name: tl}, out / "timeline.png", name))
+        labelled = "label" in tl.columns
+        written.append(timelines(_by_label(tl, name), out / ("timelines.png" if labelled else "timeline.png"),
+                                 f"{name}: per-instance load and KV use" if labelled else name))
     return written
+
+
+def _by_label(df: pd.DataFrame, name: str) -> dict[str, pd.DataFrame]:
+    """A run's table as {name: table}, or a comparison's (a `label` column) as one table per contender, in order."""
+    if "label" not in df.columns:
+        return {name: df}
+    return {str(k): g.drop(columns="label") for k, g in df.groupby("label", sort=False)}
 
 
 def _read_table(path: Path, columns: list[str]) -> pd.DataFrame:
