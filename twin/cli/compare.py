@@ -80,7 +80,7 @@ def compare(
 
 @app.command()
 def plot(
-    run_dir: Path = typer.Argument(..., help="a run folder (from simulate/replay --out)"),
+    run_dir: Path = typer.Argument(..., help="a run folder (from simulate, replay or compare --out)"),
     out: Optional[Path] = typer.Option(None, "--out", help="where to write the PNGs (default: the run folder)"),
 ) -> None:
     """Draw latency CDFs and per-instance timelines of a finished run."""
