@@ -396,6 +396,7 @@ def warm(cl: Any, load: WindowLoad, pins: dict[str, int]) -> int:
         if not pool.enable_caching:
             return warmed
         r = cl.make_request(i)
+        cl.premade_keys[i] = r.block_keys  # its arrival takes them: the prompt's ids chained once
         keys = list(r.block_keys[:max(0, (r.num_prompt_tokens - 1) // pool.block_size)])
         keys = keys[pool.num_cached_hits(keys, len(keys)):]  # a prefix shared with one warmed before is there
         if keys and pool.cache_free(keys):  # not where a key is cached already or the pool lacks room
@@ -1145,4 +1146,4 @@ class ShadowInstanceForecaster:
         drain = float(np.max(log.finish_s[done])) if done.all() and len(done) else None
         want = {"first_token": ttft, "finish": e2e, "drain": drain}.get(until, e2e)
         return Forecast(instance_id, ttft_s=ttft, e2e_s=e2e, drain_s=drain, censored=want is None,
-                        steps=int(getattr(res, "num_steps", 0) or 0))
+                        steps=sum(i.scheduler.stats.num_steps for i in res.instances))

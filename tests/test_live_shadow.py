@@ -714,6 +714,44 @@ def test_a_router_off_the_loop_decides_on_the_fleet_as_it_was_when_it_began():
     assert live == [2, 1]  # the books themselves moved on
 
 
+def test_a_warmed_request_arrives_with_the_keys_warm_made(monkeypatch):
+    """`warm` makes each decoding request's engine keys to place its prompt in the cache; its arrival takes those keys
+    (`Cluster.premade_keys`) instead of chaining the prompt's ids again (17 % of a live Block forecast): every one is
+    taken, and the forecast is the one made without them."""
+    import live.shadow as shadow_mod
+
+    real_warm = shadow_mod.warm
+    seen = []
+
+    def spy(cl, load, pins, drop=False):
+        n = real_warm(cl, load, pins)
+        seen.append((cl, len(cl.premade_keys), n))
+        if drop:
+            cl.premade_keys.clear()
+        return n
+
+    async def main():
+        ctl = block_controller("w0")
+        now = time.monotonic()
+        for i in range(8):
+            req = view(i, now - 2.0 + i * 0.1, 300 + 40 * i, 50)
+            ctl.dispatched(req, "w0", req.arrival_time)
+            if i < 6:
+                ctl.first_token(req, "w0", req.arrival_time + 0.05)
+        fc = ctl.registry.fleet.forecaster
+        extra = view(99, now, 200, 40)
+        monkeypatch.setattr(shadow_mod, "warm", spy)
+        with_keys = fc.forecast("w0", extra, 60.0, "finish")
+        monkeypatch.setattr(shadow_mod, "warm", lambda cl, load, pins: spy(cl, load, pins, drop=True))
+        without = fc.forecast("w0", extra, 60.0, "finish")
+        return with_keys, without
+
+    with_keys, without = asyncio.run(main())
+    (cl, made, warmed), _ = seen
+    assert warmed == 6 and made == 6 and cl.premade_keys == {}  # each warmed one's keys taken at its arrival
+    assert with_keys == without and with_keys.e2e_s is not None and with_keys.steps > 0
+
+
 def test_the_live_block_forecaster_keeps_one_scenario_per_engine_and_shares_a_decisions_context():
     """Block's horizon (its best score so far) differs at every decision: keyed by it, the forecaster's scenarios grew
     without end in a long-running controller. Each forecast still stops at its own horizon. What the candidates of one

@@ -118,6 +118,9 @@ class Cluster:
         # what the per-request paths read of the stream, once it is complete (compiled: a field, not an attribute
         # lookup or a Python-level __len__ each time)
         self._hash_ids = stream.hash_ids
+        # engine-block keys of requests made before they arrive (`live.shadow.warm` places a request's prompt in
+        # the cache first): taken at the arrival instead of chaining the prompt's ids a second time
+        self.premade_keys: dict[int, Sequence[int] | BlockKeys] = {}
         self._texts = stream.texts
         self._num_requests = len(stream)
         self.env = Environment()  # SimPy's, with the twin's clock (twin.sim.environment)
@@ -292,6 +295,9 @@ class Cluster:
         s = self.stream
         hash_ids = self._hash_ids
         if hash_ids is not None and hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
+            pre = self.premade_keys
+            if pre and i in pre:
+                return Request(i, self._arrival_col[i], p, self._max_tokens_col[i], pre.pop(i), self._session_col[i])
             covered = p + int(s.output_tokens[i]) if s.hashes_cover_output else p
             bs = self.engine_config.block_size
             tr = self.trace_runs[i] if self.trace_runs is not None else None
