@@ -362,9 +362,13 @@ class Proxy:
                 ctl.first_token(req, w.id, time.monotonic())
                 out = web.StreamResponse(status=200, headers={
                     "Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
-                await out.prepare(request)
-                events += first.count(b"data: ")
-                await out.write(first)
+                try:  # a client gone before its first chunk is no worker's fault: not retried, the worker kept
+                    await out.prepare(request)
+                    events += first.count(b"data: ")
+                    await out.write(first)
+                except _CLIENT_GONE:
+                    status = "499"
+                    return out
                 try:
                     async for chunk in r.content.iter_any():
                         events += chunk.count(b"data: ")

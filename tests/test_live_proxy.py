@@ -36,6 +36,7 @@ class FakeWorker:
         self.chunks = 5
         self.delay = 0.0
         self.wrote: list[float] = []  # loop time of each SSE event written
+        self.gate: asyncio.Event | None = None  # when set: a stream's first event waits for it
         self.port = 0
         self.runner: web.AppRunner | None = None
 
@@ -86,6 +87,8 @@ class FakeWorker:
                                       "usage": {"completion_tokens": 3}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.gate is not None:
+            await self.gate.wait()
         for i in range(self.chunks):
             await resp.write(f"data: {json.dumps({'worker': self.name, 'i': i})}\n\n".encode())
             self.wrote.append(asyncio.get_running_loop().time())
@@ -353,6 +356,42 @@ def test_worker_dying_mid_stream_gives_an_sse_error_and_later_requests_go_elsewh
     assert 'llmtwin_workers{state="down"} 1.0' in res["page"] and 'llmtwin_workers{state="stopped"} 0.0' in res["page"]
     assert [res[f"later{i}"] for i in range(3)] == ["w1"] * 3
     assert res["inflight"] == 0
+
+
+def test_a_client_gone_before_its_first_chunk_marks_no_worker_down_and_is_not_retried():
+    """Found by a fuzzing pass: the write of the first chunk to a client that had left raised a connection error
+    the proxy took for the worker's, so it marked the worker down and retried elsewhere, and again: one impatient
+    client took the whole fleet down and its request was counted three times."""
+    async def main():
+        ws = await fakes()
+        for w in ws:
+            w.gate = asyncio.Event()
+        async with proxy(ws, None, router={"name": "round-robin"},
+                         health={"interval_s": 30, "backoff_initial_s": 30, "backoff_max_s": 30}) as (ctl, url, c):
+            async with aiohttp.ClientSession() as leaving:
+                task = asyncio.get_running_loop().create_task(
+                    leaving.post(url + "/v1/completions", json={"prompt": "x", "stream": True}))
+                while not (ws[0].received or ws[1].received):
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for w in ws:
+                w.gate.set()
+            while ctl.bookkeeping.in_flight():
+                await asyncio.sleep(0.01)
+            states = {w.id: w.status for w in ctl.registry}
+            page = await (await c.get(url + "/metrics")).text()
+        for w in ws:
+            await w.stop()
+        return ws, states, page
+
+    ws, states, page = run(main())
+    assert states == {"w0": "serving", "w1": "serving"}
+    assert [len(w.received) for w in ws] == [1, 0]  # not retried on w1
+    assert 'llmtwin_requests_total{status="499",worker="w0"} 1.0' in page
+    assert "llmtwin_requests_total{" not in page.replace('llmtwin_requests_total{status="499",worker="w0"}', "")
+    assert "llmtwin_retries_total 0.0" in page and "before_first_byte" not in page
 
 
 def test_health_checks_bring_a_worker_back():
