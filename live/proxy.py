@@ -184,6 +184,9 @@ class Proxy:
         except (ValueError, UnicodeDecodeError) as e:
             m.rejected.labels("bad_json").inc()
             return error(400, f"request body is not valid JSON: {e}")
+        except RecursionError:  # vLLM: 400, "There was an error parsing the body"
+            m.rejected.labels("bad_json").inc()
+            return error(400, "request body is not valid JSON: nested too deeply")
         if not isinstance(body, dict):
             m.rejected.labels("bad_json").inc()
             return error(400, "request body must be a JSON object")

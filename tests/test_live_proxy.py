@@ -252,6 +252,7 @@ def test_bad_input_is_4xx_with_a_message():
             await post("maxtok", js={"prompt": "x", "max_tokens": -3})
             await post("noprompt", js={"max_tokens": 3})
             await post("chatmsgs", js={"messages": "hi"}, path="/v1/chat/completions")
+            await post("deep", data=b'{"prompt": "x", "a": ' + b"[" * 2000 + b"]" * 2000 + b"}")
         for w in ws:
             await w.stop()
         return out, ws[0].received
@@ -265,6 +266,7 @@ def test_bad_input_is_4xx_with_a_message():
     assert out["maxtok"][0] == 400
     assert out["noprompt"][0] == 400 and "prompt" in out["noprompt"][1]["error"]["message"]
     assert out["chatmsgs"][0] == 400
+    assert out["deep"][0] == 400 and "nested too deeply" in out["deep"][1]["error"]["message"]  # was a 500
     assert received == []  # none of them reached a worker
 
 
