@@ -28,7 +28,7 @@ from twin.workload.text_prefix import text_block_ids
 
 from live.controller import Controller
 from live.hashing import chain_hashes
-from live.tokens import BadPrompt
+from live.tokens import BadPrompt, body_field
 
 log = logging.getLogger("llmtwin.live")
 CTL: web.AppKey[Controller] = web.AppKey("controller", Controller)
@@ -190,9 +190,13 @@ class Proxy:
         if not isinstance(body, dict):
             m.rejected.labels("bad_json").inc()
             return error(400, "request body must be a JSON object")
-        model = body.get("model")
+        try:
+            model = body_field(body, "model", "model")
+        except BadPrompt as e:  # a list or object is no model name (it was a 500: unhashable)
+            m.rejected.labels("bad_request").inc()
+            return error(400, str(e))
         served = self.served_models()
-        if model is not None and served and model not in served:
+        if model and served and model not in served:  # vLLM serves its model to an empty name too
             m.rejected.labels("unknown_model").inc()
             return error(404, f"The model `{model}` does not exist (served: {', '.join(sorted(served))}).")
         max_tokens = body.get("max_completion_tokens") if chat and "max_tokens" not in body else body.get("max_tokens")

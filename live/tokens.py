@@ -8,14 +8,34 @@ in process (needs `transformers`; the same files the worker loads); `estimate` c
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
+
+from pydantic import TypeAdapter, ValidationError
 
 from twin.errors import TwinInputError
 
 
 class BadPrompt(ValueError):
-    """The body's prompt or messages are not of a form the OpenAI API accepts (a 400 for the client)."""
+    """The body's prompt, messages or another field is not of a form vLLM's OpenAI server accepts (a 400)."""
+
+
+# the types of vLLM's request models (vllm/entrypoints/openai/*/protocol.py), read as FastAPI reads a body there:
+# pydantic's lax mode, where 10.0, "10" and true are the integers 10, 10 and 1, and "false" is false
+FIELD_TYPES = {"model": TypeAdapter(Optional[str]), "int": TypeAdapter(Optional[int]),
+               "bool": TypeAdapter(Optional[bool])}
+
+
+def body_field(body: dict, key: str, kind: str) -> Any:
+    """`body[key]` as vLLM's request model reads it (`kind`: model, int or bool), or BadPrompt where it refuses."""
+    v = body.get(key)
+    if v is None:
+        return None
+    try:
+        return FIELD_TYPES[kind].validate_python(v)
+    except ValidationError as e:
+        raise BadPrompt(f"'{key}': {e.errors()[0]['msg']} (got {reprlib.repr(v)})") from None
 
 
 @dataclass(frozen=True, slots=True)

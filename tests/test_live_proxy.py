@@ -252,6 +252,9 @@ def test_bad_input_is_4xx_with_a_message():
             await post("maxtok", js={"prompt": "x", "max_tokens": -3})
             await post("noprompt", js={"max_tokens": 3})
             await post("chatmsgs", js={"messages": "hi"}, path="/v1/chat/completions")
+            await post("model_list", js={"model": ["fake"], "prompt": "x"})
+            await post("model_int", js={"model": 7, "prompt": "x"})
+            await post("model_empty", js={"model": "", "prompt": "x", "max_tokens": 1})
             await post("deep", data=b'{"prompt": "x", "a": ' + b"[" * 2000 + b"]" * 2000 + b"}")
         for w in ws:
             await w.stop()
@@ -266,8 +269,11 @@ def test_bad_input_is_4xx_with_a_message():
     assert out["maxtok"][0] == 400
     assert out["noprompt"][0] == 400 and "prompt" in out["noprompt"][1]["error"]["message"]
     assert out["chatmsgs"][0] == 400
+    assert out["model_list"][0] == 400 and "valid string" in out["model_list"][1]["error"]["message"]  # was a 500
+    assert out["model_int"][0] == 400  # vLLM's 400 (a type error), not a 404
+    assert out["model_empty"][0] == 200  # vLLM serves its model to an empty name
     assert out["deep"][0] == 400 and "nested too deeply" in out["deep"][1]["error"]["message"]  # was a 500
-    assert received == []  # none of them reached a worker
+    assert len(received) == 1  # only the empty model name reached a worker
 
 
 def test_api_key():
