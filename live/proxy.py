@@ -16,7 +16,7 @@ import signal
 import time
 import traceback
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import web
@@ -49,6 +49,25 @@ def error(status: int, message: str, kind: str | None = None) -> web.Response:
 def sse_error(message: str, code: int = 502) -> bytes:
     return (b"data: " + json.dumps({"error": {"message": message, "type": "BadGatewayError", "param": None,
                                               "code": code}}).encode() + b"\n\ndata: [DONE]\n\n")
+
+
+class Fields(NamedTuple):
+    model: str | None
+    stream: bool
+    max_tokens: int | None
+    priority: int
+    echo: bool
+
+
+def read_fields(body: dict, chat: bool) -> Fields:
+    """The fields the proxy acts on, read as vLLM reads them (`body_field`): else the proxy would refuse what vLLM
+    serves (max_tokens 10.0) or misread it (stream "false"). Chat's max_completion_tokens wins over max_tokens."""
+    max_tokens = body_field(body, "max_tokens", "int")
+    if chat:
+        mct = body_field(body, "max_completion_tokens", "int")
+        max_tokens = mct if mct is not None else max_tokens
+    return Fields(body_field(body, "model", "model"), bool(body_field(body, "stream", "bool")), max_tokens,
+                  body_field(body, "priority", "int") or 0, bool(body_field(body, "echo", "bool")))
 
 
 class _Retryable(Exception):
@@ -190,20 +209,19 @@ class Proxy:
         if not isinstance(body, dict):
             m.rejected.labels("bad_json").inc()
             return error(400, "request body must be a JSON object")
-        try:
-            model = body_field(body, "model", "model")
-        except BadPrompt as e:  # a list or object is no model name (it was a 500: unhashable)
+        try:  # a list or object as 'model' was a 500 (unhashable), 'stream': "false" streamed
+            f = read_fields(body, chat)
+        except BadPrompt as e:
             m.rejected.labels("bad_request").inc()
             return error(400, str(e))
+        model, max_tokens = f.model, f.max_tokens
         served = self.served_models()
         if model and served and model not in served:  # vLLM serves its model to an empty name too
             m.rejected.labels("unknown_model").inc()
             return error(404, f"The model `{model}` does not exist (served: {', '.join(sorted(served))}).")
-        max_tokens = body.get("max_completion_tokens") if chat and "max_tokens" not in body else body.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                       or max_tokens < 1):
+        if max_tokens is not None and max_tokens < (0 if f.echo and not chat else 1):  # echo: the prompt alone
             m.rejected.labels("bad_request").inc()
-            return error(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
+            return error(400, f"max_tokens must be at least 1, got {max_tokens}.")
         t0 = time.perf_counter()
         routable = ctl.registry.routable()
         if not routable:
@@ -237,12 +255,11 @@ class Proxy:
         now = time.monotonic()
         session = request.headers.get("X-Session-Id") or (body.get("user") if isinstance(body.get("user"), str)
                                                           else None)
-        prio = body.get("priority", 0)
-        req = RequestView(ctl.next_id(), now, info.num_tokens, max_tokens, prefix, bs, session,
-                          prio if isinstance(prio, int) else 0, None, info.text)
+        req = RequestView(ctl.next_id(), now, info.num_tokens, max_tokens, prefix, bs, session, f.priority, None,
+                          info.text)
         if ctl.host.predictor is not None:  # the configured length predictor, as the simulator asks it
             req = replace(req, predicted_output_tokens=ctl.host.predict(req))
-        stream = bool(body.get("stream"))
+        stream = f.stream
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: list[str] = []
         last_error = ""

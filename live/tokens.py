@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Annotated, Any, Optional, Sequence, Union
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from twin.errors import TwinInputError
 
@@ -25,6 +25,9 @@ class BadPrompt(ValueError):
 # pydantic's lax mode, where 10.0, "10" and true are the integers 10, 10 and 1, and "false" is false
 FIELD_TYPES = {"model": TypeAdapter(Optional[str]), "int": TypeAdapter(Optional[int]),
                "bool": TypeAdapter(Optional[bool])}
+
+_TOKEN_ID = Annotated[int, Field(ge=0)]
+PROMPT_TYPE = TypeAdapter(Optional[Union[list[_TOKEN_ID], list[list[_TOKEN_ID]], str, list[str]]])
 
 
 def body_field(body: dict, key: str, kind: str) -> Any:
@@ -62,17 +65,17 @@ def prompt_parts(body: dict, chat: bool) -> tuple[list[Any], str | None]:
             elif isinstance(c, list):
                 texts.extend(p.get("text", "") for p in c if isinstance(p, dict))
         return [msgs], "\n".join(texts)
-    p = body.get("prompt")
+    try:  # vLLM's own reading: token ids [1, 2.0] and [1, "2"] are [1, 2] there
+        p = PROMPT_TYPE.validate_python(body.get("prompt"))
+    except ValidationError:
+        p = None
     if isinstance(p, str):
         return [p], p
-    if isinstance(p, list) and p:
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            return [p], None
-        if all(isinstance(x, str) for x in p):
-            return list(p), p[0]
-        if all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in p):
-            return list(p), None
-    raise BadPrompt("'prompt' must be a string, a list of strings, or token ids")
+    if p and isinstance(p[0], int):
+        return [p], None
+    if p:
+        return list(p), (p[0] if isinstance(p[0], str) else None)
+    raise BadPrompt("'prompt' must be a string, a list of strings, or token ids (integers from 0)")
 
 
 class PromptTokenizer:

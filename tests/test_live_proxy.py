@@ -81,7 +81,7 @@ class FakeWorker:
         if self.mode == "die_before_headers" and not is_probe:
             request.transport.close()
             await asyncio.sleep(1)
-        if not body.get("stream"):
+        if str(body.get("stream")).lower() not in ("true", "1"):  # as vLLM reads it: "false" is false
             await asyncio.sleep(self.delay)
             return web.json_response({"id": "cmpl-1", "worker": self.name, "choices": [{"text": "x" * 3}],
                                       "usage": {"completion_tokens": 3}})
@@ -274,6 +274,35 @@ def test_bad_input_is_4xx_with_a_message():
     assert out["model_empty"][0] == 200  # vLLM serves its model to an empty name
     assert out["deep"][0] == 400 and "nested too deeply" in out["deep"][1]["error"]["message"]  # was a 500
     assert len(received) == 1  # only the empty model name reached a worker
+
+
+def test_fields_are_read_as_vllm_reads_them():
+    """vLLM's request models read a body in pydantic's lax mode: max_tokens 7.0 or "2" is an integer there and
+    stream "false" is false. The proxy refused the first (400) and streamed the second; its bookkeeping now gets
+    vLLM's values. Chat's max_completion_tokens wins over max_tokens, as in vLLM."""
+    async def main():
+        ws = await fakes(1)
+        rec = Recorder()
+        out = {}
+        async with proxy(ws, rec) as (ctl, url, c):
+            async def post(key, js, path="/v1/completions"):
+                async with c.post(url + path, json=js) as r:
+                    out[key] = (r.status, r.headers["Content-Type"], await r.read())
+            await post("float", {"prompt": "hello", "max_tokens": 7.0, "stream": "false"})
+            await post("ids", {"prompt": [1, 2.0, "3"], "max_tokens": "2"})
+            await post("echo", {"prompt": "hello", "max_tokens": 0, "echo": True})
+            await post("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                "max_completion_tokens": 100}, "/v1/chat/completions")
+        await ws[0].stop()
+        return out, rec.calls
+
+    out, calls = run(main())
+    assert [out[k][0] for k in ("float", "ids", "echo")] == [200] * 3
+    assert out["float"][1].startswith("application/json")  # answered, not streamed
+    assert out["chat"][0] == 400 and b"100 in the completion" in out["chat"][2]
+    dispatch = [c for c in calls if c[0] == "dispatch"]
+    assert [c[3:] for c in dispatch] == [(1, 7), (3, 2), (1, 0)]  # prompt tokens, max_tokens
+    assert [c[3] for c in calls if c[0] == "finish"] == [3, 3, 3]  # the answers' usage: not read as streams
 
 
 def test_api_key():
