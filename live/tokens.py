@@ -63,7 +63,7 @@ def prompt_parts(body: dict, chat: bool) -> tuple[list[Any], str | None]:
             if isinstance(c, str):
                 texts.append(c)
             elif isinstance(c, list):
-                texts.extend(p.get("text", "") for p in c if isinstance(p, dict))
+                texts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
         return [msgs], "\n".join(texts)
     try:  # vLLM's own reading: token ids [1, 2.0] and [1, "2"] are [1, 2] there
         p = PROMPT_TYPE.validate_python(body.get("prompt"))

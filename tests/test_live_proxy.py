@@ -305,6 +305,17 @@ def test_fields_are_read_as_vllm_reads_them():
     assert [c[3] for c in calls if c[0] == "finish"] == [3, 3, 3]  # the answers' usage: not read as streams
 
 
+def test_chat_parts_whose_text_is_no_string_go_to_vllm_to_refuse():
+    """A content part's non-string text (5, null) was a 500 traceback (joining the texts); vLLM answers it 400,
+    so the proxy passes it on: its own 400 comes back from /tokenize or the completion."""
+    from live.tokens import prompt_parts
+
+    for text in (5, None, ["a"]):
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": text},
+                                                          {"type": "text", "text": "ok"}]}]}
+        assert prompt_parts(body, chat=True) == ([body["messages"]], "ok")
+
+
 def test_api_key():
     async def main():
         ws = await fakes(1)
