@@ -193,6 +193,10 @@ class Proxy:
         if not ctl.accepting:
             m.rejected.labels("shutting_down").inc()
             return error(503, "the controller is shutting down")
+        media = request.headers.get("Content-Type", "").lower().split(";", 1)[0]
+        if media != "application/json":  # vLLM's check (validate_json_request), else it served what vLLM refuses
+            m.rejected.labels("bad_request").inc()
+            return error(400, f"Unsupported Media Type: Only 'application/json' is allowed (got {media!r})")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:

@@ -241,8 +241,8 @@ def test_bad_input_is_4xx_with_a_message():
         ws = await fakes(1)
         out = {}
         async with proxy(ws, None, tokenizer={"mode": "worker"}) as (ctl, url, c):
-            async def post(key, data=None, js=None, path="/v1/completions"):
-                async with c.post(url + path, data=data, json=js) as r:
+            async def post(key, data=None, js=None, path="/v1/completions", ctype="application/json"):
+                async with c.post(url + path, data=data, json=js, headers={"Content-Type": ctype}) as r:
                     out[key] = (r.status, await r.json())
             await post("json", data=b"{not json")
             await post("list", js=[1, 2])
@@ -255,6 +255,7 @@ def test_bad_input_is_4xx_with_a_message():
             await post("model_list", js={"model": ["fake"], "prompt": "x"})
             await post("model_int", js={"model": 7, "prompt": "x"})
             await post("model_empty", js={"model": "", "prompt": "x", "max_tokens": 1})
+            await post("ctype", js={"prompt": "x"}, ctype="text/plain")  # vLLM: 400, whatever the body
             await post("deep", data=b'{"prompt": "x", "a": ' + b"[" * 2000 + b"]" * 2000 + b"}")
         for w in ws:
             await w.stop()
@@ -272,6 +273,7 @@ def test_bad_input_is_4xx_with_a_message():
     assert out["model_list"][0] == 400 and "valid string" in out["model_list"][1]["error"]["message"]  # was a 500
     assert out["model_int"][0] == 400  # vLLM's 400 (a type error), not a 404
     assert out["model_empty"][0] == 200  # vLLM serves its model to an empty name
+    assert out["ctype"][0] == 400 and "Only 'application/json'" in out["ctype"][1]["error"]["message"]
     assert out["deep"][0] == 400 and "nested too deeply" in out["deep"][1]["error"]["message"]  # was a 500
     assert len(received) == 1  # only the empty model name reached a worker
 
