@@ -239,6 +239,7 @@ class Proxy:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ctl.fail(routable[0], f"/tokenize: {e}")
             m.upstream_errors.labels(routable[0].id, "tokenize").inc()
+            self.count(routable[0].id, "502")
             return error(502, f"worker {routable[0].id} failed to tokenize the prompt: {e}")
         mml = info.max_model_len or min((w.config.max_model_len for w in routable if w.config.max_model_len),
                                         default=0)
@@ -304,6 +305,7 @@ class Proxy:
             fleet = ctl.registry.fleet_view(time.monotonic(), tried)
             if not fleet.instances:
                 if attempt:
+                    self.count(tried[-1], "502")
                     return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
                 m.rejected.labels("none_serving").inc()
                 return error(503, self._none_serving())
@@ -316,6 +318,7 @@ class Proxy:
                 cause = router_cause(e)
                 log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
                           "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
+                m.rejected.labels("router_error").inc()
                 return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
             if isinstance(target, Reject) and target.router_error:  # on_error: reject turned a raise into this
                 m.rejected.labels("router_error").inc()
@@ -329,6 +332,7 @@ class Proxy:
             if w is not None and w.routable and target not in tried:
                 return w
             if not isinstance(target, str) or target not in offered:
+                m.rejected.labels("router_error").inc()
                 return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
             log.info("request %s: worker %s stopped serving while router %s decided; deciding again", req.id,
                      target, ctl.router_name)
@@ -360,7 +364,7 @@ class Proxy:
         except asyncio.TimeoutError:
             ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
             self.count(w.id, "504")
-            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:.0f} s")
+            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
         finally:
             ctl.finished(req, w.id, time.monotonic(), out_tokens)
 
@@ -431,8 +435,8 @@ class Proxy:
             if out is not None:
                 return out
             m.upstream_errors.labels(w.id, "timeout").inc()
-            status = "504"
-            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:.0f} s")
+            self.count(w.id, "504")
+            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
         finally:
             if out is not None:
                 self.count(w.id, status)

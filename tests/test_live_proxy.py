@@ -68,6 +68,9 @@ class FakeWorker:
 
     async def tokenize(self, request):
         body = await request.json()
+        if self.mode == "die_on_tokenize":
+            request.transport.close()
+            await asyncio.sleep(1)
         text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
         return web.json_response({"tokens": [ord(c) % 200 for c in text], "count": len(text), "max_model_len": 64})
 
@@ -442,6 +445,55 @@ def test_a_client_gone_before_its_first_chunk_marks_no_worker_down_and_is_not_re
     assert 'llmtwin_requests_total{status="499",worker="w0"} 1.0' in page
     assert "llmtwin_requests_total{" not in page.replace('llmtwin_requests_total{status="499",worker="w0"}', "")
     assert "llmtwin_retries_total 0.0" in page and "before_first_byte" not in page
+
+
+def accounted(page: str) -> float:
+    """Requests on the controller's page: answered by a worker or for one (by status), or by the controller."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(("llmtwin_requests_total{", "llmtwin_rejected_total{")))
+
+
+def test_every_request_is_counted_once_whatever_its_end():
+    """Found by a fuzzing pass: a router that raised (500), a retry that found no other worker (502), a stream
+    that timed out before its first chunk (504) and a failed /tokenize (502) were on no request counter."""
+    class RaisesOn13(Recorder):
+        def choose(self, req, fleet):
+            if req.max_tokens == 13:
+                raise RuntimeError("13")
+            return super().choose(req, fleet)
+
+    async def main():
+        ws = await fakes()
+        statuses = []
+        slow = {"interval_s": 30, "backoff_initial_s": 30, "backoff_max_s": 30}
+        async with proxy(ws, RaisesOn13(), server={"request_timeout_s": 1}, health=slow) as (ctl, url, c):
+            async def post(js):
+                async with c.post(url + "/v1/completions", json=js) as r:
+                    statuses.append(r.status)
+                    await r.read()
+            await post({"prompt": "x", "max_tokens": 13})  # the router raises: 500
+            ws[0].gate = ws[1].gate = asyncio.Event()  # never set: no first chunk
+            await post({"prompt": "x", "stream": True})  # 504
+            ws[0].gate = ws[1].gate = None
+            ws[0].mode = "error500"
+            await post({"prompt": "x"})  # w0 fails, w1 answers: 200
+            ws[1].mode = "die_before_headers"
+            await post({"prompt": "x"})  # w1 fails, no other serving: 502
+            await post({"prompt": "x"})  # none serving: 503
+            page = await (await c.get(url + "/metrics")).text()
+        ws[0].mode = "ok"
+        async with proxy(ws[:1], None, tokenizer={"mode": "worker"}, health=slow) as (ctl, url, c):
+            ws[0].mode = "die_on_tokenize"
+            await post({"prompt": "x"})  # /tokenize fails: 502
+            page2 = await (await c.get(url + "/metrics")).text()
+        for w in ws:
+            await w.stop()
+        return statuses, page, page2
+
+    statuses, page, page2 = run(main())
+    assert statuses == [500, 504, 200, 502, 503, 502]
+    assert accounted(page) == 5 and accounted(page2) == 1
+    assert 'llmtwin_rejected_total{reason="router_error"} 1.0' in page
 
 
 def test_health_checks_bring_a_worker_back():
