@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -226,9 +227,12 @@ class LiveConfig(_Spec):
     def _some_workers(self) -> "LiveConfig":
         if not self.workers and self.launcher is None:
             raise ValueError("give workers (static URLs) or launcher (local vLLM processes), or both")
-        ids = [w.id for w in self.workers if w.id]
+        ids = self.worker_ids()  # as the controller registers them: a clash there was a traceback at start
         if len(ids) != len(set(ids)):
-            raise ValueError("workers: ids must be unique")
+            raise ValueError(f"workers: ids must be unique ({next(i for i in ids if ids.count(i) > 1)!r} twice; a "
+                             "worker without an id is w0, w1, ... by its place in the list)")
+        if self.launcher is not None and any(re.fullmatch(r"local-[0-9]+", i) for i in ids):
+            raise ValueError("workers: an id local-N is the launcher's name for the workers it starts; choose another")
         eps = [w.kv_events_endpoint for w in self.workers if w.kv_events_endpoint]
         if len(eps) != len(set(eps)):  # one SUB socket binds an endpoint: the second worker's events would be lost
             raise ValueError(f"workers: each kv_events_endpoint must be its own (given twice: "
@@ -292,6 +296,10 @@ class LiveConfig(_Spec):
 
             check_config(self)  # builds the twin once: names, engine keys and the perf profile are checked now
         return self
+
+    def worker_ids(self) -> list[str]:
+        """Each static worker's id: its own, else w0, w1, ... by its place in the list."""
+        return [w.id or f"w{i}" for i, w in enumerate(self.workers)]
 
     @property
     def scrape_interval_s(self) -> float:

@@ -166,8 +166,8 @@ class Controller:
                                              timeout=aiohttp.ClientTimeout(total=None))
         if any(w.kv_events_endpoint for w in cfg.workers) or (cfg.launcher and cfg.launcher.kv_events):
             self.kv = KVEventSubscriber(self.precise, self.metrics)
-        for i, ws in enumerate(cfg.workers):
-            w = Worker(ws.id or f"w{i}", ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint)
+        for wid, ws in zip(cfg.worker_ids(), cfg.workers):
+            w = Worker(wid, ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint)
             w.config = self.launch_config({"max_num_batched_tokens": ws.max_num_batched_tokens,
                                            "max_num_seqs": ws.max_num_seqs, "max_model_len": ws.max_model_len})
             self.add_worker(w)

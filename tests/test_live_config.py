@@ -32,6 +32,9 @@ def test_zero_scrape_interval_is_floored():
     ({"workers": [{"url": "127.0.0.1:9"}]}, "workers.0.url: must start with http://"),
     ({**OK, "server": {"port": 70000}}, "server.port"),
     ({"workers": [{"id": "a", "url": "http://x"}, {"id": "a", "url": "http://y"}]}, "ids must be unique"),
+    # an id-less worker is w<its place>: a clash with a given id was a traceback at start (a fuzzing pass)
+    ({"workers": [{"id": "w1", "url": "http://x"}, {"url": "http://y"}]}, "'w1' twice"),
+    ({"workers": [{"id": "local-0", "url": "http://x"}], "launcher": {"model": "m"}}, "launcher's name"),
     ({**OK, "tokenizer": {"mode": "magic"}}, "tokenizer.mode"),
     ([1, 2], "must be a YAML mapping"),
 ])
