@@ -111,6 +111,23 @@ class LauncherSpec(_Spec):
     stop_timeout_s: float = Field(15.0, gt=0, description="SIGTERM to SIGKILL")
     log_dir: Optional[str] = Field(None, description="worker stdout/stderr files (default: a temporary folder)")
 
+    @model_validator(mode="after")
+    def _reachable(self) -> "LauncherSpec":
+        """A fleet the launcher could never start is refused at load, not once its first workers are up."""
+        if self.num_workers > self.max_workers:
+            raise ValueError(f"num_workers {self.num_workers} is above max_workers {self.max_workers}")
+        ranges = {"base_port": self.base_port}
+        if self.kv_events:
+            ranges["kv_events_base_port"] = self.kv_events_base_port
+        for key, first in ranges.items():
+            if first + self.max_workers - 1 > 65535:
+                raise ValueError(f"{key} {first} leaves no port for worker {65536 - first + 1} of max_workers "
+                                 f"{self.max_workers} (ports end at 65535)")
+        if self.kv_events and abs(self.base_port - self.kv_events_base_port) < self.max_workers:
+            raise ValueError(f"base_port {self.base_port} and kv_events_base_port {self.kv_events_base_port} are "
+                             f"closer than max_workers {self.max_workers}: a worker's HTTP and KV-event ports clash")
+        return self
+
 
 class HealthSpec(_Spec):
     """Health checks send one tiny completion: a broken engine can still answer 200 on /health."""
