@@ -476,7 +476,9 @@ class Controller:
         log.info("scaling: start %d, drain %s (%s)", plan.start, list(plan.drain), plan.reason)
         jobs = [self.actuator.start(self.launch_spec(plan.engine_args)) for _ in range(plan.start)]
         jobs += [self.actuator.drain(wid) for wid in plan.drain]
-        await asyncio.gather(*jobs, return_exceptions=True)
+        for e in await asyncio.gather(*jobs, return_exceptions=True):
+            if isinstance(e, BaseException):  # a worker that failed to start: its reason and log tail, not nothing
+                log.error("scaling: %s", str(e) or type(e).__name__)
         return plan
 
     # -- bookkeeping (called by the proxy) -----------------------------------------------------------
