@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -109,6 +110,23 @@ class LauncherSpec(_Spec):
     ready_timeout_s: float = Field(300.0, gt=0)
     stop_timeout_s: float = Field(15.0, gt=0, description="SIGTERM to SIGKILL")
     log_dir: Optional[str] = Field(None, description="worker stdout/stderr files (default: a temporary folder)")
+
+    @model_validator(mode="after")
+    def _reachable(self) -> "LauncherSpec":
+        """A fleet the launcher could never start is refused at load, not once its first workers are up."""
+        if self.num_workers > self.max_workers:
+            raise ValueError(f"num_workers {self.num_workers} is above max_workers {self.max_workers}")
+        ranges = {"base_port": self.base_port}
+        if self.kv_events:
+            ranges["kv_events_base_port"] = self.kv_events_base_port
+        for key, first in ranges.items():
+            if first + self.max_workers - 1 > 65535:
+                raise ValueError(f"{key} {first} leaves no port for worker {65536 - first + 1} of max_workers "
+                                 f"{self.max_workers} (ports end at 65535)")
+        if self.kv_events and abs(self.base_port - self.kv_events_base_port) < self.max_workers:
+            raise ValueError(f"base_port {self.base_port} and kv_events_base_port {self.kv_events_base_port} are "
+                             f"closer than max_workers {self.max_workers}: a worker's HTTP and KV-event ports clash")
+        return self
 
 
 class HealthSpec(_Spec):
@@ -226,9 +244,12 @@ class LiveConfig(_Spec):
     def _some_workers(self) -> "LiveConfig":
         if not self.workers and self.launcher is None:
             raise ValueError("give workers (static URLs) or launcher (local vLLM processes), or both")
-        ids = [w.id for w in self.workers if w.id]
+        ids = self.worker_ids()  # as the controller registers them: a clash there was a traceback at start
         if len(ids) != len(set(ids)):
-            raise ValueError("workers: ids must be unique")
+            raise ValueError(f"workers: ids must be unique ({next(i for i in ids if ids.count(i) > 1)!r} twice; a "
+                             "worker without an id is w0, w1, ... by its place in the list)")
+        if self.launcher is not None and any(re.fullmatch(r"local-[0-9]+", i) for i in ids):
+            raise ValueError("workers: an id local-N is the launcher's name for the workers it starts; choose another")
         eps = [w.kv_events_endpoint for w in self.workers if w.kv_events_endpoint]
         if len(eps) != len(set(eps)):  # one SUB socket binds an endpoint: the second worker's events would be lost
             raise ValueError(f"workers: each kv_events_endpoint must be its own (given twice: "
@@ -292,6 +313,10 @@ class LiveConfig(_Spec):
 
             check_config(self)  # builds the twin once: names, engine keys and the perf profile are checked now
         return self
+
+    def worker_ids(self) -> list[str]:
+        """Each static worker's id: its own, else w0, w1, ... by its place in the list."""
+        return [w.id or f"w{i}" for i, w in enumerate(self.workers)]
 
     @property
     def scrape_interval_s(self) -> float:

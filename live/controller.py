@@ -165,8 +165,8 @@ class Controller:
                                              timeout=aiohttp.ClientTimeout(total=None))
         if any(w.kv_events_endpoint for w in cfg.workers) or (cfg.launcher and cfg.launcher.kv_events):
             self.kv = KVEventSubscriber(self.precise, self.metrics)
-        for i, ws in enumerate(cfg.workers):
-            w = Worker(ws.id or f"w{i}", ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint)
+        for wid, ws in zip(cfg.worker_ids(), cfg.workers):
+            w = Worker(wid, ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint)
             w.config = self.launch_config({"max_num_batched_tokens": ws.max_num_batched_tokens,
                                            "max_num_seqs": ws.max_num_seqs, "max_model_len": ws.max_model_len})
             self.add_worker(w)
@@ -468,7 +468,9 @@ class Controller:
         log.info("scaling: start %d, drain %s (%s)", plan.start, list(plan.drain), plan.reason)
         jobs = [self.actuator.start(self.launch_spec(plan.engine_args)) for _ in range(plan.start)]
         jobs += [self.actuator.drain(wid) for wid in plan.drain]
-        await asyncio.gather(*jobs, return_exceptions=True)
+        for e in await asyncio.gather(*jobs, return_exceptions=True):
+            if isinstance(e, BaseException):  # a worker that failed to start: its reason and log tail, not nothing
+                log.error("scaling: %s", str(e) or type(e).__name__)
         return plan
 
     # -- bookkeeping (called by the proxy) -----------------------------------------------------------

@@ -16,7 +16,7 @@ import signal
 import time
 import traceback
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import web
@@ -28,7 +28,7 @@ from twin.workload.text_prefix import text_block_ids
 
 from live.controller import Controller
 from live.hashing import chain_hashes
-from live.tokens import BadPrompt
+from live.tokens import BadPrompt, body_field
 
 log = logging.getLogger("llmtwin.live")
 CTL: web.AppKey[Controller] = web.AppKey("controller", Controller)
@@ -49,6 +49,25 @@ def error(status: int, message: str, kind: str | None = None) -> web.Response:
 def sse_error(message: str, code: int = 502) -> bytes:
     return (b"data: " + json.dumps({"error": {"message": message, "type": "BadGatewayError", "param": None,
                                               "code": code}}).encode() + b"\n\ndata: [DONE]\n\n")
+
+
+class Fields(NamedTuple):
+    model: str | None
+    stream: bool
+    max_tokens: int | None
+    priority: int
+    echo: bool
+
+
+def read_fields(body: dict, chat: bool) -> Fields:
+    """The fields the proxy acts on, read as vLLM reads them (`body_field`): else the proxy would refuse what vLLM
+    serves (max_tokens 10.0) or misread it (stream "false"). Chat's max_completion_tokens wins over max_tokens."""
+    max_tokens = body_field(body, "max_tokens", "int")
+    if chat:
+        mct = body_field(body, "max_completion_tokens", "int")
+        max_tokens = mct if mct is not None else max_tokens
+    return Fields(body_field(body, "model", "model"), bool(body_field(body, "stream", "bool")), max_tokens,
+                  body_field(body, "priority", "int") or 0, bool(body_field(body, "echo", "bool")))
 
 
 class _Retryable(Exception):
@@ -174,6 +193,10 @@ class Proxy:
         if not ctl.accepting:
             m.rejected.labels("shutting_down").inc()
             return error(503, "the controller is shutting down")
+        media = request.headers.get("Content-Type", "").lower().split(";", 1)[0]
+        if media != "application/json":  # vLLM's check (validate_json_request), else it served what vLLM refuses
+            m.rejected.labels("bad_request").inc()
+            return error(400, f"Unsupported Media Type: Only 'application/json' is allowed (got {media!r})")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -184,19 +207,25 @@ class Proxy:
         except (ValueError, UnicodeDecodeError) as e:
             m.rejected.labels("bad_json").inc()
             return error(400, f"request body is not valid JSON: {e}")
+        except RecursionError:  # vLLM: 400, "There was an error parsing the body"
+            m.rejected.labels("bad_json").inc()
+            return error(400, "request body is not valid JSON: nested too deeply")
         if not isinstance(body, dict):
             m.rejected.labels("bad_json").inc()
             return error(400, "request body must be a JSON object")
-        model = body.get("model")
+        try:  # a list or object as 'model' was a 500 (unhashable), 'stream': "false" streamed
+            f = read_fields(body, chat)
+        except BadPrompt as e:
+            m.rejected.labels("bad_request").inc()
+            return error(400, str(e))
+        model, max_tokens = f.model, f.max_tokens
         served = self.served_models()
-        if model is not None and served and model not in served:
+        if model and served and model not in served:  # vLLM serves its model to an empty name too
             m.rejected.labels("unknown_model").inc()
             return error(404, f"The model `{model}` does not exist (served: {', '.join(sorted(served))}).")
-        max_tokens = body.get("max_completion_tokens") if chat and "max_tokens" not in body else body.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                       or max_tokens < 1):
+        if max_tokens is not None and max_tokens < (0 if f.echo and not chat else 1):  # echo: the prompt alone
             m.rejected.labels("bad_request").inc()
-            return error(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
+            return error(400, f"max_tokens must be at least 1, got {max_tokens}.")
         t0 = time.perf_counter()
         routable = ctl.registry.routable()
         if not routable:
@@ -210,6 +239,7 @@ class Proxy:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ctl.fail(routable[0], f"/tokenize: {e}")
             m.upstream_errors.labels(routable[0].id, "tokenize").inc()
+            self.count(routable[0].id, "502")
             return error(502, f"worker {routable[0].id} failed to tokenize the prompt: {e}")
         mml = info.max_model_len or min((w.config.max_model_len for w in routable if w.config.max_model_len),
                                         default=0)
@@ -230,12 +260,11 @@ class Proxy:
         now = time.monotonic()
         session = request.headers.get("X-Session-Id") or (body.get("user") if isinstance(body.get("user"), str)
                                                           else None)
-        prio = body.get("priority", 0)
-        req = RequestView(ctl.next_id(), now, info.num_tokens, max_tokens, prefix, bs, session,
-                          prio if isinstance(prio, int) else 0, None, info.text)
+        req = RequestView(ctl.next_id(), now, info.num_tokens, max_tokens, prefix, bs, session, f.priority, None,
+                          info.text)
         if ctl.host.predictor is not None:  # the configured length predictor, as the simulator asks it
             req = replace(req, predicted_output_tokens=ctl.host.predict(req))
-        stream = bool(body.get("stream"))
+        stream = f.stream
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: list[str] = []
         last_error = ""
@@ -276,6 +305,7 @@ class Proxy:
             fleet = ctl.registry.fleet_view(time.monotonic(), tried)
             if not fleet.instances:
                 if attempt:
+                    self.count(tried[-1], "502")
                     return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
                 m.rejected.labels("none_serving").inc()
                 return error(503, self._none_serving())
@@ -288,6 +318,7 @@ class Proxy:
                 cause = router_cause(e)
                 log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
                           "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
+                m.rejected.labels("router_error").inc()
                 return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
             if isinstance(target, Reject) and target.router_error:  # on_error: reject turned a raise into this
                 m.rejected.labels("router_error").inc()
@@ -301,6 +332,7 @@ class Proxy:
             if w is not None and w.routable and target not in tried:
                 return w
             if not isinstance(target, str) or target not in offered:
+                m.rejected.labels("router_error").inc()
                 return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
             log.info("request %s: worker %s stopped serving while router %s decided; deciding again", req.id,
                      target, ctl.router_name)
@@ -332,7 +364,7 @@ class Proxy:
         except asyncio.TimeoutError:
             ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
             self.count(w.id, "504")
-            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:.0f} s")
+            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
         finally:
             ctl.finished(req, w.id, time.monotonic(), out_tokens)
 
@@ -362,9 +394,13 @@ class Proxy:
                 ctl.first_token(req, w.id, time.monotonic())
                 out = web.StreamResponse(status=200, headers={
                     "Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
-                await out.prepare(request)
-                events += first.count(b"data: ")
-                await out.write(first)
+                try:  # a client gone before its first chunk is no worker's fault: not retried, the worker kept
+                    await out.prepare(request)
+                    events += first.count(b"data: ")
+                    await out.write(first)
+                except _CLIENT_GONE:
+                    status = "499"
+                    return out
                 try:
                     async for chunk in r.content.iter_any():
                         events += chunk.count(b"data: ")
@@ -399,8 +435,8 @@ class Proxy:
             if out is not None:
                 return out
             m.upstream_errors.labels(w.id, "timeout").inc()
-            status = "504"
-            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:.0f} s")
+            self.count(w.id, "504")
+            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
         finally:
             if out is not None:
                 self.count(w.id, status)

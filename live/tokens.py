@@ -8,14 +8,37 @@ in process (needs `transformers`; the same files the worker loads); `estimate` c
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Annotated, Any, Optional, Sequence, Union
+
+from pydantic import Field, TypeAdapter, ValidationError
 
 from twin.errors import TwinInputError
 
 
 class BadPrompt(ValueError):
-    """The body's prompt or messages are not of a form the OpenAI API accepts (a 400 for the client)."""
+    """The body's prompt, messages or another field is not of a form vLLM's OpenAI server accepts (a 400)."""
+
+
+# the types of vLLM's request models (vllm/entrypoints/openai/*/protocol.py), read as FastAPI reads a body there:
+# pydantic's lax mode, where 10.0, "10" and true are the integers 10, 10 and 1, and "false" is false
+FIELD_TYPES = {"model": TypeAdapter(Optional[str]), "int": TypeAdapter(Optional[int]),
+               "bool": TypeAdapter(Optional[bool])}
+
+_TOKEN_ID = Annotated[int, Field(ge=0)]
+PROMPT_TYPE = TypeAdapter(Optional[Union[list[_TOKEN_ID], list[list[_TOKEN_ID]], str, list[str]]])
+
+
+def body_field(body: dict, key: str, kind: str) -> Any:
+    """`body[key]` as vLLM's request model reads it (`kind`: model, int or bool), or BadPrompt where it refuses."""
+    v = body.get(key)
+    if v is None:
+        return None
+    try:
+        return FIELD_TYPES[kind].validate_python(v)
+    except ValidationError as e:
+        raise BadPrompt(f"'{key}': {e.errors()[0]['msg']} (got {reprlib.repr(v)})") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +63,19 @@ def prompt_parts(body: dict, chat: bool) -> tuple[list[Any], str | None]:
             if isinstance(c, str):
                 texts.append(c)
             elif isinstance(c, list):
-                texts.extend(p.get("text", "") for p in c if isinstance(p, dict))
+                texts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
         return [msgs], "\n".join(texts)
-    p = body.get("prompt")
+    try:  # vLLM's own reading: token ids [1, 2.0] and [1, "2"] are [1, 2] there
+        p = PROMPT_TYPE.validate_python(body.get("prompt"))
+    except ValidationError:
+        p = None
     if isinstance(p, str):
         return [p], p
-    if isinstance(p, list) and p:
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            return [p], None
-        if all(isinstance(x, str) for x in p):
-            return list(p), p[0]
-        if all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in p):
-            return list(p), None
-    raise BadPrompt("'prompt' must be a string, a list of strings, or token ids")
+    if p and isinstance(p[0], int):
+        return [p], None
+    if p:
+        return list(p), (p[0] if isinstance(p[0], str) else None)
+    raise BadPrompt("'prompt' must be a string, a list of strings, or token ids (integers from 0)")
 
 
 class PromptTokenizer:

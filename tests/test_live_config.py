@@ -32,7 +32,14 @@ def test_zero_scrape_interval_is_floored():
     ({"workers": [{"url": "127.0.0.1:9"}]}, "workers.0.url: must start with http://"),
     ({**OK, "server": {"port": 70000}}, "server.port"),
     ({"workers": [{"id": "a", "url": "http://x"}, {"id": "a", "url": "http://y"}]}, "ids must be unique"),
+    # an id-less worker is w<its place>: a clash with a given id was a traceback at start (a fuzzing pass)
+    ({"workers": [{"id": "w1", "url": "http://x"}, {"url": "http://y"}]}, "'w1' twice"),
+    ({"workers": [{"id": "local-0", "url": "http://x"}], "launcher": {"model": "m"}}, "launcher's name"),
     ({**OK, "tokenizer": {"mode": "magic"}}, "tokenizer.mode"),
+    # a fleet the launcher could never start was found out only after its first workers came up (a fuzzing pass)
+    ({"launcher": {"model": "m", "num_workers": 3, "max_workers": 2}}, "num_workers 3 is above max_workers 2"),
+    ({"launcher": {"model": "m", "base_port": 65535, "max_workers": 2}}, "leaves no port for worker 2"),
+    ({"launcher": {"model": "m", "base_port": 5600, "kv_events_base_port": 5601}}, "ports clash"),
     ([1, 2], "must be a YAML mapping"),
 ])
 def test_bad_config_is_one_clear_line(raw, needle):

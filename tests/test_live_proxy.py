@@ -36,6 +36,7 @@ class FakeWorker:
         self.chunks = 5
         self.delay = 0.0
         self.wrote: list[float] = []  # loop time of each SSE event written
+        self.gate: asyncio.Event | None = None  # when set: a stream's first event waits for it
         self.port = 0
         self.runner: web.AppRunner | None = None
 
@@ -67,6 +68,9 @@ class FakeWorker:
 
     async def tokenize(self, request):
         body = await request.json()
+        if self.mode == "die_on_tokenize":
+            request.transport.close()
+            await asyncio.sleep(1)
         text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
         return web.json_response({"tokens": [ord(c) % 200 for c in text], "count": len(text), "max_model_len": 64})
 
@@ -80,12 +84,14 @@ class FakeWorker:
         if self.mode == "die_before_headers" and not is_probe:
             request.transport.close()
             await asyncio.sleep(1)
-        if not body.get("stream"):
+        if str(body.get("stream")).lower() not in ("true", "1"):  # as vLLM reads it: "false" is false
             await asyncio.sleep(self.delay)
             return web.json_response({"id": "cmpl-1", "worker": self.name, "choices": [{"text": "x" * 3}],
                                       "usage": {"completion_tokens": 3}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.gate is not None:
+            await self.gate.wait()
         for i in range(self.chunks):
             await resp.write(f"data: {json.dumps({'worker': self.name, 'i': i})}\n\n".encode())
             self.wrote.append(asyncio.get_running_loop().time())
@@ -238,8 +244,8 @@ def test_bad_input_is_4xx_with_a_message():
         ws = await fakes(1)
         out = {}
         async with proxy(ws, None, tokenizer={"mode": "worker"}) as (ctl, url, c):
-            async def post(key, data=None, js=None, path="/v1/completions"):
-                async with c.post(url + path, data=data, json=js) as r:
+            async def post(key, data=None, js=None, path="/v1/completions", ctype="application/json"):
+                async with c.post(url + path, data=data, json=js, headers={"Content-Type": ctype}) as r:
                     out[key] = (r.status, await r.json())
             await post("json", data=b"{not json")
             await post("list", js=[1, 2])
@@ -249,6 +255,11 @@ def test_bad_input_is_4xx_with_a_message():
             await post("maxtok", js={"prompt": "x", "max_tokens": -3})
             await post("noprompt", js={"max_tokens": 3})
             await post("chatmsgs", js={"messages": "hi"}, path="/v1/chat/completions")
+            await post("model_list", js={"model": ["fake"], "prompt": "x"})
+            await post("model_int", js={"model": 7, "prompt": "x"})
+            await post("model_empty", js={"model": "", "prompt": "x", "max_tokens": 1})
+            await post("ctype", js={"prompt": "x"}, ctype="text/plain")  # vLLM: 400, whatever the body
+            await post("deep", data=b'{"prompt": "x", "a": ' + b"[" * 2000 + b"]" * 2000 + b"}")
         for w in ws:
             await w.stop()
         return out, ws[0].received
@@ -262,7 +273,52 @@ def test_bad_input_is_4xx_with_a_message():
     assert out["maxtok"][0] == 400
     assert out["noprompt"][0] == 400 and "prompt" in out["noprompt"][1]["error"]["message"]
     assert out["chatmsgs"][0] == 400
-    assert received == []  # none of them reached a worker
+    assert out["model_list"][0] == 400 and "valid string" in out["model_list"][1]["error"]["message"]  # was a 500
+    assert out["model_int"][0] == 400  # vLLM's 400 (a type error), not a 404
+    assert out["model_empty"][0] == 200  # vLLM serves its model to an empty name
+    assert out["ctype"][0] == 400 and "Only 'application/json'" in out["ctype"][1]["error"]["message"]
+    assert out["deep"][0] == 400 and "nested too deeply" in out["deep"][1]["error"]["message"]  # was a 500
+    assert len(received) == 1  # only the empty model name reached a worker
+
+
+def test_fields_are_read_as_vllm_reads_them():
+    """vLLM's request models read a body in pydantic's lax mode: max_tokens 7.0 or "2" is an integer there and
+    stream "false" is false. The proxy refused the first (400) and streamed the second; its bookkeeping now gets
+    vLLM's values. Chat's max_completion_tokens wins over max_tokens, as in vLLM."""
+    async def main():
+        ws = await fakes(1)
+        rec = Recorder()
+        out = {}
+        async with proxy(ws, rec) as (ctl, url, c):
+            async def post(key, js, path="/v1/completions"):
+                async with c.post(url + path, json=js) as r:
+                    out[key] = (r.status, r.headers["Content-Type"], await r.read())
+            await post("float", {"prompt": "hello", "max_tokens": 7.0, "stream": "false"})
+            await post("ids", {"prompt": [1, 2.0, "3"], "max_tokens": "2"})
+            await post("echo", {"prompt": "hello", "max_tokens": 0, "echo": True})
+            await post("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                "max_completion_tokens": 100}, "/v1/chat/completions")
+        await ws[0].stop()
+        return out, rec.calls
+
+    out, calls = run(main())
+    assert [out[k][0] for k in ("float", "ids", "echo")] == [200] * 3
+    assert out["float"][1].startswith("application/json")  # answered, not streamed
+    assert out["chat"][0] == 400 and b"100 in the completion" in out["chat"][2]
+    dispatch = [c for c in calls if c[0] == "dispatch"]
+    assert [c[3:] for c in dispatch] == [(1, 7), (3, 2), (1, 0)]  # prompt tokens, max_tokens
+    assert [c[3] for c in calls if c[0] == "finish"] == [3, 3, 3]  # the answers' usage: not read as streams
+
+
+def test_chat_parts_whose_text_is_no_string_go_to_vllm_to_refuse():
+    """A content part's non-string text (5, null) was a 500 traceback (joining the texts); vLLM answers it 400,
+    so the proxy passes it on: its own 400 comes back from /tokenize or the completion."""
+    from live.tokens import prompt_parts
+
+    for text in (5, None, ["a"]):
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": text},
+                                                          {"type": "text", "text": "ok"}]}]}
+        assert prompt_parts(body, chat=True) == ([body["messages"]], "ok")
 
 
 def test_api_key():
@@ -353,6 +409,91 @@ def test_worker_dying_mid_stream_gives_an_sse_error_and_later_requests_go_elsewh
     assert 'llmtwin_workers{state="down"} 1.0' in res["page"] and 'llmtwin_workers{state="stopped"} 0.0' in res["page"]
     assert [res[f"later{i}"] for i in range(3)] == ["w1"] * 3
     assert res["inflight"] == 0
+
+
+def test_a_client_gone_before_its_first_chunk_marks_no_worker_down_and_is_not_retried():
+    """Found by a fuzzing pass: the write of the first chunk to a client that had left raised a connection error
+    the proxy took for the worker's, so it marked the worker down and retried elsewhere, and again: one impatient
+    client took the whole fleet down and its request was counted three times."""
+    async def main():
+        ws = await fakes()
+        for w in ws:
+            w.gate = asyncio.Event()
+        async with proxy(ws, None, router={"name": "round-robin"},
+                         health={"interval_s": 30, "backoff_initial_s": 30, "backoff_max_s": 30}) as (ctl, url, c):
+            async with aiohttp.ClientSession() as leaving:
+                task = asyncio.get_running_loop().create_task(
+                    leaving.post(url + "/v1/completions", json={"prompt": "x", "stream": True}))
+                while not (ws[0].received or ws[1].received):
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for w in ws:
+                w.gate.set()
+            while ctl.bookkeeping.in_flight():
+                await asyncio.sleep(0.01)
+            states = {w.id: w.status for w in ctl.registry}
+            page = await (await c.get(url + "/metrics")).text()
+        for w in ws:
+            await w.stop()
+        return ws, states, page
+
+    ws, states, page = run(main())
+    assert states == {"w0": "serving", "w1": "serving"}
+    assert [len(w.received) for w in ws] == [1, 0]  # not retried on w1
+    assert 'llmtwin_requests_total{status="499",worker="w0"} 1.0' in page
+    assert "llmtwin_requests_total{" not in page.replace('llmtwin_requests_total{status="499",worker="w0"}', "")
+    assert "llmtwin_retries_total 0.0" in page and "before_first_byte" not in page
+
+
+def accounted(page: str) -> float:
+    """Requests on the controller's page: answered by a worker or for one (by status), or by the controller."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(("llmtwin_requests_total{", "llmtwin_rejected_total{")))
+
+
+def test_every_request_is_counted_once_whatever_its_end():
+    """Found by a fuzzing pass: a router that raised (500), a retry that found no other worker (502), a stream
+    that timed out before its first chunk (504) and a failed /tokenize (502) were on no request counter."""
+    class RaisesOn13(Recorder):
+        def choose(self, req, fleet):
+            if req.max_tokens == 13:
+                raise RuntimeError("13")
+            return super().choose(req, fleet)
+
+    async def main():
+        ws = await fakes()
+        statuses = []
+        slow = {"interval_s": 30, "backoff_initial_s": 30, "backoff_max_s": 30}
+        async with proxy(ws, RaisesOn13(), server={"request_timeout_s": 1}, health=slow) as (ctl, url, c):
+            async def post(js):
+                async with c.post(url + "/v1/completions", json=js) as r:
+                    statuses.append(r.status)
+                    await r.read()
+            await post({"prompt": "x", "max_tokens": 13})  # the router raises: 500
+            ws[0].gate = ws[1].gate = asyncio.Event()  # never set: no first chunk
+            await post({"prompt": "x", "stream": True})  # 504
+            ws[0].gate = ws[1].gate = None
+            ws[0].mode = "error500"
+            await post({"prompt": "x"})  # w0 fails, w1 answers: 200
+            ws[1].mode = "die_before_headers"
+            await post({"prompt": "x"})  # w1 fails, no other serving: 502
+            await post({"prompt": "x"})  # none serving: 503
+            page = await (await c.get(url + "/metrics")).text()
+        ws[0].mode = "ok"
+        async with proxy(ws[:1], None, tokenizer={"mode": "worker"}, health=slow) as (ctl, url, c):
+            ws[0].mode = "die_on_tokenize"
+            await post({"prompt": "x"})  # /tokenize fails: 502
+            page2 = await (await c.get(url + "/metrics")).text()
+        for w in ws:
+            await w.stop()
+        return statuses, page, page2
+
+    statuses, page, page2 = run(main())
+    assert statuses == [500, 504, 200, 502, 503, 502]
+    assert accounted(page) == 5 and accounted(page2) == 1
+    assert 'llmtwin_rejected_total{reason="router_error"} 1.0' in page
 
 
 def test_health_checks_bring_a_worker_back():

@@ -1,6 +1,8 @@
 """One scaler registry, one ScaleAction and one planner for both worlds (twin.policy.scalers): the live
 controller runs the twin's own scalers, and a target becomes starts or drains as in the simulator's fleet."""
 
+import asyncio
+
 import pytest
 
 from live.scaling import make_scaler, plan_scale
@@ -53,3 +55,25 @@ def test_the_live_queue_scaler_reads_scraped_waiting_through_the_same_view():
     s = make_scaler("queue", target_waiting=2, scale_up_percent=None)  # no HPA rate limit: the plain rule
     fleet = fleet_of({"id": "a", "waiting": 8}, {"id": "b", "waiting": 8})
     assert plan_scale(s.decide(0.0, fleet, None), fleet).start == 6  # ceil(2 x 8 / 2) = 8 active wanted
+
+
+def test_a_scale_up_that_fails_is_logged_with_its_reason(caplog):
+    """Found by a fuzzing pass: the scaler's starts were gathered with return_exceptions and the results dropped,
+    so a worker that never came up (its LaunchError carries the end of its log) left no error in the log."""
+    pytest.importorskip("aiohttp")
+    from live.config import parse_config
+    from live.controller import Controller
+    from live.launcher import LaunchError
+
+    class Failing:
+        async def start(self, spec):
+            raise LaunchError("worker local-0 exited with 1 while starting:\nbad engine argument")
+
+    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:9"}], "scaler": {"name": "static",
+                                                                            "params": {"target": 1}}})
+    ctl = Controller(cfg)
+    ctl.actuator = Failing()
+    with caplog.at_level("ERROR", logger="llmtwin.live"):
+        plan = asyncio.run(ctl.scale_once())
+    assert plan.start == 1
+    assert "exited with 1 while starting" in caplog.text and "bad engine argument" in caplog.text
