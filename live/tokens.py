@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import reprlib
 from dataclasses import dataclass
+
+import aiohttp
 from typing import Annotated, Any, Optional, Sequence, Union
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -19,6 +21,10 @@ from twin.errors import TwinInputError
 
 class BadPrompt(ValueError):
     """The body's prompt, messages or another field is not of a form vLLM's OpenAI server accepts (a 400)."""
+
+
+class BadAnswer(aiohttp.ClientError):
+    """A worker's answer is not what vLLM answers: the worker failed, as when it drops the connection."""
 
 
 # the types of vLLM's request models (vllm/entrypoints/openai/*/protocol.py), read as FastAPI reads a body there:
@@ -141,10 +147,17 @@ class PromptTokenizer:
         if model:
             body["model"] = model
         async with session.post(url + "/tokenize", json=body) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status != 200:
+            try:
+                data = await resp.json(content_type=None)
+            except ValueError:  # not JSON: not vLLM's answer (a page from something in between, a wrong URL)
+                data = None
+            if resp.status != 200 and data is not None:
                 msg = data.get("error", data) if isinstance(data, dict) else data
                 if isinstance(msg, dict):
                     msg = msg.get("message", msg)
                 raise BadPrompt(f"the worker could not tokenize the prompt: {msg}")
-        return data["tokens"], data.get("max_model_len")
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list):  # a worker failure (502, marked down), not a 500 traceback
+            raise BadAnswer(f"/tokenize answered {resp.status} without token ids: {reprlib.repr(data)}")
+        mml = data.get("max_model_len")
+        return tokens, mml if isinstance(mml, int) and not isinstance(mml, bool) else None

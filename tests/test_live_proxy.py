@@ -32,6 +32,7 @@ class FakeWorker:
     def __init__(self, name: str) -> None:
         self.name = name
         self.mode = "ok"  # ok | error500 | die_mid_stream | die_before_headers
+        self.tokenize_status = 200
         self.received: list[dict] = []
         self.chunks = 5
         self.delay = 0.0
@@ -71,6 +72,10 @@ class FakeWorker:
         if self.mode == "die_on_tokenize":
             request.transport.close()
             await asyncio.sleep(1)
+        if self.mode == "html_on_tokenize":  # something other than vLLM answering
+            return web.Response(text="<html>bad gateway</html>", status=self.tokenize_status, content_type="text/html")
+        if self.mode == "no_tokens_on_tokenize":
+            return web.json_response({"count": 3})
         text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
         return web.json_response({"tokens": [ord(c) % 200 for c in text], "count": len(text), "max_model_len": 64})
 
@@ -494,6 +499,30 @@ def test_every_request_is_counted_once_whatever_its_end():
     assert statuses == [500, 504, 200, 502, 503, 502]
     assert accounted(page) == 5 and accounted(page2) == 1
     assert 'llmtwin_rejected_total{reason="router_error"} 1.0' in page
+
+
+@pytest.mark.parametrize("mode,status", [("html_on_tokenize", 200), ("html_on_tokenize", 502),
+                                         ("no_tokens_on_tokenize", 200)])
+def test_a_tokenize_answer_that_is_not_vllms_is_the_workers_failure(mode, status):
+    """Found by a fuzzing pass: in `worker` tokenizer mode a /tokenize answer that is not JSON (a page from something
+    in between), or JSON without token ids, raised out of the handler: a 500 and a traceback. It is the worker's
+    failure, as a dropped connection is: 502, the worker marked down, the request counted."""
+
+    async def main():
+        ws = await fakes(1)
+        ws[0].mode, ws[0].tokenize_status = mode, status
+        slow = {"interval_s": 30, "backoff_initial_s": 30, "backoff_max_s": 30}
+        async with proxy(ws, None, tokenizer={"mode": "worker"}, health=slow) as (ctl, url, c):
+            async with c.post(url + "/v1/completions", json={"prompt": "abc"}) as r:
+                got = r.status, await r.json()
+            page = await (await c.get(url + "/metrics")).text()
+            state = ctl.registry.get("w0").routable
+        await ws[0].stop()
+        return got, page, state
+
+    (code, body), page, state = run(main())
+    assert code == 502 and "without token ids" in body["error"]["message"] and not state
+    assert accounted(page) == 1
 
 
 def test_health_checks_bring_a_worker_back():
