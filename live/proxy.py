@@ -51,6 +51,9 @@ def sse_error(message: str, code: int = 502) -> bytes:
                                               "code": code}}).encode() + b"\n\ndata: [DONE]\n\n")
 
 
+CANCELLED = "cancelled"  # `llmtwin_requests_total`'s status for a request cut when the shutdown's grace ran out
+
+
 class Fields(NamedTuple):
     model: str | None
     stream: bool
@@ -365,6 +368,9 @@ class Proxy:
             ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
             self.count(w.id, "504")
             return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
+        except asyncio.CancelledError:  # the shutdown's grace ran out: on a counter, not lost
+            self.count(w.id, CANCELLED)
+            raise
         finally:
             ctl.finished(req, w.id, time.monotonic(), out_tokens)
 
@@ -437,6 +443,11 @@ class Proxy:
             m.upstream_errors.labels(w.id, "timeout").inc()
             self.count(w.id, "504")
             return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
+        except asyncio.CancelledError:  # the shutdown's grace ran out, before or during the stream: not a 200
+            status = CANCELLED
+            if out is None:
+                self.count(w.id, status)
+            raise
         finally:
             if out is not None:
                 self.count(w.id, status)

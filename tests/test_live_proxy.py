@@ -525,6 +525,41 @@ def test_a_tokenize_answer_that_is_not_vllms_is_the_workers_failure(mode, status
     assert accounted(page) == 1
 
 
+def test_requests_cut_when_the_shutdown_grace_runs_out_are_counted_cancelled():
+    """Found by a fuzzing pass (left open there): a stream cut when `shutdown_timeout_s` ran out was counted 200, and
+    a request cut before its answer was on no counter. Both are `cancelled` now: every request on a counter."""
+    from prometheus_client import generate_latest
+
+    async def main():
+        ws = await fakes(2)
+        ctx = proxy(ws, None, server={"shutdown_timeout_s": 0.5})
+        ctl, url, c = await ctx.__aenter__()
+        for w in ws:  # (set once ready: the readiness probe waits the delay too)
+            w.delay, w.chunks = 2.0, 100  # a unary answer after the grace; a stream that outlives it
+
+        async def stream():
+            async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                async for _ in r.content.iter_any():
+                    pass
+
+        async def unary():
+            async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                await r.read()
+
+        jobs = [asyncio.create_task(stream())]
+        jobs.append(asyncio.create_task(unary()))
+        await asyncio.sleep(0.5)  # both in flight, the stream past its first chunk
+        await ctx.__aexit__(None, None, None)  # stop: the grace (0.5 s) runs out on both
+        await asyncio.gather(*jobs, return_exceptions=True)
+        for w in ws:
+            await w.stop()
+        return generate_latest(ctl.metrics.registry).decode()
+
+    page = run(main())
+    cancelled = [line for line in page.splitlines() if line.startswith("llmtwin_requests_total{status=\"cancelled\"")]
+    assert len(cancelled) == 2 and accounted(page) == 2, page
+
+
 def test_health_checks_bring_a_worker_back():
     async def main():
         ws = await fakes(1)
