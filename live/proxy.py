@@ -51,6 +51,9 @@ def sse_error(message: str, code: int = 502) -> bytes:
                                               "code": code}}).encode() + b"\n\ndata: [DONE]\n\n")
 
 
+# vLLM's header limits (vllm/entrypoints/launchers: uvicorn's h11 with 4 MiB of headers, 256 of them), not aiohttp's
+# 8 KiB a line and 128 headers: the proxy refused a 9,000-byte X-Session-Id that vLLM serves
+HEADER_LIMITS = {"max_line_size": 4 * 1024 * 1024, "max_field_size": 4 * 1024 * 1024, "max_headers": 256}
 CANCELLED = "cancelled"  # `llmtwin_requests_total`'s status for a request cut when the shutdown's grace ran out
 
 
@@ -486,7 +489,7 @@ async def serve(ctl: Controller, on_ready: Any = None, stop: asyncio.Event | Non
             pass
     app = build_app(ctl)
     runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                           shutdown_timeout=cfg.server.shutdown_timeout_s)
+                           shutdown_timeout=cfg.server.shutdown_timeout_s, **HEADER_LIMITS)
     await runner.setup()
     cleaned = False
     try:
