@@ -138,6 +138,14 @@ class HealthSpec(_Spec):
     backoff_initial_s: float = Field(1.0, ge=0.01)
     backoff_max_s: float = Field(30.0, ge=0.01)
 
+    @model_validator(mode="after")
+    def _backoff_grows(self) -> "HealthSpec":
+        """A first backoff above the cap was silently cut to the cap (a fuzzing pass, 2026-12-07)."""
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError(f"backoff_initial_s {self.backoff_initial_s:g} is above backoff_max_s "
+                             f"{self.backoff_max_s:g}")
+        return self
+
 
 class TokenizerSpec(_Spec):
     """How the proxy learns a prompt's token ids (for the prefix index and the token count).

@@ -40,6 +40,7 @@ def test_zero_scrape_interval_is_floored():
     ({"launcher": {"model": "m", "num_workers": 3, "max_workers": 2}}, "num_workers 3 is above max_workers 2"),
     ({"launcher": {"model": "m", "base_port": 65535, "max_workers": 2}}, "leaves no port for worker 2"),
     ({"launcher": {"model": "m", "base_port": 5600, "kv_events_base_port": 5601}}, "ports clash"),
+    ({**OK, "health": {"backoff_initial_s": 60}}, "backoff_initial_s 60 is above backoff_max_s 30"),
     ([1, 2], "must be a YAML mapping"),
 ])
 def test_bad_config_is_one_clear_line(raw, needle):
