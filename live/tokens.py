@@ -8,6 +8,7 @@ in process (needs `transformers`; the same files the worker loads); `estimate` c
 
 from __future__ import annotations
 
+import logging
 import reprlib
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ from twin.errors import TwinInputError
 
 class BadPrompt(ValueError):
     """The body's prompt, messages or another field is not of a form vLLM's OpenAI server accepts (a 400)."""
+
+
+log = logging.getLogger("llmtwin.live")
 
 
 class BadAnswer(aiohttp.ClientError):
@@ -117,8 +121,13 @@ class PromptTokenizer:
         if self.mode == "estimate" or (self.mode == "worker" and (session is None or worker_url is None)):
             return PromptInfo(self._estimate_parts(parts, chat), None, text)
         if self.mode == "local":
-            ids = self._local_ids(first, chat)
-            total = len(ids) + sum(len(self._local_ids(p, chat)) for p in parts[1:])
+            try:
+                ids = self._local_ids(first, chat)
+                total = len(ids) + sum(len(self._local_ids(p, chat)) for p in parts[1:])
+            except Exception as e:  # noqa: BLE001 - a chat template that raises on odd messages
+                # vLLM judges the request (its template, its 400): here it is routed on an estimate, not a 500
+                log.warning("local tokenizer failed (%s: %s); the prompt's length is estimated", type(e).__name__, e)
+                return PromptInfo(self._estimate_parts(parts, chat), None, text)
             return PromptInfo(total, ids, text)
         ids, mml = await self._worker_ids(session, worker_url, model, first, chat)
         total = len(ids) + sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts[1:])

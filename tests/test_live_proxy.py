@@ -657,3 +657,25 @@ def test_stop_finishes_in_flight_requests_and_refuses_new_ones():
     status, body, late = run(main())
     assert status == 200 and body.endswith("data: [DONE]\n\n") and body.count('"i"') == 5
     assert late in ("refused", 503)
+
+
+def test_a_local_chat_template_that_raises_routes_on_an_estimate():
+    """`tokenizer.mode: local`: a real chat template raises on messages it does not take (Llama 3's: roles that do
+    not alternate). That was a 500 and a traceback; vLLM judges such a request itself (its template, its 400), so
+    the proxy routes it on an estimated length instead."""
+    from live.tokens import PromptTokenizer
+
+    class StrictTemplate:
+        def apply_chat_template(self, messages, **kw):
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+        def __call__(self, text):
+            return {"input_ids": list(range(len(text.split())))}
+
+    tok = PromptTokenizer("estimate", chars_per_token=4.0)
+    tok.mode, tok._tok = "local", StrictTemplate()
+    msgs = [{"role": "user", "content": "a" * 40}, {"role": "user", "content": "b" * 40}]
+    info = asyncio.run(tok.tokenize({"messages": msgs}, chat=True))
+    assert info.token_ids is None and info.num_tokens == 10 + 10 + 2 * 4  # as the estimate mode counts it
+    plain = asyncio.run(tok.tokenize({"prompt": "three words here"}, chat=False))
+    assert plain.token_ids == [0, 1, 2] and plain.num_tokens == 3
