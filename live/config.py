@@ -140,10 +140,13 @@ class HealthSpec(_Spec):
 
     @model_validator(mode="after")
     def _backoff_grows(self) -> "HealthSpec":
-        """A first backoff above the cap was silently cut to the cap (a fuzzing pass, 2026-12-07)."""
+        """A first backoff set above the cap was silently cut to the cap (a fuzzing pass, 2026-12-07); a cap set
+        below the default first backoff takes it down with it."""
         if self.backoff_initial_s > self.backoff_max_s:
-            raise ValueError(f"backoff_initial_s {self.backoff_initial_s:g} is above backoff_max_s "
-                             f"{self.backoff_max_s:g}")
+            if "backoff_initial_s" in self.model_fields_set:
+                raise ValueError(f"backoff_initial_s {self.backoff_initial_s:g} is above backoff_max_s "
+                                 f"{self.backoff_max_s:g}")
+            self.backoff_initial_s = self.backoff_max_s
         return self
 
 

@@ -10,6 +10,7 @@ event (vLLM's own form: `data: {"error": ...}` then `data: [DONE]`). The failing
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import signal
@@ -51,9 +52,12 @@ def sse_error(message: str, code: int = 502) -> bytes:
                                               "code": code}}).encode() + b"\n\ndata: [DONE]\n\n")
 
 
-# vLLM's header limits (vllm/entrypoints/launchers: uvicorn's h11 with 4 MiB of headers, 256 of them), not aiohttp's
-# 8 KiB a line and 128 headers: the proxy refused a 9,000-byte X-Session-Id that vLLM serves
-HEADER_LIMITS = {"max_line_size": 4 * 1024 * 1024, "max_field_size": 4 * 1024 * 1024, "max_headers": 256}
+# header limits far above aiohttp's defaults (8 KiB a line, 128 headers), which refused with a 400 and a logged
+# traceback what vLLM serves (a 9,000-byte X-Session-Id, 300 headers): vLLM's uvicorn parses with httptools, which
+# has no such limits; these bounds are the controller's own
+HEADER_LIMITS = {"max_line_size": 4 * 1024 * 1024, "max_field_size": 4 * 1024 * 1024, "max_headers": 32768}
+_COUNTED: contextvars.ContextVar[bool] = contextvars.ContextVar("llmtwin_counted", default=False)  # per handler
+COMPLETIONS_MAX_TOKENS = 16  # vllm/entrypoints/openai/completion/protocol.py, CompletionRequest.max_tokens
 CANCELLED = "cancelled"  # `llmtwin_requests_total`'s status for a request cut when the shutdown's grace ran out
 
 
@@ -72,6 +76,8 @@ def read_fields(body: dict, chat: bool) -> Fields:
     if chat:
         mct = body_field(body, "max_completion_tokens", "int")
         max_tokens = mct if mct is not None else max_tokens
+    elif max_tokens is None:  # vLLM's completions default, for a missing or null max_tokens (normalize_null_max_tokens)
+        max_tokens = COMPLETIONS_MAX_TOKENS
     return Fields(body_field(body, "model", "model"), bool(body_field(body, "stream", "bool")), max_tokens,
                   body_field(body, "priority", "int") or 0, bool(body_field(body, "echo", "bool")))
 
@@ -113,6 +119,12 @@ class Proxy:
         if c is None:
             c = self._counters[(worker_id, status)] = self.ctl.metrics.requests.labels(worker_id, status)
         c.inc()
+        _COUNTED.set(True)
+
+    def reject(self, reason: str) -> None:
+        """`llmtwin_rejected_total{reason}` += 1: the controller answered the request itself."""
+        self.ctl.metrics.rejected.labels(reason).inc()
+        _COUNTED.set(True)
 
     # -- routes --------------------------------------------------------------------------------------
     def authorized(self, request: web.Request) -> bool:
@@ -180,10 +192,26 @@ class Proxy:
         return f"no worker is serving ({why})"
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """A request, on exactly one counter however it ends: one that leaves without being counted (cut by the
+        shutdown while it was tokenised or routed, its client gone while its body was read, a bug) is counted
+        here under worker "-"."""
         self.active += 1
         self.idle.clear()
+        _COUNTED.set(False)
         try:
             resp = await self._generate_inner(request, chat)
+        except asyncio.CancelledError:
+            if not _COUNTED.get():
+                self.count("-", CANCELLED)
+            raise
+        except _CLIENT_GONE + (aiohttp.ClientPayloadError, asyncio.IncompleteReadError):
+            if not _COUNTED.get():
+                self.count("-", "499")
+            raise
+        except Exception:
+            if not _COUNTED.get():
+                self.count("-", "500")  # aiohttp answers 500 and logs the traceback
+            raise
         finally:
             self.active -= 1
             if self.active == 0:
@@ -194,53 +222,53 @@ class Proxy:
         ctl = self.ctl
         m = ctl.metrics
         if not self.authorized(request):
-            m.rejected.labels("auth").inc()
+            self.reject("auth")
             return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
         if not ctl.accepting:
-            m.rejected.labels("shutting_down").inc()
+            self.reject("shutting_down")
             return error(503, "the controller is shutting down")
         media = request.headers.get("Content-Type", "").lower().split(";", 1)[0]
         if media != "application/json":  # vLLM's check (validate_json_request), else it served what vLLM refuses
-            m.rejected.labels("bad_request").inc()
+            self.reject("bad_request")
             return error(400, f"Unsupported Media Type: Only 'application/json' is allowed (got {media!r})")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            m.rejected.labels("too_large").inc()
+            self.reject("too_large")
             return error(413, f"request body over the limit of {ctl.cfg.server.max_body_bytes} bytes")
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            m.rejected.labels("bad_json").inc()
+            self.reject("bad_json")
             return error(400, f"request body is not valid JSON: {e}")
         except RecursionError:  # vLLM: 400, "There was an error parsing the body"
-            m.rejected.labels("bad_json").inc()
+            self.reject("bad_json")
             return error(400, "request body is not valid JSON: nested too deeply")
         if not isinstance(body, dict):
-            m.rejected.labels("bad_json").inc()
+            self.reject("bad_json")
             return error(400, "request body must be a JSON object")
         try:  # a list or object as 'model' was a 500 (unhashable), 'stream': "false" streamed
             f = read_fields(body, chat)
         except BadPrompt as e:
-            m.rejected.labels("bad_request").inc()
+            self.reject("bad_request")
             return error(400, str(e))
         model, max_tokens = f.model, f.max_tokens
         served = self.served_models()
         if model and served and model not in served:  # vLLM serves its model to an empty name too
-            m.rejected.labels("unknown_model").inc()
+            self.reject("unknown_model")
             return error(404, f"The model `{model}` does not exist (served: {', '.join(sorted(served))}).")
         if max_tokens is not None and max_tokens < (0 if f.echo and not chat else 1):  # echo: the prompt alone
-            m.rejected.labels("bad_request").inc()
+            self.reject("bad_request")
             return error(400, f"max_tokens must be at least 1, got {max_tokens}.")
         t0 = time.perf_counter()
         routable = ctl.registry.routable()
         if not routable:
-            m.rejected.labels("none_serving").inc()
+            self.reject("none_serving")
             return error(503, self._none_serving())
         try:
             info = await ctl.tokenizer.tokenize(body, chat, ctl.session, routable[0].url, model)
         except BadPrompt as e:
-            m.rejected.labels("bad_request").inc()
+            self.reject("bad_request")
             return error(400, str(e))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ctl.fail(routable[0], f"/tokenize: {e}")
@@ -253,7 +281,7 @@ class Proxy:
             exact = info.token_ids is not None
             need = (max_tokens or 0) + (info.num_tokens if exact else 0)
             if need > mml:
-                m.rejected.labels("too_long").inc()
+                self.reject("too_long")
                 return error(400, f"This model's maximum context length is {mml} tokens. However, you requested "
                                   f"{need} tokens ({info.num_tokens if exact else 'unknown'} in the prompt, "
                                   f"{max_tokens} in the completion). Please reduce the length of the prompt or "
@@ -313,7 +341,7 @@ class Proxy:
                 if attempt:
                     self.count(tried[-1], "502")
                     return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
-                m.rejected.labels("none_serving").inc()
+                self.reject("none_serving")
                 return error(503, self._none_serving())
             if attempt and not redo:
                 m.retries.inc()
@@ -324,25 +352,25 @@ class Proxy:
                 cause = router_cause(e)
                 log.error("router %s raised on request %s:\n%s", ctl.router_name, req.id,
                           "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
-                m.rejected.labels("router_error").inc()
+                self.reject("router_error")
                 return error(500, f"router {ctl.router_name!r} raised {type(cause).__name__}: {cause}")
             if isinstance(target, Reject) and target.router_error:  # on_error: reject turned a raise into this
-                m.rejected.labels("router_error").inc()
+                self.reject("router_error")
                 return error(503, target.reason)
             if attempt == 0 and not redo:
                 m.decision_latency.observe(time.perf_counter() - t0)
             if isinstance(target, Reject):
-                m.rejected.labels("router_reject").inc()
+                self.reject("router_reject")
                 return error(503, f"rejected by router {ctl.router_name!r}: {target.reason}")
             w = ctl.registry.get(target) if isinstance(target, str) else None
             if w is not None and w.routable and target not in tried:
                 return w
             if not isinstance(target, str) or target not in offered:
-                m.rejected.labels("router_error").inc()
+                self.reject("router_error")
                 return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
             log.info("request %s: worker %s stopped serving while router %s decided; deciding again", req.id,
                      target, ctl.router_name)
-        m.rejected.labels("none_serving").inc()
+        self.reject("none_serving")
         return error(503, f"the workers router {ctl.router_name!r} chose stopped serving while it decided")
 
     async def _unary(self, req: RequestView, w: Any, path: str, raw: bytes) -> web.Response:

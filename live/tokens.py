@@ -160,13 +160,13 @@ class PromptTokenizer:
                 data = await resp.json(content_type=None)
             except ValueError:  # not JSON: not vLLM's answer (a page from something in between, a wrong URL)
                 data = None
-            if resp.status != 200 and data is not None:
+            if 400 <= resp.status < 500 and data is not None:  # vLLM refused the prompt; a 5xx is the worker's
                 msg = data.get("error", data) if isinstance(data, dict) else data
                 if isinstance(msg, dict):
                     msg = msg.get("message", msg)
                 raise BadPrompt(f"the worker could not tokenize the prompt: {msg}")
         tokens = data.get("tokens") if isinstance(data, dict) else None
-        if not isinstance(tokens, list):  # a worker failure (502, marked down), not a 500 traceback
+        if resp.status != 200 or not isinstance(tokens, list):  # a worker failure (502, marked down)
             raise BadAnswer(f"/tokenize answered {resp.status} without token ids: {reprlib.repr(data)}")
         mml = data.get("max_model_len")
         return tokens, mml if isinstance(mml, int) and not isinstance(mml, bool) else None

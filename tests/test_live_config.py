@@ -123,6 +123,13 @@ def test_two_workers_on_one_kv_event_endpoint_are_refused():
         parse_config({"workers": [{"url": "http://[::1]:8000", "kv_events_endpoint": ok}]})
 
 
+def test_a_backoff_cap_below_the_default_first_backoff_takes_it_down():
+    """Refused only when the first backoff is set above the cap: a cap alone below the default (1 s) loaded before
+    the check, and still does, with the first backoff at the cap."""
+    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "health": {"backoff_max_s": 0.5}})
+    assert cfg.health.backoff_initial_s == cfg.health.backoff_max_s == 0.5
+
+
 @pytest.mark.parametrize("section, key", [("health", "interval_s"), ("health", "backoff_initial_s"),
                                           ("shadow", "interval_s")])
 def test_live_intervals_have_floors(section, key):

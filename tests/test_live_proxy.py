@@ -33,6 +33,7 @@ class FakeWorker:
         self.name = name
         self.mode = "ok"  # ok | error500 | die_mid_stream | die_before_headers
         self.tokenize_status = 200
+        self.tokenize_delay = 0.0
         self.received: list[dict] = []
         self.chunks = 5
         self.delay = 0.0
@@ -72,6 +73,9 @@ class FakeWorker:
         if self.mode == "die_on_tokenize":
             request.transport.close()
             await asyncio.sleep(1)
+        await asyncio.sleep(self.tokenize_delay)
+        if self.mode == "json500_on_tokenize":  # a dead engine's answer
+            return web.json_response({"error": {"message": "EngineDeadError", "code": 500}}, status=500)
         if self.mode == "html_on_tokenize":  # something other than vLLM answering
             return web.Response(text="<html>bad gateway</html>", status=self.tokenize_status, content_type="text/html")
         if self.mode == "no_tokens_on_tokenize":
@@ -502,11 +506,12 @@ def test_every_request_is_counted_once_whatever_its_end():
 
 
 @pytest.mark.parametrize("mode,status", [("html_on_tokenize", 200), ("html_on_tokenize", 502),
-                                         ("no_tokens_on_tokenize", 200)])
+                                         ("no_tokens_on_tokenize", 200), ("json500_on_tokenize", 500)])
 def test_a_tokenize_answer_that_is_not_vllms_is_the_workers_failure(mode, status):
     """Found by a fuzzing pass: in `worker` tokenizer mode a /tokenize answer that is not JSON (a page from something
-    in between), or JSON without token ids, raised out of the handler: a 500 and a traceback. It is the worker's
-    failure, as a dropped connection is: 502, the worker marked down, the request counted."""
+    in between), or JSON without token ids, raised out of the handler: a 500 and a traceback; a dead engine's JSON
+    500 was sent to the client as a 400 and left the worker routable. Each is the worker's failure, as a dropped
+    connection is: 502, the worker marked down, the request counted."""
 
     async def main():
         ws = await fakes(1)
@@ -560,21 +565,81 @@ def test_requests_cut_when_the_shutdown_grace_runs_out_are_counted_cancelled():
     assert len(cancelled) == 2 and accounted(page) == 2, page
 
 
+def test_requests_cut_before_dispatch_are_counted_too():
+    """Found in review: a request cut by the shutdown while its prompt was tokenised (or routed), and one whose
+    client left while its body was read, reached no counter. Both are counted under worker "-"."""
+    from prometheus_client import generate_latest
+
+    async def main():
+        ws = await fakes(1)
+        ctx = proxy(ws, None, tokenizer={"mode": "worker"}, server={"shutdown_timeout_s": 0.5})
+        ctl, url, c = await ctx.__aenter__()
+        port = int(url.rsplit(":", 1)[1])
+        _, w = await asyncio.open_connection("127.0.0.1", port)  # a body promised, never sent in full
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n{\"prompt\"")
+        await w.drain()
+        await asyncio.sleep(0.2)
+        w.close()
+        ws[0].tokenize_delay = 3.0
+
+        async def unary():
+            async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                await r.read()
+
+        job = asyncio.create_task(unary())
+        await asyncio.sleep(0.5)  # waiting on /tokenize
+        await ctx.__aexit__(None, None, None)
+        await asyncio.gather(job, return_exceptions=True)
+        await ws[0].stop()
+        return generate_latest(ctl.metrics.registry).decode()
+
+    page = run(main())
+    assert 'llmtwin_requests_total{status="499",worker="-"} 1.0' in page, page
+    assert 'llmtwin_requests_total{status="cancelled",worker="-"} 1.0' in page, page
+    assert accounted(page) == 2
+
+
 def test_headers_as_long_as_vllm_takes_are_served():
     """aiohttp's defaults (8 KiB a header line, 128 headers) refused with a 400 and a logged traceback what vLLM's
-    server (h11: 4 MiB of headers, 256 of them) serves: a 9,000-byte X-Session-Id, 200 headers."""
+    server (uvicorn with httptools, no such limits) serves: a 9,000-byte X-Session-Id, 300 headers."""
 
     async def main():
         ws = await fakes(1)
         got = []
         async with proxy(ws) as (ctl, url, c):
-            for headers in ({"X-Session-Id": "s" * 9000}, {f"X-H{i}": "v" for i in range(200)}):
+            for headers in ({"X-Session-Id": "s" * 9000}, {f"X-H{i}": "v" for i in range(300)}):
                 async with c.post(url + "/v1/completions", json={"prompt": "x"}, headers=headers) as r:
                     got.append(r.status)
         await ws[0].stop()
         return got
 
     assert run(main()) == [200, 200]
+
+
+def test_a_completion_without_max_tokens_is_capped_at_vllms_16():
+    """vLLM's CompletionRequest caps a missing or null max_tokens at 16 (`normalize_null_max_tokens`): the proxy
+    read it as no cap, so the books expected no output and a prompt that leaves under 16 tokens of context passed
+    the length check that vLLM then failed. Chat has no such default."""
+
+    async def main():
+        ws = await fakes(1)
+        rec = Recorder()
+        got = []
+        async with proxy(ws, rec, tokenizer={"mode": "worker"}) as (ctl, url, c):
+            for path, js in (("/v1/completions", {"prompt": "x" * 10}),
+                             ("/v1/completions", {"prompt": "x" * 10, "max_tokens": None}),
+                             ("/v1/completions", {"prompt": "x" * 50}),  # 50 + 16 > the fake's 64
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 50}]})):
+                async with c.post(url + path, json=js) as r:
+                    got.append((r.status, (await r.json()).get("error", {}).get("message", "")))
+        await ws[0].stop()
+        return got, [call for call in rec.calls if call[0] == "dispatch"]
+
+    got, dispatched = run(main())
+    assert [g[0] for g in got] == [200, 200, 400, 200]
+    assert "maximum context length is 64" in got[2][1] and "16 in the completion" in got[2][1]
+    assert [d[4] for d in dispatched] == [16, 16, None]  # the cap the books and routers read
 
 
 def test_health_checks_bring_a_worker_back():
