@@ -223,10 +223,14 @@ class ShadowSpec(_Spec):
         if missing:
             raise ValueError(f"shadow.enabled needs {' and '.join(missing)}: name the workers' GPU and model as "
                              "in a scenario (twin/specs/hardware.yaml, models.yaml), e.g. CPU-2core-AVX512, tiny-llama")
-        from live.shadow import LOAD_MODELS
+        from live.shadow import LOAD_MODELS, make_load_model
 
         if self.load.name not in LOAD_MODELS:
             raise ValueError(f"@load.name: unknown load model {self.load.name!r} (known: {', '.join(LOAD_MODELS)})")
+        try:  # built once now: a parameter it refuses is one line at load, not at the controller's start
+            make_load_model(self.load.name, self.load.params)
+        except TwinInputError as e:
+            raise ValueError(f"@{str(e).removeprefix('shadow.')}") from None
         return self
 
 

@@ -235,8 +235,8 @@ def make_load_model(name: str, params: dict) -> LoadModel:
         return LOAD_MODELS[name](**params)
     except KeyError:
         raise TwinInputError(f"shadow.load.name: unknown load model {name!r} (known: {', '.join(LOAD_MODELS)})") from None
-    except TypeError as e:
-        raise TwinInputError(f"shadow.load.params: {e}") from None
+    except (TypeError, ValueError) as e:  # numpy refuses a negative seed with a ValueError (a traceback before)
+        raise TwinInputError(f"shadow.load.params: {e} (got {params})") from None
 
 
 def window_outputs(load: WindowLoad) -> tuple[list[int], int]:

@@ -337,6 +337,9 @@ def test_config_errors_are_one_line():
         parse_config({"workers": [{"url": "http://x:1"}], "shadow": {"enabled": True}})
     with pytest.raises(TwinInputError, match="shadow.load.name: unknown load model 'psychic'"):
         cfg_of(load={"name": "psychic"})
+    # a seed numpy refuses was a ValueError traceback at the controller's start (a fuzzing pass, 2026-12-07)
+    with pytest.raises(TwinInputError, match=r"^config: shadow\.load\.params: .*\{'seed': -1\}\)$"):
+        cfg_of(load={"name": "poisson", "params": {"seed": -1}})
     with pytest.raises(TwinInputError, match=r"shadow\.engine\.max_batched: unknown key"):
         cfg_of(engine={"max_batched": 3})
     with pytest.raises(TwinInputError, match=r"shadow\.hardware: unknown GPU 'H900'"):
