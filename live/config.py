@@ -277,6 +277,12 @@ class LiveConfig(_Spec):
                 raise ValueError(f"predictor.name: {self.predictor.name} reads the true output length, which the "
                                  "live controller cannot know before the answer ends; use a learning predictor "
                                  "(mean, bucket-quantile, model)")
+        slo_given = self.scaler.params.get("slo")
+        if isinstance(slo_given, dict) or (slo_given is not None and self.scaler.name in SLO_SCALERS):
+            try:
+                scaler_slo(slo_given, self.scaler.name == "twin")  # now, not once the controller builds it
+            except TwinInputError as e:
+                raise ValueError(f"@{e}") from None
         if self.scaler.name == "twin" and not self.shadow.enabled:
             raise ValueError("scaler twin reads the shadow twin's forecasts: set shadow.enabled: true (and "
                              "shadow.hardware, shadow.model)")
@@ -340,6 +346,28 @@ class LiveConfig(_Spec):
     def resolve_path(self, p: str) -> Path:
         path = Path(p)
         return path if path.is_absolute() else Path(self.base_dir) / path
+
+
+SLO_SCALERS = ("twin", "threshold")  # the registered scalers that read `scaler.params.slo` as an SLO
+
+
+def scaler_slo(value: Any, needs_bound: bool = False) -> Any:
+    """`scaler.params.slo` as the scenario's SLO object. A string or a list, or (for the twin scaler) a mapping with no
+    bound, was taken for an SLO every forecast met, so the twin scaler shrank the fleet (a fuzzing pass, 2026-12-07)."""
+    from twin.policy.scalers import SLO_METRICS
+
+    if not isinstance(value, dict):
+        if any(hasattr(value, m) for m in SLO_METRICS):  # an SLO object already (given in code)
+            return value
+        raise TwinInputError(f"scaler.params.slo: a mapping of {', '.join(SLO_METRICS)} (seconds), got {value!r}")
+    try:
+        slo = SLOSpec(**value)
+    except ValidationError as e:  # pydantic's own text ran to four lines, with a link
+        raise TwinInputError("; ".join(_format_error(e, "scaler.params.slo").splitlines())) from None
+    if needs_bound and all(getattr(slo, m) is None for m in SLO_METRICS):
+        raise TwinInputError(f"scaler.params.slo: sets no bound ({', '.join(SLO_METRICS)}): every forecast would meet "
+                             "it, and the twin scaler would shrink the fleet to its minimum")
+    return slo
 
 
 def _router_needs_forecaster(name: str) -> bool:

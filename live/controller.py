@@ -59,15 +59,17 @@ def prepare_scaler_slo(scaler: Any, cfg: LiveConfig) -> None:
     """A scaler with an `slo` attribute gets `shadow.slo` when it has none (as the simulator's fleet gives it
     the scenario's), and a mapping given in `scaler.params.slo` becomes the scenario's SLO object. The
     threshold scaler takes its default metric and threshold from it, shadow or not."""
-    from twin.scenario import SLOSpec
+    from live.config import SLO_SCALERS, scaler_slo
 
     if not hasattr(scaler, "slo"):
         return
     try:
         if scaler.slo is None:
             scaler.slo = cfg.shadow.slo
-        elif isinstance(scaler.slo, dict):
-            scaler.slo = SLOSpec(**scaler.slo)
+        elif isinstance(scaler.slo, dict) or getattr(scaler, "name", None) in SLO_SCALERS:
+            scaler.slo = scaler_slo(scaler.slo, getattr(scaler, "needs_forecaster", False))
+    except TwinInputError:
+        raise
     except ValueError as e:
         raise TwinInputError(f"scaler.params: {e}") from None
 

@@ -860,3 +860,21 @@ def test_the_switch_interval_is_restored_by_the_last_routing_controller_to_stop(
     still = sys.getswitchinterval()
     c._restore_switch_interval()
     assert low == still == min(before, c.ROUTE_SWITCH_INTERVAL_S) and sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("slo, needle", [
+    ("fast", r"scaler\.params\.slo: a mapping of ttft_s, tpot_s, e2e_s \(seconds\), got 'fast'$"),
+    ({}, r"scaler\.params\.slo: sets no bound"),
+    ({"ttft": 1}, r"scaler\.params\.slo: ttft: unknown key$"),
+    ({"ttft_s": -1}, r"scaler\.params\.slo: ttft_s: Input should be greater than 0 \(got -1\)$"),
+])
+def test_a_twin_scalers_slo_that_sets_no_bound_or_is_malformed_is_one_config_line(slo, needle):
+    """A string, or an empty mapping, was an SLO every forecast met: the twin scaler shrank the fleet to its minimum
+    under any load. A malformed mapping was pydantic's four lines, with a link (a fuzzing pass, 2026-12-07)."""
+    raw = {"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin", "params": {"slo": slo}},
+           "shadow": {**SHADOW, "slo": {"ttft_s": 1.0}}}
+    with pytest.raises(TwinInputError, match=r"^config: " + needle) as e:
+        parse_config(raw)
+    assert len(str(e.value).splitlines()) == 1
+    ctl = Controller(parse_config({**raw, "scaler": {"name": "twin", "params": {"slo": {"e2e_s": 2.0}}}}))
+    assert ctl.scaler.slo.e2e_s == 2.0 and ctl.scaler.slo.ttft_s is None
