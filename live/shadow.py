@@ -20,7 +20,7 @@ standing for its worker (`placed`), a decoding one with its prompt's KV in that 
 worker still starting serves `shadow.startup_delay_s` after its launch and a new one (instances+1, the twin
 scaler's larger sizes) that long after the window's start (default: the median of the launcher's measured
 start-ups, 0 before any; `fleet_slots`); requests still running when a window is cut get the client's
-`max_tokens`, else the window's mean output length.
+`max_tokens`, else the window's mean output length; every output ends where the context does (`within_context`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import math
 import multiprocessing
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -305,6 +305,15 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
     hashes = None if h is None else (ch or []) + h
     return WindowLoad(np.concatenate([ct, t]), np.concatenate([cp, p]), np.concatenate([co, o]), horizon, hashes,
                       load.hash_block_size, c, carried_on=load.carried_on, carried_decoding=load.carried_decoding)
+
+
+def within_context(load: WindowLoad, max_model_len: int) -> WindowLoad:
+    """Each request's output within the context its prompt leaves, where vLLM ends a request without max_tokens: a
+    mean output laid over a prompt near max_model_len had the twin refuse a request vLLM serves (a fuzzing pass)."""
+    room = np.maximum(1, int(max_model_len) - load.prompt_tokens)
+    if np.all(load.output_tokens <= room):
+        return load
+    return replace(load, output_tokens=np.minimum(load.output_tokens, room))
 
 
 # -- the fleet a forecast runs: who serves from when, and where the requests in flight stay ------------------
@@ -613,6 +622,7 @@ def build_cluster(job: ShadowJob, v: Variant) -> tuple[Any, int]:
     if pins:
         router = PinnedRouter(router, pins)
         load = with_warm_hashes(load, int(sc.cluster.engine.block_size))
+    load = within_context(load, sc.cluster.max_model_len())
     cl = Cluster(sc, load.to_stream(), router)
     if pins:
         router.ids = [inst.id for inst in cl.instances]
@@ -1132,6 +1142,7 @@ class ShadowInstanceForecaster:
         one = with_warm_hashes(WindowLoad(offsets, prompts.astype(np.int64), outs.astype(np.int64), horizon, hashes,
                                           block, carried=len(offsets), carried_decoding=dec),
                                int(sc.cluster.engine.block_size))
+        one = within_context(one, sc.cluster.max_model_len())
         cl = Cluster(sc, one.to_stream(), perf=perf)
         warm(cl, one, {str(i): 0 for i, d in enumerate(dec) if d})  # its decoding requests' KV is on the worker
         res = cl.run()

@@ -878,3 +878,28 @@ def test_a_twin_scalers_slo_that_sets_no_bound_or_is_malformed_is_one_config_lin
     assert len(str(e.value).splitlines()) == 1
     ctl = Controller(parse_config({**raw, "scaler": {"name": "twin", "params": {"slo": {"e2e_s": 2.0}}}}))
     assert ctl.scaler.slo.e2e_s == 2.0 and ctl.scaler.slo.ttft_s is None
+
+
+def test_a_request_without_max_tokens_near_the_context_is_forecast_served_not_refused():
+    """vLLM ends a request without max_tokens where the context does. The twin gave one still running (or the new
+    request Block places) the window's mean output over its prompt, past max_model_len, and refused it: an SLO miss
+    in every variant, and a censored forecast on every candidate (a fuzzing pass, 2026-12-07)."""
+
+    async def main():
+        ctl = block_controller("w0")  # WCFG: max_model_len 512
+        now = time.monotonic()
+        for i in range(4):
+            req = view(i, now - 3.0 + i * 0.5, 40, 100)
+            ctl.dispatched(req, "w0", req.arrival_time)
+            ctl.first_token(req, "w0", req.arrival_time + 0.01)
+            ctl.finished(req, "w0", req.arrival_time + 0.2, 100)  # the window's mean output: 100
+        long = view(9, now - 0.5, 500)  # no max_tokens: vLLM gives it the 12 tokens the context leaves
+        ctl.dispatched(long, "w0", long.arrival_time)
+        res = await ctl.shadow.run_once(now)
+        extra = RequestView("probe", now, 500, None, (), 16)
+        return res, ctl.registry.fleet.forecaster.forecast("w0", extra, 60.0, "finish")
+
+    res, fc = asyncio.run(main())
+    for label, f in res.items():
+        assert f["requests"] == 5 and f["finished"] == 5, (label, f)
+    assert fc.e2e_s is not None and not fc.censored
