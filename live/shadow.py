@@ -95,8 +95,10 @@ class Mirror:
     def arrived(self, req: Any, worker: str, now: float) -> None:
         rec = self.by_id.get(req.id)
         self.version += 1
-        if rec is not None:  # a retry on another worker: the same request
-            rec.worker = worker
+        if rec is not None:  # a retry on another worker: the same request, in flight again (the failed attempt's
+            rec.worker = worker  # finish had it done with no tokens while the retry ran: out of every forecast)
+            rec.first_token = rec.finish = None
+            rec.output_tokens = 0
             return
         rec = Mirrored(req.id, float(req.arrival_time), int(req.num_prompt_tokens), req.max_tokens,
                        tuple(req.prefix or ()), int(req.prefix_block_size or 16), worker)

@@ -59,6 +59,20 @@ def test_mirror_records_each_request_once_with_its_times():
     assert [x.id for x in m.records] == ["r3"] and "r1" not in m.by_id
 
 
+def test_a_retried_request_is_in_flight_again_while_its_retry_runs():
+    """The proxy finishes a failed attempt (no tokens) before it retries elsewhere: the mirror kept the request done
+    while the retry ran, so no forecast carried it in flight (a fuzzing pass, 2026-12-07)."""
+    m = Mirror(keep_s=100.0)
+    m.arrived(view(1, 1.0, 7, 9), "w0", 1.0)
+    m.finished("r1", 1.1, 0)  # w0 answered 502: the attempt ends with no tokens
+    m.arrived(view(1, 1.0, 7, 9), "w1", 1.1)  # retried on w1
+    r = m.by_id["r1"]
+    assert (r.worker, r.done, r.first_token, r.output_tokens) == ("w1", False, None, 0) and m.total == 1
+    m.first_token("r1", 1.3)
+    m.finished("r1", 1.5, 4)
+    assert r.ok and (r.first_token, r.finish) == (1.3, 1.5)
+
+
 def test_replay_shifts_the_window_and_fills_unknown_outputs():
     recs = [Mirrored("a", 10.0, 5, None, output_tokens=8, first_token=10.1, finish=11.0),
             Mirrored("b", 12.5, 6, 40),  # still running: the client's cap
