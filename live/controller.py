@@ -402,6 +402,11 @@ class Controller:
         page = parse_metrics(text)
         now = time.monotonic()
         config = page.config(w.config) if page.cache_info else None
+        if config is not None and config != w.config and 2 <= config.num_gpu_blocks and config.max_model_len > (
+                held := (config.num_gpu_blocks - 1) * config.block_size):  # vLLM runs no worker so: one is stale
+            log.warning("worker %s: its KV cache (%d blocks of %d tokens) holds %d tokens, less than the max_model_len "
+                        "%d known since its first contact: restarted with other settings? (the shadow twin takes %d)",
+                        w.id, config.num_gpu_blocks, config.block_size, held, config.max_model_len, held)
         self.registry.update_gauges(w, page.gauges(now), config)
         w.counters = page.values
         w.last_scrape = now

@@ -470,10 +470,12 @@ def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
             eng["max_model_len"] = int(wcfg.max_model_len)
         if wcfg.num_gpu_blocks and wcfg.num_gpu_blocks >= 2:
             eng["num_gpu_blocks_override"] = int(wcfg.num_gpu_blocks)
-            if not wcfg.max_model_len:  # not reported (yet): the worker started, so its context fits its blocks
-                cap = (int(wcfg.num_gpu_blocks) - 1) * int(wcfg.block_size)  # besides the null block, as vLLM checks
-                if _model_context(cfg) > cap:
-                    eng["max_model_len"] = cap
+            cap = (int(wcfg.num_gpu_blocks) - 1) * int(wcfg.block_size)  # besides the null block, as vLLM checks
+            # the worker started, so its context fits its blocks: where it is not reported (yet), or reported larger
+            # (read once, at first contact; the blocks at every scrape: a worker restarted with a smaller cache had
+            # every twin run refused, and Block answer every request 500), the context is what the blocks hold
+            if (wcfg.max_model_len or _model_context(cfg)) > cap:
+                eng["max_model_len"] = cap
     if cfg.launcher is not None:
         for k in ("enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold"):
             if k in cfg.launcher.engine_args:

@@ -917,3 +917,43 @@ def test_a_request_without_max_tokens_near_the_context_is_forecast_served_not_re
     for label, f in res.items():
         assert f["requests"] == 5 and f["finished"] == 5, (label, f)
     assert fc.e2e_s is not None and not fc.censored
+
+
+def test_a_worker_restarted_with_a_smaller_cache_is_simulated_with_the_context_its_blocks_hold():
+    """A worker's blocks are scraped every interval, its max_model_len read once at first contact: restarted with a
+    smaller cache, the twin refused every run on the stale context, and Block answered every request 500 (a fuzzing
+    pass, 2026-12-07). vLLM runs no worker whose cache holds less than its context: the blocks are believed."""
+    ctl = Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": {"name": "block"},
+                                   "shadow": SHADOW}))
+    w = Worker("w0", "http://127.0.0.1:1", state="starting")
+    w.config = InstanceConfig(num_gpu_blocks=9, block_size=128, max_num_seqs=8, max_num_batched_tokens=2048,
+                              max_model_len=2048)  # 9 blocks hold 1,024 tokens besides the null block
+    ctl.add_worker(w)
+    ctl.registry.set_state(w, "serving", 0.0)
+    eng = base_engine(ctl.cfg, w.config)
+    assert eng["max_model_len"] == 1024
+    res = run_job(ShadowJob(ctl.cfg, eng, variants(ctl.cfg, 1, eng), _load(5, 2.0)))
+    assert "error" not in res["current"] and res["current"]["finished"] == 5
+    fc = ctl.registry.fleet.forecaster.forecast("w0", RequestView("p", time.monotonic(), 30, 10, (), 16), 60.0)
+    assert fc.e2e_s is not None and not fc.censored
+
+
+def test_a_scraped_cache_smaller_than_the_known_context_is_one_warning(caplog):
+    """The scrape that finds such a cache says so once (the proxy still checks lengths against the old context)."""
+
+    async def main():
+        ws = await fakes(1)  # 100 blocks of 4 tokens: 396 besides the null block
+        async with proxy(ws, shadow=SHADOW) as (ctl, url, c):
+            w = next(iter(ctl.registry))
+            w.config = InstanceConfig(50, 4, 8, 256, 1000)  # as read before a restart
+            await ctl.scrape(w)
+            await ctl.scrape(w)
+            cfg = w.config
+        await ws[0].stop()
+        return cfg
+
+    with caplog.at_level("WARNING", logger="llmtwin.live"):
+        cfg = asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records if "holds 396 tokens" in r.getMessage()]
+    assert len(said) == 1 and "less than the max_model_len 1000" in said[0], said
+    assert base_engine(cfg_of(), cfg)["max_model_len"] == 396
