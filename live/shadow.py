@@ -470,17 +470,23 @@ def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
             eng["max_model_len"] = int(wcfg.max_model_len)
         if wcfg.num_gpu_blocks and wcfg.num_gpu_blocks >= 2:
             eng["num_gpu_blocks_override"] = int(wcfg.num_gpu_blocks)
-            cap = (int(wcfg.num_gpu_blocks) - 1) * int(wcfg.block_size)  # besides the null block, as vLLM checks
-            # the worker started, so its context fits its blocks: where it is not reported (yet), or reported larger
-            # (read once, at first contact; the blocks at every scrape: a worker restarted with a smaller cache had
-            # every twin run refused, and Block answer every request 500), the context is what the blocks hold
-            if (wcfg.max_model_len or _model_context(cfg)) > cap:
-                eng["max_model_len"] = cap
     if cfg.launcher is not None:
         for k in ("enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold"):
             if k in cfg.launcher.engine_args:
                 eng[k] = cfg.launcher.engine_args[k]
     eng.update(cfg.shadow.engine)
+    own = cfg.shadow.engine
+    if "num_gpu_blocks_override" in eng and "num_gpu_blocks_override" not in own:
+        bs = int(eng["block_size"])
+        if bs != int(wcfg.block_size):  # the worker's cache memory in blocks of shadow.engine's size: its count of
+            # blocks of its own size gave the twin a cache 8 times smaller at 16 against 128 (a fuzzing pass)
+            eng["num_gpu_blocks_override"] = max(2, int(wcfg.num_gpu_blocks) * int(wcfg.block_size) // bs)
+        cap = (eng["num_gpu_blocks_override"] - 1) * bs  # besides the null block, as vLLM checks
+        # the worker started, so its context fits its blocks: where it is not reported (yet), or reported larger
+        # (read once, at first contact; the blocks at every scrape: a worker restarted with a smaller cache had
+        # every twin run refused, and Block answer every request 500), the context is what the blocks hold
+        if "max_model_len" not in own and (eng.get("max_model_len") or _model_context(cfg)) > cap:
+            eng["max_model_len"] = cap
     return eng
 
 

@@ -957,3 +957,13 @@ def test_a_scraped_cache_smaller_than_the_known_context_is_one_warning(caplog):
     said = [r.getMessage() for r in caplog.records if "holds 396 tokens" in r.getMessage()]
     assert len(said) == 1 and "less than the max_model_len 1000" in said[0], said
     assert base_engine(cfg_of(), cfg)["max_model_len"] == 396
+
+
+def test_a_block_size_set_in_shadow_engine_keeps_the_workers_cache_memory():
+    """`shadow.engine.block_size` over a worker's own: its count of blocks of its own size gave the twin a cache 8
+    times smaller at 16 against 128 (a fuzzing pass, 2026-12-07). The memory is the worker's; the count follows."""
+    eng = base_engine(cfg_of(engine={"async_scheduling": False, "block_size": 16}), WCFG)  # 512 blocks of 128
+    assert eng["block_size"] == 16 and eng["num_gpu_blocks_override"] == 512 * 128 // 16
+    assert eng["max_model_len"] == 512  # the worker's, which its cache holds
+    both = base_engine(cfg_of(engine={"block_size": 16, "num_gpu_blocks_override": 100}), WCFG)
+    assert both["num_gpu_blocks_override"] == 100 and both["max_model_len"] == 512  # both set: as given
