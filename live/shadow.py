@@ -271,7 +271,8 @@ def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, ma
     prompt = np.array([max(1, r.prompt_tokens) for r in running], dtype=np.int64)
     left = []
     for r in running:
-        made = 0 if r.first_token is None or load.tpot_s is None else int((now - r.first_token) / load.tpot_s)
+        # a TPOT of 0 (a whole answer in its first chunk, at the clock's resolution) is none known: it divided by 0
+        made = 0 if r.first_token is None or not load.tpot_s else int((now - r.first_token) / load.tpot_s)
         left.append(max(1, expected_stop(None, r.max_tokens or None, made, lengths, mean_out) - made))
     hashes = None
     if load.hash_ids is not None or any(r.prefix for r in running):

@@ -118,6 +118,16 @@ def test_in_flight_requests_are_carried_as_backlog_not_counted():
     assert stream.prompt_tokens.tolist()[:3] == [50, 60, 70]  # carried ones first: the metrics skip them
 
 
+def test_a_window_whose_median_tpot_is_zero_carries_its_requests_in_flight():
+    """A median TPOT of 0 (answers whole in their first chunk) was divided by: taken as unknown, not a traceback."""
+    recs = [Mirrored("a", 0.0, 10, None, stream=True, first_token=0.5, finish=0.5, output_tokens=5)]
+    load = ReplayLoad().next_window(recs, 0.0, 10.0)
+    load.tpot_s = realised_metrics(recs)["tpot_p50"]
+    assert load.tpot_s == 0.0
+    carried = with_in_flight(load, [Mirrored("b", 1.0, 10, None, first_token=2.0)], 3.0, 100)
+    assert carried.carried == 1 and carried.output_tokens.tolist() == [5, 5]  # the mean output, none made
+
+
 def test_fleet_slots_keep_the_planners_order():
     """A forecast of N instances is the first N slots: what is left out is exactly what `plan_scale` cancels
     or drains to reach N (starting ones newest first, then the least loaded serving ones)."""
