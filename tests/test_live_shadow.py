@@ -60,8 +60,7 @@ def test_mirror_records_each_request_once_with_its_times():
 
 
 def test_a_retried_request_is_in_flight_again_while_its_retry_runs():
-    """The proxy finishes a failed attempt (no tokens) before it retries elsewhere: the mirror kept the request done
-    while the retry ran, so no forecast carried it in flight (a fuzzing pass, 2026-12-07)."""
+    """A failed attempt's finish kept the request done while its retry ran: out of the forecasts' requests in flight."""
     m = Mirror(keep_s=100.0)
     m.arrived(view(1, 1.0, 7, 9), "w0", 1.0)
     m.finished("r1", 1.1, 0)  # w0 answered 502: the attempt ends with no tokens
@@ -893,8 +892,7 @@ def test_the_switch_interval_is_restored_by_the_last_routing_controller_to_stop(
     ({"ttft_s": -1}, r"scaler\.params\.slo: ttft_s: Input should be greater than 0 \(got -1\)$"),
 ])
 def test_a_twin_scalers_slo_that_sets_no_bound_or_is_malformed_is_one_config_line(slo, needle):
-    """A string, or an empty mapping, was an SLO every forecast met: the twin scaler shrank the fleet to its minimum
-    under any load. A malformed mapping was pydantic's four lines, with a link (a fuzzing pass, 2026-12-07)."""
+    """A string or an empty mapping was an SLO every forecast met (the fleet shrank); a bad one, pydantic's 4 lines."""
     raw = {"workers": [{"url": "http://x:1"}], "scaler": {"name": "twin", "params": {"slo": slo}},
            "shadow": {**SHADOW, "slo": {"ttft_s": 1.0}}}
     with pytest.raises(TwinInputError, match=r"^config: " + needle) as e:
@@ -905,9 +903,7 @@ def test_a_twin_scalers_slo_that_sets_no_bound_or_is_malformed_is_one_config_lin
 
 
 def test_a_request_without_max_tokens_near_the_context_is_forecast_served_not_refused():
-    """vLLM ends a request without max_tokens where the context does. The twin gave one still running (or the new
-    request Block places) the window's mean output over its prompt, past max_model_len, and refused it: an SLO miss
-    in every variant, and a censored forecast on every candidate (a fuzzing pass, 2026-12-07)."""
+    """A mean output laid over a prompt near max_model_len had the twin refuse a request vLLM serves."""
 
     async def main():
         ctl = block_controller("w0")  # WCFG: max_model_len 512
@@ -930,9 +926,7 @@ def test_a_request_without_max_tokens_near_the_context_is_forecast_served_not_re
 
 
 def test_a_worker_restarted_with_a_smaller_cache_is_simulated_with_the_context_its_blocks_hold():
-    """A worker's blocks are scraped every interval, its max_model_len read once at first contact: restarted with a
-    smaller cache, the twin refused every run on the stale context, and Block answered every request 500 (a fuzzing
-    pass, 2026-12-07). vLLM runs no worker whose cache holds less than its context: the blocks are believed."""
+    """Blocks are scraped anew, the context read once: after a restart the twin refused runs, Block answered 500."""
     ctl = Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": {"name": "block"},
                                    "shadow": SHADOW}))
     w = Worker("w0", "http://127.0.0.1:1", state="starting")
@@ -970,8 +964,7 @@ def test_a_scraped_cache_smaller_than_the_known_context_is_one_warning(caplog):
 
 
 def test_a_block_size_set_in_shadow_engine_keeps_the_workers_cache_memory():
-    """`shadow.engine.block_size` over a worker's own: its count of blocks of its own size gave the twin a cache 8
-    times smaller at 16 against 128 (a fuzzing pass, 2026-12-07). The memory is the worker's; the count follows."""
+    """The worker's count of 128-token blocks, taken as 16-token ones, gave the twin a cache 8 times smaller."""
     eng = base_engine(cfg_of(engine={"async_scheduling": False, "block_size": 16}), WCFG)  # 512 blocks of 128
     assert eng["block_size"] == 16 and eng["num_gpu_blocks_override"] == 512 * 128 // 16
     assert eng["max_model_len"] == 512  # the worker's, which its cache holds
