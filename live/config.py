@@ -352,8 +352,7 @@ SLO_SCALERS = ("twin", "threshold")  # the registered scalers that read `scaler.
 
 
 def scaler_slo(value: Any, needs_bound: bool = False) -> Any:
-    """`scaler.params.slo` as the scenario's SLO object. A string or a list, or (for the twin scaler) a mapping with no
-    bound, was taken for an SLO every forecast met, so the twin scaler shrank the fleet (a fuzzing pass, 2026-12-07)."""
+    """`scaler.params.slo` as an SLO: a string, or (twin) no bound, was one every forecast met: the fleet shrank."""
     from twin.policy.scalers import SLO_METRICS
 
     if not isinstance(value, dict):

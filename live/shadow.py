@@ -311,8 +311,7 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
 
 
 def within_context(load: WindowLoad, max_model_len: int) -> WindowLoad:
-    """Each request's output within the context its prompt leaves, where vLLM ends a request without max_tokens: a
-    mean output laid over a prompt near max_model_len had the twin refuse a request vLLM serves (a fuzzing pass)."""
+    """Outputs end where the context does, as vLLM ends a request without max_tokens: the twin refused them past it."""
     room = np.maximum(1, int(max_model_len) - load.prompt_tokens)
     if np.all(load.output_tokens <= room):
         return load
