@@ -130,3 +130,17 @@ def test_a_drained_fork_reports_when_its_last_request_ended_not_the_horizon():
     got = fc.forecast(cl.instances[0].id, extra, horizon_s=60.0, until="drain")
     assert got.drain_s is not None and 0.0 < got.drain_s < 5.0
     assert got.e2e_s is not None and got.drain_s >= got.e2e_s - 1e-9
+
+
+def test_a_forecast_length_ends_at_the_context_as_vllm_ends_a_request():
+    """A request's forecast length (the recent mean output) past max_model_len: a cache sized for max_model_len could
+    not hold it, and Block's fork raised "scheduler made no progress" (found by a live fuzzing pass: 5 blocks of 128
+    at max_model_len 512). vLLM ends a request at the context, so the forecast does too; every request is served."""
+    sc = make_scenario(**{"cluster.num_instances": 2, "cluster.engine.block_size": 128, **kv_blocks(5, 128),
+                          "router.name": "block", "router.scrape_interval_s": 0.0})
+    n_long = 6  # short prompts with long answers first: the recent mean output (400) is what later forecasts expect
+    arrivals = [0.01 * i for i in range(n_long)] + [20.0 + 0.05 * i for i in range(6)]
+    prompts = [50] * n_long + [490] * 6
+    outs = [400] * n_long + [10] * 6
+    res = run_checked(sc, stream_of(arrivals, prompts, outs))
+    assert (res.log.status == 4).all()

@@ -95,6 +95,8 @@ class SimForecaster:
         self._least_step_s: dict[int, float] = {}  # id(step model) -> least_step_gpu_s
         self._held_memo: dict[str, tuple] = {}  # instance -> (its state's signature, `_held`)
         self._request_memo: tuple = (None, None, {})  # (now, the extra request, `_per_request`)
+        # vLLM ends a request at max_model_len (`check_stop`: FINISHED_LENGTH_CAPPED): so do the lengths a fork runs to
+        self._max_model_len = int(cluster.scenario.cluster.max_model_len())
 
     def _fallback(self) -> float:
         """The recent mean output length; kept while the clock and the completions are unchanged (a decision
@@ -171,8 +173,11 @@ class SimForecaster:
             view = rec[0]
             if view is None:
                 return expected_stop(None, None, done, lengths, fallback)
-            return expected_stop(view.predicted_output_tokens, view.max_tokens, done, lengths, fallback)
+            x = expected_stop(view.predicted_output_tokens, view.max_tokens, done, lengths, fallback)
+            room = mml - view.num_prompt_tokens  # (conditionals: a builtin call each, per request per fork)
+            return x if x <= room else (room if room > done else done + 1)
 
+        mml = self._max_model_len
         return stop
 
     def first_token_bound(self, instance_id: str, extra_request: RequestView) -> float:
@@ -585,8 +590,12 @@ class SimForecaster:
 
     def _output_tokens(self, view: RequestView) -> int:
         """The output length the extra request runs to in a fork: as a request in flight that made nothing yet
-        (`expected_stop`: its prediction, else the recent mean within its cap), at least one token."""
-        return expected_stop(view.predicted_output_tokens, view.max_tokens, 0, self._lengths(), self._fallback())
+        (`expected_stop`: its prediction, else the recent mean within its cap), at least one token, and no further
+        than the context. Past it, a cache sized for max_model_len could not hold the request, and Block's fork
+        raised "scheduler made no progress" (a live fuzzing pass: 5 blocks of 128 at max_model_len 512)."""
+        x = expected_stop(view.predicted_output_tokens, view.max_tokens, 0, self._lengths(), self._fallback())
+        room = self._max_model_len - view.num_prompt_tokens
+        return x if x <= room else (room if room > 1 else 1)
 
     def _engine_request(self, view: RequestView) -> Request:
         return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, self._output_tokens(view),
@@ -708,7 +717,11 @@ class FleetForecaster:
         key = (now, horizon_s, rate, oracle, self._cluster.dispatcher.signals.total_completions)
         if self._drawn is not None and self._drawn[0] == key:
             return self._drawn[1]
-        out = self._draw(now, horizon_s, rate, oracle)
+        t, p, o = self._draw(now, horizon_s, rate, oracle)
+        room = int(self._cluster.scenario.cluster.max_model_len()) - p  # a recent prompt drawn with another's output
+        if len(o) and bool((o > room).any()):  # ends at the context, as vLLM ends it (`SimForecaster._output_tokens`)
+            o = np.minimum(o, np.maximum(1, room))
+        out = (t, p, o)
         self._drawn = (key, out)
         return out
 
