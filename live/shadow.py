@@ -785,6 +785,7 @@ class Shadow:
         self.history: deque[dict] = deque(maxlen=s.history)
         self.latest: dict[str, dict] = {}
         self.latest_at: float | None = None
+        self.last_error: tuple[float, str] | None = None  # (when, what) of the last failed run, for /shadow
         self.runs = 0
         self.api = _profile_api_times(ctl.cfg)
         self._executor: concurrent.futures.Executor | None = None
@@ -947,10 +948,11 @@ class Shadow:
             await asyncio.sleep(self.spec.interval_s)
             try:
                 await self.run_once()
-            except Exception:  # noqa: BLE001 - a shadow failure is logged; the proxy keeps serving
+            except Exception as e:  # noqa: BLE001 - a shadow failure is logged; the proxy keeps serving
                 import traceback
 
                 self.metrics.skipped.labels("error").inc()
+                self.last_error = (time.monotonic(), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 log.error("shadow run failed:\n%s", traceback.format_exc())
 
     def status(self) -> dict:
@@ -962,7 +964,10 @@ class Shadow:
                 "latest_age_s": None if self.latest_at is None else time.monotonic() - self.latest_at,
                 "forecasts": self.latest, "pending": [{"seq": p.seq, "ends_in_s": p.end - time.monotonic()}
                                                       for p in self.pending],
-                "history": list(self.history)}
+                "history": list(self.history),
+                # a failed run only aged `forecasts` on this page (its traceback is in the log)
+                "last_error": None if self.last_error is None else {
+                    "age_s": time.monotonic() - self.last_error[0], "error": self.last_error[1]}}
 
     def instance_forecaster(self) -> "ShadowInstanceForecaster":
         """The per-instance look-ahead a predictive router (Block) reads as `fleet.forecaster`."""

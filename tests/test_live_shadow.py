@@ -6,6 +6,7 @@ tests_vllm/test_live_shadow.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 
@@ -970,3 +971,28 @@ def test_a_block_size_set_in_shadow_engine_keeps_the_workers_cache_memory():
     assert eng["max_model_len"] == 512  # the worker's, which its cache holds
     both = base_engine(cfg_of(engine={"block_size": 16, "num_gpu_blocks_override": 100}), WCFG)
     assert both["num_gpu_blocks_override"] == 100 and both["max_model_len"] == 512  # both set: as given
+
+
+def test_a_failed_shadow_run_is_on_the_shadow_page():
+    """A failed run was only in the log and a counter: `/shadow` went on showing the last forecasts, older each
+    time, with nothing to say why. Its page now names the last failure and its age."""
+
+    async def main():
+        ctl = Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}],
+                                       "shadow": {**SHADOW, "interval_s": 0.1}}))
+        before = ctl.shadow.status()["last_error"]
+
+        async def fails(now=None):
+            raise RuntimeError("fork: scheduler made no progress with 1 waiting\nsecond line")
+
+        ctl.shadow.run_once = fails
+        task = asyncio.create_task(ctl.shadow.loop())
+        await asyncio.sleep(0.25)
+        task.cancel()
+        page = ctl.shadow.status()
+        json.dumps(page, allow_nan=False)  # the page stays JSON
+        return before, page["last_error"]
+
+    before, err = asyncio.run(main())
+    assert before is None
+    assert err["error"] == "RuntimeError: fork: scheduler made no progress with 1 waiting" and err["age_s"] >= 0
