@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
+from twin.engine.config import tokens_held
 from twin.errors import TwinInputError
 from twin.policy.base import build_router as build_router_from
 from twin.policy.host import PolicyHost
@@ -403,7 +404,7 @@ class Controller:
         now = time.monotonic()
         config = page.config(w.config) if page.cache_info else None
         if config is not None and config != w.config and 2 <= config.num_gpu_blocks and config.max_model_len > (
-                held := (config.num_gpu_blocks - 1) * config.block_size):  # vLLM runs no worker so: one is stale
+                held := tokens_held(config.num_gpu_blocks, config.block_size)):  # vLLM runs no worker so: one is stale
             log.warning("worker %s: its KV cache (%d blocks of %d tokens) holds %d tokens, less than the max_model_len "
                         "%d known since its first contact: restarted with other settings? (the shadow twin takes %d)",
                         w.id, config.num_gpu_blocks, config.block_size, held, config.max_model_len, held)

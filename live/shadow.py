@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from twin.engine.config import tokens_held
 from twin.errors import TwinInputError
 
 if TYPE_CHECKING:
@@ -312,10 +313,10 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
 
 def within_context(load: WindowLoad, max_model_len: int) -> WindowLoad:
     """Outputs end where the context does, as vLLM ends a request without max_tokens: the twin refused them past it."""
-    room = np.maximum(1, int(max_model_len) - load.prompt_tokens)
-    if np.all(load.output_tokens <= room):
-        return load
-    return replace(load, output_tokens=np.minimum(load.output_tokens, room))
+    from twin.policy.predictors import within_context as capped
+
+    outs = capped(load.prompt_tokens, load.output_tokens, max_model_len)
+    return load if outs is load.output_tokens else replace(load, output_tokens=outs)
 
 
 # -- the fleet a forecast runs: who serves from when, and where the requests in flight stay ------------------
@@ -481,7 +482,7 @@ def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
         if bs != int(wcfg.block_size):  # the worker's cache memory in blocks of shadow.engine's size: its count of
             # blocks of its own size gave the twin a cache 8 times smaller at 16 against 128 (a fuzzing pass)
             eng["num_gpu_blocks_override"] = max(2, int(wcfg.num_gpu_blocks) * int(wcfg.block_size) // bs)
-        cap = (eng["num_gpu_blocks_override"] - 1) * bs  # besides the null block, as vLLM checks
+        cap = tokens_held(eng["num_gpu_blocks_override"], bs)
         # the worker started, so its context fits its blocks: where it is not reported (yet), or reported larger
         # (read once, at first contact; the blocks at every scrape: a worker restarted with a smaller cache had
         # every twin run refused, and Block answer every request 500), the context is what the blocks hold

@@ -84,6 +84,12 @@ def num_gpu_blocks(cfg: EngineConfig, device_memory_bytes: float, weight_bytes_p
     return n
 
 
+def tokens_held(num_gpu_blocks: int, block_size: int) -> int:
+    """The longest request a cache of `num_gpu_blocks` holds: all its blocks but the null one `BlockPool` holds back
+    (vLLM starts no engine whose max_model_len needs more: `_check_one_request_fits`, in blocks)."""
+    return (int(num_gpu_blocks) - 1) * int(block_size)
+
+
 def _check_one_request_fits(cfg: EngineConfig, n: int, knob: str, what: str) -> None:
     """vLLM refuses at start-up a cache that cannot hold one request of max_model_len tokens besides its null
     block (`v1/core/kv_cache_utils.py: get_kv_cache_configs`, then `_check_enough_kv_cache_memory`: the memory

@@ -215,6 +215,14 @@ class ResidualLengths:
         return done + self._suffix[0] / n
 
 
+def within_context(prompts: np.ndarray, outputs: np.ndarray, max_model_len: int) -> np.ndarray:
+    """`outputs` ending where the context does (at least one token), as vLLM ends a request at max_model_len
+    (FINISHED_LENGTH_CAPPED): forecast lengths drawn or predicted past it cannot fit a cache sized for it. The same
+    array when none passes it."""
+    room = np.maximum(1, int(max_model_len) - prompts)
+    return outputs if bool(np.all(outputs <= room)) else np.minimum(outputs, room)
+
+
 def stop_for(predicted: float, done: int) -> int:
     """The stop length a forecast gives a request predicted to produce `predicted` tokens, `done` of them already:
     never below one more than it produced."""

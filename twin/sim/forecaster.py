@@ -21,7 +21,7 @@ from twin.sim.api_server import ApiServer
 from twin.engine.fork import EngineFork, _fork_request, fork_instance
 from twin.engine.request import Request
 from twin.perf.base import StepBatch
-from twin.policy.predictors import ResidualLengths, expected_stop
+from twin.policy.predictors import ResidualLengths, expected_stop, within_context
 from twin.policy.views import Forecast, RequestView
 from twin.sim.floors import (_exact_model, decode_gpu_s, decode_steps_floor_s, fork_finish_floor, is_dense,
                              least_prompt_work, least_step_gpu_s, prefill_floor_s, prompt_pairs)
@@ -717,11 +717,8 @@ class FleetForecaster:
         key = (now, horizon_s, rate, oracle, self._cluster.dispatcher.signals.total_completions)
         if self._drawn is not None and self._drawn[0] == key:
             return self._drawn[1]
-        t, p, o = self._draw(now, horizon_s, rate, oracle)
-        room = int(self._cluster.scenario.cluster.max_model_len()) - p  # a recent prompt drawn with another's output
-        if len(o) and bool((o > room).any()):  # ends at the context, as vLLM ends it (`SimForecaster._output_tokens`)
-            o = np.minimum(o, np.maximum(1, room))
-        out = (t, p, o)
+        t, p, o = self._draw(now, horizon_s, rate, oracle)  # a recent prompt drawn with another's output:
+        out = (t, p, within_context(p, o, self._cluster.scenario.cluster.max_model_len()))  # it ends at the context
         self._drawn = (key, out)
         return out
 
