@@ -9,6 +9,7 @@ in process (needs `transformers`; the same files the worker loads); `estimate` c
 from __future__ import annotations
 
 import logging
+import re
 import reprlib
 from dataclasses import dataclass
 
@@ -141,13 +142,17 @@ class PromptTokenizer:
         return sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts)
 
     def _local_ids(self, prompt: Any, chat: bool) -> list[int]:
+        """As vLLM's server: a chat is rendered to text by the template, then tokenized without special tokens
+        (a chat request's `add_special_tokens` is false); a completion's prompt with them."""
         tok = self._tok
         if chat:
-            out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, dict) else out)
+            msgs = template_messages(prompt, getattr(tok, "chat_template", None))
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
         if isinstance(prompt, list):
             return prompt
-        return tok(prompt)["input_ids"]
+        return list(tok(prompt)["input_ids"])
+
 
     async def _worker_ids(self, session: Any, url: str, model: str | None, prompt: Any,
                           chat: bool) -> tuple[list[int], int | None]:
@@ -170,3 +175,23 @@ class PromptTokenizer:
             raise BadAnswer(f"/tokenize answered {resp.status} without token ids: {reprlib.repr(data)}")
         mml = data.get("max_model_len")
         return tokens, mml if isinstance(mml, int) and not isinstance(mml, bool) else None
+
+
+# a template that loops over a message's content takes OpenAI's list of parts; others get one string
+# (vLLM: `vllm/renderers/hf.py` `_detect_content_format`, which walks the template's AST for such a loop)
+_CONTENT_LOOP = re.compile(r"\bfor\s+\w+\s+in\s+[\w.]+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def template_messages(messages: list[dict], template: Any) -> list[dict]:
+    """The messages as vLLM hands them to a chat template: for a template that reads the content as a string,
+    a list of parts becomes their texts joined by newlines (`vllm/renderers/chat_utils.py`)."""
+    if isinstance(template, str) and _CONTENT_LOOP.search(template):
+        return messages
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            texts = [p if isinstance(p, str) else p.get("text") for p in c if isinstance(p, (str, dict))]
+            m = {**m, "content": "\n".join(t for t in texts if isinstance(t, str))}
+        out.append(m)
+    return out

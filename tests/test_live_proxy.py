@@ -17,7 +17,9 @@ from live.controller import Controller  # noqa: E402
 from live.proxy import serve  # noqa: E402
 from twin.policy import RouterBase  # noqa: E402
 
-METRICS = """# TYPE vllm:num_requests_running gauge
+METRICS = """# TYPE process_start_time_seconds gauge
+process_start_time_seconds {started}
+# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{{engine="0",model_name="fake"}} {running}
 vllm:num_requests_waiting{{engine="0",model_name="fake"}} 0.0
 vllm:kv_cache_usage_perc{{engine="0",model_name="fake"}} 0.5
@@ -41,6 +43,8 @@ class FakeWorker:
         self.gate: asyncio.Event | None = None  # when set: a stream's first event waits for it
         self.port = 0
         self.runner: web.AppRunner | None = None
+        self.started = 1.796e9  # process_start_time_seconds
+        self.model, self.max_model_len = "fake", 64
 
     @property
     def url(self) -> str:
@@ -63,10 +67,10 @@ class FakeWorker:
         await self.runner.cleanup()
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": "fake", "max_model_len": 64}]})
+        return web.json_response({"object": "list", "data": [{"id": self.model, "max_model_len": self.max_model_len}]})
 
     async def metrics(self, request):
-        return web.Response(text=METRICS.format(running=len(self.received)))
+        return web.Response(text=METRICS.format(running=len(self.received), started=self.started))
 
     async def tokenize(self, request):
         body = await request.json()
@@ -139,13 +143,13 @@ class Recorder(RouterBase):
 
 
 @contextlib.asynccontextmanager
-async def proxy(workers, router_obj=None, **cfg_extra):
+async def proxy(fake_workers, router_obj=None, **cfg_extra):
     raw = {"server": {"port": 0, "max_body_bytes": 4096, "request_timeout_s": 10},
-           "workers": [{"id": w.name, "url": w.url} for w in workers],
+           "workers": [{"id": w.name, "url": w.url} for w in fake_workers],
            "router": {"scrape_interval_s": 0.05}, "health": {"interval_s": 0.2, "backoff_initial_s": 0.1,
                                                              "backoff_max_s": 0.2}}
     for k, v in cfg_extra.items():
-        raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v
+        raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v  # (a list, e.g. workers, replaces)
     ctl = Controller(parse_config(raw), router=router_obj)
     stop = asyncio.Event()
     ready = asyncio.get_running_loop().create_future()
@@ -744,3 +748,37 @@ def test_a_local_chat_template_that_raises_routes_on_an_estimate():
     assert info.token_ids is None and info.num_tokens == 10 + 10 + 2 * 4  # as the estimate mode counts it
     plain = asyncio.run(tok.tokenize({"prompt": "three words here"}, chat=False))
     assert plain.token_ids == [0, 1, 2] and plain.num_tokens == 3
+
+
+def test_a_local_tokenizer_counts_a_chat_as_vllm_renders_it(tmp_path):
+    """`tokenizer.mode: local` with a real Hugging Face tokenizer: a chat is rendered by its template to text and
+    tokenized without special tokens (transformers 5 returns a BatchEncoding from a tokenizing
+    `apply_chat_template`, which was counted as its 2 keys); a list of parts is one string for a template that
+    reads the content as one (tests_vllm checks the counts against a real worker's usage)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from live.tokens import PromptTokenizer, template_messages
+
+    raw = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator(["which worker serves the prefix cache blocks"],
+                            trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "<|user|>", "<|assistant|>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    fast.save_pretrained(tmp_path)
+    tok = PromptTokenizer("local", str(tmp_path))
+    msgs = [{"role": "user", "content": "which worker serves the prefix"}]
+    info = asyncio.run(tok.tokenize({"messages": msgs}, chat=True))
+    rendered = fast.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert info.num_tokens == len(fast(rendered, add_special_tokens=False)["input_ids"]) == 7
+    parts = [{"role": "user", "content": [{"type": "text", "text": "which worker"}, {"type": "text", "text": "serves"}]}]
+    joined = [{"role": "user", "content": "which worker\nserves"}]
+    assert asyncio.run(tok.tokenize({"messages": parts}, chat=True)).num_tokens == 5
+    assert template_messages(parts, fast.chat_template) == joined
+    looping = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
+    assert template_messages(parts, looping) == parts  # OpenAI's parts for a template that loops over them
+
+

@@ -430,3 +430,39 @@ def test_worker_killed_mid_stream(two_workers):
         assert 'llmtwin_upstream_errors_total{kind="mid_stream",worker="w0"} 1.0' in page
     finally:
         rc.stop()
+
+
+class Counts(RouterBase):
+    """Round-robin that keeps each request's prompt length as the proxy counted it."""
+
+    name = "counts"
+
+    def __init__(self) -> None:
+        self.rr, self.seen = RoundRobin(), []
+
+    def choose(self, req, fleet):
+        self.seen.append(req.num_prompt_tokens)
+        return self.rr.choose(req, fleet)
+
+
+def test_the_local_tokenizer_counts_what_vllm_counts(two_workers, tiny_model):
+    """`tokenizer.mode: local` on the served model's own tokenizer (its real chat template): the prompt length
+    the router sees is the one vLLM reports in `usage.prompt_tokens`, for completions and chat."""
+    router = Counts()
+    rc = run_controller(static_config(two_workers, tokenizer={"mode": "local", "path": str(tiny_model)}), router)
+    chat = [{"role": "system", "content": "You route requests."}, {"role": "user", "content": "Which worker?"},
+            {"role": "assistant", "content": "The one with the prefix."}, {"role": "user", "content": "Why so?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "cache "}, {"type": "text", "text": "blocks"}]}]
+    bodies = [("/v1/completions", {"prompt": "The scheduler admits a request when its blocks fit."}),
+              ("/v1/completions", {"prompt": "  leading spaces and\nnew lines\t"}),
+              ("/v1/chat/completions", {"messages": chat}), ("/v1/chat/completions", {"messages": parts})]
+    try:
+        got = []
+        with httpx.Client() as c:
+            for path, body in bodies:
+                r = post(c, rc.url, path, max_tokens=1, **body)
+                assert r.status_code == 200, r.text
+                got.append((router.seen[-1], r.json()["usage"]["prompt_tokens"]))
+    finally:
+        rc.stop()
+    assert all(mine == theirs for mine, theirs in got), got
