@@ -55,8 +55,9 @@ class WorkerSpec(_Spec):
     kv_events_endpoint: Optional[str] = Field(
         None, description="where the controller binds a ZMQ SUB socket this worker's publisher connects to, "
                           "e.g. tcp://127.0.0.1:5557 (the worker's --kv-events-config endpoint)")
-    max_num_batched_tokens: Optional[int] = Field(None, gt=0, description="its launch argument, when known")
-    max_num_seqs: Optional[int] = Field(None, gt=0)
+    max_num_batched_tokens: Optional[int] = Field(None, gt=0, description=(
+        "its launch argument, when known (unset: vLLM's default on shadow.hardware, e.g. 8192 on an H100)"))
+    max_num_seqs: Optional[int] = Field(None, gt=0, description="the same (unset: e.g. 1024 on an H100)")
     max_model_len: Optional[int] = Field(None, gt=0)
 
     @field_validator("url")

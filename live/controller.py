@@ -169,9 +169,10 @@ class Controller:
         if any(w.kv_events_endpoint for w in cfg.workers) or (cfg.launcher and cfg.launcher.kv_events):
             self.kv = KVEventSubscriber(self.precise, self.metrics)
         for wid, ws in zip(cfg.worker_ids(), cfg.workers):
-            w = Worker(wid, ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint)
-            w.config = self.launch_config({"max_num_batched_tokens": ws.max_num_batched_tokens,
-                                           "max_num_seqs": ws.max_num_seqs, "max_model_len": ws.max_model_len})
+            given = {k: getattr(ws, k) for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len")}
+            w = Worker(wid, ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint,
+                       launch_args={k: v for k, v in given.items() if v is not None})
+            w.config = self.launch_config(w.launch_args)
             self.add_worker(w)
         await asyncio.gather(*(self._first_contact(w) for w in self.registry))
         if cfg.launcher is not None:
@@ -234,18 +235,50 @@ class Controller:
         pick = self.chunk_plan.engine_args if self.chunk_plan is not None else {}
         return LaunchSpec({**pick, **(engine_args or {})})
 
-    def launch_config(self, args: Mapping[str, Any]) -> InstanceConfig:
-        """What a policy knows of a worker's launch arguments before its first scrape (vLLM's defaults)."""
+    def launch_config(self, args: Mapping[str, Any], max_model_len: int = 0) -> InstanceConfig:
+        """What a policy knows of a worker's launch arguments before its first scrape: those given (`args`, by
+        vLLM's names), and for the batch limits left unset vLLM's defaults on `shadow.hardware`."""
         d = InstanceConfig()
 
         def get(k: str, default: int) -> int:
             v = args.get(k)
             return int(v) if v is not None else default
 
-        return InstanceConfig(num_gpu_blocks=0, block_size=get("block_size", d.block_size),
-                              max_num_seqs=get("max_num_seqs", d.max_num_seqs),
-                              max_num_batched_tokens=get("max_num_batched_tokens", d.max_num_batched_tokens),
-                              max_model_len=get("max_model_len", 0))
+        mml = get("max_model_len", max_model_len)
+        tokens, seqs = self.batch_limits(args, mml)
+        return InstanceConfig(num_gpu_blocks=0, block_size=get("block_size", d.block_size), max_num_seqs=seqs,
+                              max_num_batched_tokens=tokens, max_model_len=mml)
+
+    def batch_limits(self, args: Mapping[str, Any], max_model_len: int) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs) a worker runs with: given ones win; unset ones are what
+        `vllm serve` picks on `shadow.hardware` (`twin.engine.defaults.resolve_batch_limits`, after vLLM's
+        `EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`), 2048 / 128 on a CPU host. Where no
+        hardware is named, or it is unknown, `InstanceConfig`'s placeholders stand in (8192 / 256)."""
+        d = InstanceConfig()
+        tokens, seqs = args.get("max_num_batched_tokens"), args.get("max_num_seqs")
+        given = (int(tokens) if tokens is not None else None, int(seqs) if seqs is not None else None)
+        hw = self.cfg.shadow.hardware
+        if hw is not None and None in given:
+            from twin.engine.defaults import resolve_batch_limits
+            from twin.specs.hardware import get_gpu
+
+            ranks = int(args.get("tensor_parallel_size") or self.cfg.shadow.tensor_parallel) * int(
+                args.get("pipeline_parallel_size") or 1)
+            chunked = args.get("enable_chunked_prefill")
+            chunked = chunked is None or bool(chunked)
+            try:
+                if not max_model_len:  # before first contact (where /v1/models tells it): the model's, if named
+                    from live.shadow import model_context
+
+                    max_model_len = model_context(self.cfg)
+                if not max_model_len:  # provisional until first contact: vLLM's clamps by the context left out
+                    max_model_len, chunked = 1 << 30, True
+                return resolve_batch_limits(get_gpu(hw), given[0], given[1], max_model_len, chunked,
+                                            world_size=ranks)
+            except TwinInputError:  # the worker runs, so vLLM took its limits: an unknown name, or a guess
+                pass
+        return (given[0] if given[0] is not None else d.max_num_batched_tokens,
+                given[1] if given[1] is not None else d.max_num_seqs)
 
     def add_worker(self, w: Worker) -> None:
         self.registry.add(w)
@@ -285,18 +318,8 @@ class Controller:
     async def try_ready(self, w: Worker) -> bool:
         """Models, launch config and one tiny completion; on success the worker is serving and healthy."""
         try:
-            async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                if r.status != 200:
-                    w.last_error = f"/v1/models answered {r.status}"
-                    return False
-                data = await r.json(content_type=None)
-            cards = data.get("data", [])
-            w.models = tuple(c["id"] for c in cards)
-            mml = next((c.get("max_model_len") for c in cards if c.get("max_model_len")), None)
-            if mml and not w.config.max_model_len:
-                c = w.config
-                w.config = InstanceConfig(c.num_gpu_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                                          int(mml))
+            if not await self.read_models(w):
+                return False
             await self.scrape(w)
             if not await self.probe(w):
                 return False
@@ -387,6 +410,23 @@ class Controller:
             log.warning("worker %s: marked down: %s", w.id, error)
 
     # -- background loops ----------------------------------------------------------------------------
+    async def read_models(self, w: Worker) -> bool:
+        """What `/v1/models` tells: the models a worker serves and its context (then vLLM's clamps of its unset
+        batch limits by it). Read at first contact."""
+        async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                w.last_error = f"/v1/models answered {r.status}"
+                return False
+            data = await r.json(content_type=None)
+        cards = data.get("data", [])
+        w.models = tuple(c["id"] for c in cards)
+        mml = next((c.get("max_model_len") for c in cards if c.get("max_model_len")), None)
+        if mml and not w.launch_args.get("max_model_len"):  # the config's value, where given, wins
+            c = w.config
+            tokens, seqs = self.batch_limits(w.launch_args, int(mml))
+            w.config = InstanceConfig(c.num_gpu_blocks, c.block_size, seqs, tokens, int(mml))
+        return True
+
     async def scrape(self, w: Worker) -> bool:
         t0 = time.perf_counter()
         try:

@@ -119,7 +119,7 @@ class LocalActuator:
         log_path = self.log_dir / f"{wid}.log"
         args = {**sp.engine_args, **spec.engine_args}
         url = f"http://{sp.host}:{sp.base_port + slot}"
-        worker = Worker(wid, url, state="starting", kv_events_endpoint=kv_endpoint)
+        worker = Worker(wid, url, state="starting", kv_events_endpoint=kv_endpoint, launch_args=args)
         worker.config = self.controller.launch_config(args)
         self.controller.add_worker(worker)  # binds the KV-event socket before the publisher connects
         try:

@@ -41,6 +41,7 @@ class Worker:
     scrape_failures: int = 0
     kv_events_seen: int = 0
     handle: Any = None  # the launcher's process handle, None for static workers
+    launch_args: dict[str, Any] = field(default_factory=dict)  # the engine arguments known given (vLLM's names)
 
     @property
     def view_state(self) -> str:

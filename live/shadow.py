@@ -486,12 +486,12 @@ def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
         # the worker started, so its context fits its blocks: where it is not reported (yet), or reported larger
         # (read once, at first contact; the blocks at every scrape: a worker restarted with a smaller cache had
         # every twin run refused, and Block answer every request 500), the context is what the blocks hold
-        if "max_model_len" not in own and (eng.get("max_model_len") or _model_context(cfg)) > cap:
+        if "max_model_len" not in own and (eng.get("max_model_len") or model_context(cfg)) > cap:
             eng["max_model_len"] = cap
     return eng
 
 
-def _model_context(cfg: "LiveConfig") -> int:
+def model_context(cfg: "LiveConfig") -> int:
     """The context of `shadow.model` from its config (0 when no model is named)."""
     from twin.specs.models import get_model
 

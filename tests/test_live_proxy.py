@@ -782,3 +782,34 @@ def test_a_local_tokenizer_counts_a_chat_as_vllm_renders_it(tmp_path):
     assert template_messages(parts, looping) == parts  # OpenAI's parts for a template that loops over them
 
 
+def test_unset_batch_limits_are_vllms_defaults_on_the_named_hardware():
+    """A static worker's max_num_seqs / max_num_batched_tokens left out of the config are what `vllm serve`
+    picks on `shadow.hardware` (2048 / 128 on a CPU host), clamped by the context read at first contact;
+    the shadow twin takes them. Without a hardware name, InstanceConfig's placeholders stand in."""
+    from live.shadow import base_engine
+
+    async def main():
+        ws = await fakes(3)
+        workers = [{"id": "w0", "url": ws[0].url}, {"id": "w1", "url": ws[1].url, "max_num_seqs": 1},
+                   {"id": "w2", "url": ws[2].url, "max_num_batched_tokens": 96, "max_num_seqs": 4}]
+        got = {}
+        for hw in ("CPU-2core-AVX512", "H100-SXM-80GB", None):
+            async with proxy(ws, workers=workers, shadow={"hardware": hw, "model": "tiny-llama"}) as (ctl, url, c):
+                got[hw] = {w.id: (w.config.max_num_batched_tokens, w.config.max_num_seqs) for w in ctl.registry}
+                eng = base_engine(ctl.cfg, ctl.registry.get("w0").config)
+                got[hw, "twin"] = (eng["max_num_batched_tokens"], eng["max_num_seqs"])
+                # before first contact the context is the model's (tiny-llama's), not yet the worker's 64
+                got[hw, "launch"] = ctl.launch_config({"max_num_seqs": 1})
+        for w in ws:
+            await w.stop()
+        return got
+
+    got = run(main())
+    # one sequence of at most 64 tokens (the fake's max_model_len): vLLM caps the token default at 64
+    assert got["CPU-2core-AVX512"] == {"w0": (2048, 128), "w1": (64, 1), "w2": (96, 4)}
+    assert got["CPU-2core-AVX512", "twin"] == (2048, 128)
+    assert got["H100-SXM-80GB"] == {"w0": (8192, 1024), "w1": (64, 1), "w2": (96, 4)}
+    assert got[None] == {"w0": (8192, 256), "w1": (8192, 1), "w2": (96, 4)}  # placeholders: nothing known
+    launch = got["CPU-2core-AVX512", "launch"]
+    assert (launch.max_num_batched_tokens, launch.max_num_seqs, launch.max_model_len) == (2048, 1, 0)
+
