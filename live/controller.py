@@ -410,9 +410,14 @@ class Controller:
             log.warning("worker %s: marked down: %s", w.id, error)
 
     # -- background loops ----------------------------------------------------------------------------
+    def forget_cache(self, worker_id: str) -> None:
+        """A worker's KV cache is gone (it restarted): no index credits it with blocks any more."""
+        for idx in {id(i): i for i in (self.registry.fleet.prefix_index, self.precise) if i is not None}.values():
+            idx.remove_instance(worker_id)
+
     async def read_models(self, w: Worker) -> bool:
         """What `/v1/models` tells: the models a worker serves and its context (then vLLM's clamps of its unset
-        batch limits by it). Read at first contact."""
+        batch limits by it). Read at first contact and again when the worker restarted (`scrape`)."""
         async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
             if r.status != 200:
                 w.last_error = f"/v1/models answered {r.status}"
@@ -441,6 +446,17 @@ class Controller:
                 self.fail(w, f"/metrics: {e}")
             return False
         page = parse_metrics(text)
+        if page.process_start is not None:
+            if w.process_start is not None and page.process_start != w.process_start:
+                # restarted between two looks (perhaps with another model or context): /v1/models was read once
+                log.warning("worker %s: restarted (its process start time changed): its prefix cache forgotten, "
+                            "/v1/models read again", w.id)
+                self.forget_cache(w.id)
+                try:
+                    await self.read_models(w)
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("worker %s: /v1/models after its restart: %s: %s", w.id, type(e).__name__, e)
+            w.process_start = page.process_start
         now = time.monotonic()
         config = page.config(w.config) if page.cache_info else None
         if config is not None and config != w.config and 2 <= config.num_gpu_blocks and config.max_model_len > (

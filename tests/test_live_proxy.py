@@ -813,3 +813,26 @@ def test_unset_batch_limits_are_vllms_defaults_on_the_named_hardware():
     launch = got["CPU-2core-AVX512", "launch"]
     assert (launch.max_num_batched_tokens, launch.max_num_seqs, launch.max_model_len) == (2048, 1, 0)
 
+
+def test_a_worker_restarted_between_scrapes_is_read_again():
+    """A worker restarted with another model and context (its process start time changed at a scrape):
+    /v1/models is read again, the context and vLLM's clamps follow, and its prefix cache is forgotten."""
+    async def main():
+        ws = await fakes(1)
+        router = {"name": "lmetric", "scrape_interval_s": 60, "prefix_index": "approximate"}
+        async with proxy(ws, shadow={"hardware": "CPU-2core-AVX512"}, router=router) as (ctl, url, c):
+            w = ctl.registry.get("w0")
+            before = (w.models, w.config.max_model_len, w.config.max_num_batched_tokens)
+            ctl.index.on_dispatch([1, 2, 3], "w0", 0.0)
+            held = ctl.index.blocks_held("w0")
+            await ctl.scrape(w)  # the same process: nothing read again
+            same = (w.models, ctl.index.blocks_held("w0"))
+            ws[0].started, ws[0].model, ws[0].max_model_len = ws[0].started + 30, "fake-2", 8
+            await ctl.scrape(w)
+            after = (w.models, w.config.max_model_len, w.config.max_num_batched_tokens, ctl.index.blocks_held("w0"))
+        await ws[0].stop()
+        return before, held, same, after
+
+    before, held, same, after = run(main())
+    assert before == (("fake",), 64, 2048) and held == 3 and same == (("fake",), 3)
+    assert after == (("fake-2",), 8, 1024, 0)  # 128 sequences x 8 tokens caps the token default

@@ -82,6 +82,13 @@ def test_prefixes_of_names_and_garbage_are_ignored():
     assert parse_metrics("").gauges(1.0).num_running == 0
 
 
+def test_the_servers_start_time_is_read_where_published():
+    assert parse_metrics(real_page()).process_start == 1.79601145672e+09
+    assert parse_metrics("process_start_time_seconds 12.5\nvllm:num_requests_running 1\n").process_start == 12.5
+    assert parse_metrics("vllm:num_requests_running 1\nmy_process_start_time_seconds 3\n").process_start is None
+    assert parse_metrics("process_start_time_seconds nan?\n").process_start is None  # several API servers: none
+
+
 def test_config_keeps_launch_arguments_the_page_lacks():
     from twin.policy.views import InstanceConfig
 
