@@ -152,6 +152,36 @@ class Proxy:
             return error(503, self._none_serving())
         return web.json_response({"object": "list", "data": list(cards.values())})
 
+    async def passthrough(self, request: web.Request) -> web.Response:
+        """vLLM's endpoints beside generation (`/tokenize`, `/detokenize`, `/version`), answered by the least
+        busy serving worker: a tool that asks the server for token counts gets the served model's. Not
+        generation, so on no request counter. The worker's answer passes as it is (a 5xx too: the body is the
+        client's, and the health probe judges the worker); a worker that cannot be reached is marked down."""
+        ctl = self.ctl
+        if not self.authorized(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        routable = ctl.registry.routable()
+        if not routable:
+            return error(503, self._none_serving())
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error(413, f"request body over the limit of {ctl.cfg.server.max_body_bytes} bytes")
+        w = min(routable, key=lambda w: ctl.bookkeeping.load(w.id).requests)
+        headers = {"Content-Type": request.headers["Content-Type"]} if "Content-Type" in request.headers else None
+        try:
+            async with ctl.session.request(request.method, self.upstream(w, request.path), data=raw or None,
+                                           headers=headers, timeout=self.timeout) as r:
+                data = await r.read()
+                return web.Response(body=data, status=r.status,
+                                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+        except asyncio.TimeoutError:
+            return error(504, f"worker {w.id} did not answer {request.path} within "
+                              f"{ctl.cfg.server.request_timeout_s:g} s")
+        except (aiohttp.ClientError, OSError) as e:
+            ctl.fail(w, f"{request.path}: {type(e).__name__}: {e}")
+            return error(502, f"worker {w.id} failed on {request.path}: {type(e).__name__}: {e}")
+
     async def health(self, request: web.Request) -> web.Response:
         ctl = self.ctl
         n = len(ctl.registry.routable())
@@ -497,6 +527,9 @@ def build_app(ctl: Controller) -> web.Application:
     app.router.add_post("/v1/chat/completions", proxy.chat)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
+    app.router.add_post("/tokenize", proxy.passthrough)
+    app.router.add_post("/detokenize", proxy.passthrough)
+    app.router.add_get("/version", proxy.passthrough)
     app.router.add_get("/metrics", proxy.metrics)
     app.router.add_get("/workers", proxy.workers)
     if ctl.shadow is not None:

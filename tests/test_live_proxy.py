@@ -55,6 +55,7 @@ class FakeWorker:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_get("/version", lambda r: web.json_response({"version": "0.32.0", "worker": self.name}))
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         self.runner = web.AppRunner(app, access_log=None)
@@ -836,3 +837,33 @@ def test_a_worker_restarted_between_scrapes_is_read_again():
     before, held, same, after = run(main())
     assert before == (("fake",), 64, 2048) and held == 3 and same == (("fake",), 3)
     assert after == (("fake-2",), 8, 1024, 0)  # 128 sequences x 8 tokens caps the token default
+
+
+def test_vllms_tokenize_detokenize_and_version_pass_through_to_a_serving_worker():
+    """Tools ask the server for token counts (/tokenize) and its version: the least busy serving worker
+    answers, as it is (its 404 for a path it lacks too); an unreachable worker is marked down, with a 502."""
+    async def main():
+        ws = await fakes(2)
+        async with proxy(ws) as (ctl, url, c):
+            async with c.post(url + "/tokenize", json={"model": "fake", "prompt": "abc"}) as r:
+                tok = (r.status, await r.json())
+            async with c.get(url + "/version") as r:
+                ver = (r.status, await r.json())
+            async with c.post(url + "/detokenize", json={"tokens": [1, 2]}) as r:
+                detok = r.status  # the fake lacks it: its own 404
+            ctl.bookkeeping.load("w0").requests += 1  # w0 busier: w1 answers
+            async with c.get(url + "/version") as r:
+                other = (await r.json())["worker"]
+            ctl.bookkeeping.load("w0").requests -= 1
+            await ws[0].stop()
+            async with c.get(url + "/version") as r:
+                down = (r.status, (await r.json())["error"]["message"], ctl.registry.get("w0").healthy)
+            page = await (await c.get(url + "/metrics")).text()
+        await ws[1].stop()
+        return tok, ver, detok, other, down, page
+
+    tok, ver, detok, other, down, page = run(main())
+    assert tok == (200, {"tokens": [97, 98, 99], "count": 3, "max_model_len": 64})
+    assert ver == (200, {"version": "0.32.0", "worker": "w0"}) and detok == 404 and other == "w1"
+    assert down[0] == 502 and "w0" in down[1] and down[2] is False
+    assert "llmtwin_requests_total{" not in page  # not generation: on no request counter
