@@ -182,16 +182,26 @@ class PromptTokenizer:
 _CONTENT_LOOP = re.compile(r"\bfor\s+\w+\s+in\s+[\w.]+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 
+def _joined(content: Any) -> Any:
+    """A list of parts as one string: their texts joined by newlines (`vllm/renderers/chat_utils.py`)."""
+    if not isinstance(content, list):
+        return content
+    texts = [p if isinstance(p, str) else p.get("text") for p in content if isinstance(p, (str, dict))]
+    return "\n".join(t for t in texts if isinstance(t, str))
+
+
 def template_messages(messages: list[dict], template: Any) -> list[dict]:
-    """The messages as vLLM hands them to a chat template: for a template that reads the content as a string,
-    a list of parts becomes their texts joined by newlines (`vllm/renderers/chat_utils.py`)."""
-    if isinstance(template, str) and _CONTENT_LOOP.search(template):
-        return messages
-    out = []
-    for m in messages:
-        c = m.get("content")
-        if isinstance(c, list):
-            texts = [p if isinstance(p, str) else p.get("text") for p in c if isinstance(p, (str, dict))]
-            m = {**m, "content": "\n".join(t for t in texts if isinstance(t, str))}
-        out.append(m)
-    return out
+    """The messages as vLLM hands them to a chat template (`vllm/renderers/hf.py`, `safe_apply_chat_template`):
+    for a template that reads the content as a string, a list of parts becomes one string; for one that does not
+    name the `developer` role, developer messages become system ones, merged into one first system message."""
+    text = template if isinstance(template, str) else ""
+    out = messages if _CONTENT_LOOP.search(text) else [
+        {**m, "content": _joined(m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
+    if '"developer"' in text or "'developer'" in text or not any(m.get("role") == "developer" for m in out):
+        return out
+    out = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m.get("role") == "developer" else m
+           for m in out]
+    if not any(m.get("role") == "system" for m in out[1:]):
+        return out  # one system message, first: as it is (`_consolidate_system_messages`)
+    system = [c for m in out if m.get("role") == "system" and (c := _joined(m.get("content") or ""))]
+    return [{"role": "system", "content": "\n\n".join(system)}] + [m for m in out if m.get("role") != "system"]

@@ -775,12 +775,21 @@ def test_a_local_tokenizer_counts_a_chat_as_vllm_renders_it(tmp_path):
     info = asyncio.run(tok.tokenize({"messages": msgs}, chat=True))
     rendered = fast.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert info.num_tokens == len(fast(rendered, add_special_tokens=False)["input_ids"]) == 7
-    parts = [{"role": "user", "content": [{"type": "text", "text": "which worker"}, {"type": "text", "text": "serves"}]}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "which worker"},
+                                          {"type": "text", "text": "serves"}]}]
     joined = [{"role": "user", "content": "which worker\nserves"}]
     assert asyncio.run(tok.tokenize({"messages": parts}, chat=True)).num_tokens == 5
     assert template_messages(parts, fast.chat_template) == joined
     looping = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
     assert template_messages(parts, looping) == parts  # OpenAI's parts for a template that loops over them
+    # a template that does not name the developer role: system messages, merged first, as vLLM hands them over
+    dev = [{"role": "user", "content": "hi"}, {"role": "developer", "content": "Be brief."},
+           {"role": "system", "content": [{"type": "text", "text": "Route"}, {"type": "text", "text": "well."}]}]
+    assert template_messages(dev, fast.chat_template) == [{"role": "system", "content": "Be brief.\n\nRoute\nwell."},
+                                                          {"role": "user", "content": "hi"}]
+    first = [{"role": "developer", "content": "Be brief.", "tools": []}, {"role": "user", "content": "hi"}]
+    assert template_messages(first, fast.chat_template) == [{"role": "system", "content": "Be brief."}, first[1]]
+    assert template_messages(dev, fast.chat_template + "{# 'developer' #}")[1]["role"] == "developer"
 
 
 def test_unset_batch_limits_are_vllms_defaults_on_the_named_hardware():

@@ -91,6 +91,11 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             models = c.get(url + "/v1/models").json()
             assert [m["id"] for m in models["data"]] == [SERVED]
             assert c.get(url + "/health").json()["serving"] == 2
+            tok = c.post(url + "/tokenize", json={"model": SERVED, "prompt": "Hello there"})  # vLLM's, passed on
+            assert tok.status_code == 200 and tok.json()["count"] == len(tok.json()["tokens"]) > 0, tok.text
+            detok = c.post(url + "/detokenize", json={"model": SERVED, "tokens": tok.json()["tokens"]})
+            assert detok.status_code == 200 and detok.json()["prompt"] == "Hello there", detok.text
+            assert c.get(url + "/version").json()["version"]
             time.sleep(0.5)
             status = c.get(url + "/workers").json()
         assert ctl.bookkeeping.in_flight() == 0
@@ -455,7 +460,8 @@ def test_the_local_tokenizer_counts_what_vllm_counts(two_workers, tiny_model):
     parts = [{"role": "user", "content": [{"type": "text", "text": "cache "}, {"type": "text", "text": "blocks"}]}]
     bodies = [("/v1/completions", {"prompt": "The scheduler admits a request when its blocks fit."}),
               ("/v1/completions", {"prompt": "  leading spaces and\nnew lines\t"}),
-              ("/v1/chat/completions", {"messages": chat}), ("/v1/chat/completions", {"messages": parts})]
+              ("/v1/chat/completions", {"messages": chat}), ("/v1/chat/completions", {"messages": parts}),
+              ("/v1/chat/completions", {"messages": [chat[1], {"role": "developer", "content": "Be brief."}]})]
     try:
         got = []
         with httpx.Client() as c:
