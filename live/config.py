@@ -216,6 +216,22 @@ class ShadowSpec(_Spec):
     def window(self) -> float:
         return self.window_s if self.window_s is not None else self.interval_s
 
+    @field_validator("hardware", "model")
+    @classmethod
+    def _known(cls, v: Optional[str], info: Any) -> Optional[str]:
+        """Checked whenever named, shadow mode or not: the live batch defaults read the hardware too, and a typo
+        there left them on placeholders without a word."""
+        if v is None:
+            return v
+        from twin.specs.hardware import get_gpu
+        from twin.specs.models import get_model
+
+        try:
+            (get_gpu if info.field_name == "hardware" else get_model)(v)
+        except TwinInputError as e:
+            raise ValueError(str(e)) from None
+        return v
+
     @model_validator(mode="after")
     def _names(self) -> "ShadowSpec":
         if not self.enabled:

@@ -136,3 +136,17 @@ def test_live_intervals_have_floors(section, key):
     """A health check or a shadow run every nanosecond was accepted (a fuzzing pass, 2026-12-07)."""
     with pytest.raises(TwinInputError, match=f"{section}.{key}"):
         parse_config({"workers": [{"url": "http://127.0.0.1:1"}], section: {key: 1e-9}})
+
+
+def test_shadow_names_are_checked_even_with_shadow_mode_off():
+    """The live batch defaults read `shadow.hardware` with shadow mode off: a typo is one line at load, where it
+    left the workers described with placeholder limits."""
+    from live.config import parse_config
+    from twin.errors import TwinInputError
+
+    base = {"workers": [{"url": "http://127.0.0.1:9"}]}
+    for shadow, msg in (({"hardware": "H1000"}, "shadow.hardware: unknown GPU 'H1000'"),
+                        ({"model": "nope"}, "shadow.model: unknown model 'nope'")):
+        with pytest.raises(TwinInputError, match=msg):
+            parse_config({**base, "shadow": shadow}, "t")
+    assert parse_config({**base, "shadow": {"hardware": "h100", "model": "tiny-llama"}}, "t").shadow.hardware == "h100"
