@@ -55,7 +55,7 @@ class FakeWorker:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_get("/version", lambda r: web.json_response({"version": "0.32.0", "worker": self.name}))
+        app.router.add_get("/version", self.version)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         self.runner = web.AppRunner(app, access_log=None)
@@ -72,6 +72,9 @@ class FakeWorker:
 
     async def metrics(self, request):
         return web.Response(text=METRICS.format(running=len(self.received), started=self.started))
+
+    async def version(self, request):
+        return web.json_response({"version": "0.32.0", "worker": self.name})
 
     async def tokenize(self, request):
         body = await request.json()
