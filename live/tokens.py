@@ -60,6 +60,18 @@ class PromptInfo:
     max_model_len: int | None = None  # from /tokenize, when it says
 
 
+def token_options(body: dict, chat: bool) -> dict[str, bool]:
+    """The body's fields that change its tokens, with vLLM's defaults (`ChatCompletionRequest`: a generation
+    prompt, no special tokens; `CompletionRequest`: special tokens), read as vLLM reads them."""
+    keys = {"add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False} if chat \
+        else {"add_special_tokens": True}
+    out = {}
+    for k, default in keys.items():
+        v = body_field(body, k, "bool")
+        out[k] = default if v is None else bool(v)
+    return out
+
+
 def prompt_parts(body: dict, chat: bool) -> tuple[list[Any], str | None]:
     """The prompts of a completions body (strings or token-id lists) or the messages of a chat body."""
     if chat:
@@ -116,6 +128,7 @@ class PromptTokenizer:
     async def tokenize(self, body: dict, chat: bool, session: Any = None, worker_url: str | None = None,
                        model: str | None = None) -> PromptInfo:
         parts, text = prompt_parts(body, chat)
+        opts = token_options(body, chat)
         first = parts[0]
         if not chat and isinstance(first, list):  # token ids given: nothing to tokenize
             return PromptInfo(sum(len(p) if isinstance(p, list) else 0 for p in parts) or len(first), first, text)
@@ -123,14 +136,14 @@ class PromptTokenizer:
             return PromptInfo(self._estimate_parts(parts, chat), None, text)
         if self.mode == "local":
             try:
-                ids = self._local_ids(first, chat)
-                total = len(ids) + sum(len(self._local_ids(p, chat)) for p in parts[1:])
+                ids = self._local_ids(first, chat, opts)
+                total = len(ids) + sum(len(self._local_ids(p, chat, opts)) for p in parts[1:])
             except Exception as e:  # noqa: BLE001 - a chat template that raises on odd messages
                 # vLLM judges the request (its template, its 400): here it is routed on an estimate, not a 500
                 log.warning("local tokenizer failed (%s: %s); the prompt's length is estimated", type(e).__name__, e)
                 return PromptInfo(self._estimate_parts(parts, chat), None, text)
             return PromptInfo(total, ids, text)
-        ids, mml = await self._worker_ids(session, worker_url, model, first, chat)
+        ids, mml = await self._worker_ids(session, worker_url, model, first, chat, opts)
         total = len(ids) + sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts[1:])
         return PromptInfo(total, ids, text, mml)
 
@@ -141,23 +154,24 @@ class PromptTokenizer:
                        for m in msgs) + 4 * len(msgs)
         return sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts)
 
-    def _local_ids(self, prompt: Any, chat: bool) -> list[int]:
-        """As vLLM's server: a chat is rendered to text by the template, then tokenized without special tokens
-        (a chat request's `add_special_tokens` is false); a completion's prompt with them."""
+    def _local_ids(self, prompt: Any, chat: bool, opts: dict[str, bool]) -> list[int]:
+        """As vLLM's server: a chat is rendered to text by the template, then tokenized (without special tokens
+        unless the body asks for them); a completion's prompt with them unless it asks not to (`opts`)."""
         tok = self._tok
         if chat:
             msgs = template_messages(prompt, getattr(tok, "chat_template", None))
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            return list(tok(text, add_special_tokens=False)["input_ids"])
+            text = tok.apply_chat_template(msgs, add_generation_prompt=opts["add_generation_prompt"],
+                                           continue_final_message=opts["continue_final_message"], tokenize=False)
+            return list(tok(text, add_special_tokens=opts["add_special_tokens"])["input_ids"])
         if isinstance(prompt, list):
             return prompt
-        return list(tok(prompt)["input_ids"])
+        return list(tok(prompt, add_special_tokens=opts["add_special_tokens"])["input_ids"])
 
 
-    async def _worker_ids(self, session: Any, url: str, model: str | None, prompt: Any,
-                          chat: bool) -> tuple[list[int], int | None]:
+    async def _worker_ids(self, session: Any, url: str, model: str | None, prompt: Any, chat: bool,
+                          opts: dict[str, bool]) -> tuple[list[int], int | None]:
         """vLLM's `/tokenize` (`vllm/entrypoints/serve/tokenize`): {"tokens": [...], "max_model_len": N}."""
-        body: dict[str, Any] = {"messages": prompt, "add_generation_prompt": True} if chat else {"prompt": prompt}
+        body: dict[str, Any] = {"messages": prompt, **opts} if chat else {"prompt": prompt, **opts}
         if model:
             body["model"] = model
         async with session.post(url + "/tokenize", json=body) as resp:

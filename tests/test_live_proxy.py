@@ -742,7 +742,7 @@ def test_a_local_chat_template_that_raises_routes_on_an_estimate():
         def apply_chat_template(self, messages, **kw):
             raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-        def __call__(self, text):
+        def __call__(self, text, **kw):
             return {"input_ids": list(range(len(text.split())))}
 
     tok = PromptTokenizer("estimate", chars_per_token=4.0)
@@ -778,6 +778,8 @@ def test_a_local_tokenizer_counts_a_chat_as_vllm_renders_it(tmp_path):
     info = asyncio.run(tok.tokenize({"messages": msgs}, chat=True))
     rendered = fast.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert info.num_tokens == len(fast(rendered, add_special_tokens=False)["input_ids"]) == 7
+    # the body's own add_generation_prompt (read as vLLM reads a bool): no "<|assistant|>" at the end
+    assert asyncio.run(tok.tokenize({"messages": msgs, "add_generation_prompt": "false"}, chat=True)).num_tokens == 6
     parts = [{"role": "user", "content": [{"type": "text", "text": "which worker"},
                                           {"type": "text", "text": "serves"}]}]
     joined = [{"role": "user", "content": "which worker\nserves"}]

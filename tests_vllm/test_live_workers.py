@@ -377,7 +377,12 @@ def test_the_local_tokenizer_counts_what_vllm_counts(two_workers, tiny_model):
     bodies = [("/v1/completions", {"prompt": "The scheduler admits a request when its blocks fit."}),
               ("/v1/completions", {"prompt": "  leading spaces and\nnew lines\t"}),
               ("/v1/chat/completions", {"messages": chat}), ("/v1/chat/completions", {"messages": parts}),
-              ("/v1/chat/completions", {"messages": [chat[1], {"role": "developer", "content": "Be brief."}]})]
+              ("/v1/chat/completions", {"messages": [chat[1], {"role": "developer", "content": "Be brief."}]}),
+              ("/v1/chat/completions", {"messages": chat[:3], "add_generation_prompt": False,
+                                        "continue_final_message": True}),
+              # the tiny tokenizer adds no BOS, so these two pass either way (the light test covers the reading)
+              ("/v1/chat/completions", {"messages": chat, "add_special_tokens": True}),
+              ("/v1/completions", {"prompt": "no special tokens", "add_special_tokens": False})]
     try:
         got = []
         with httpx.Client() as c:
