@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import random
+import re
 import sys
 import time
 import traceback
@@ -35,6 +36,30 @@ from live.registry import Registry, Worker
 from live.scaling import make_scaler, plan_scale
 from live.signals import parse_metrics
 from live.tokens import PromptTokenizer
+
+_HUMAN_INT = re.compile(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT]?)\s*")
+
+
+def launch_int(v: Any) -> int | None:
+    """An engine argument's count as vLLM's command line reads it (`vllm/utils/argparse_utils.py`
+    `human_readable_int`: 8k is 8,000, 8K is 8,192); None where it is unset, -1 or "auto" (max_model_len:
+    vLLM fits it to memory) or not a count (vLLM judges that at start)."""
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        n = int(v)
+    else:
+        m = _HUMAN_INT.fullmatch(str(v))
+        if m is None:
+            return None
+        num, suffix = m.groups()
+        if suffix.isupper() and "." in num:
+            return None  # vLLM refuses decimals with binary suffixes
+        scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                 "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[suffix]
+        n = int(float(num) * scale) if "." in num else int(num) * scale
+    return n if n > 0 else None
+
 
 ROUTE_SWITCH_INTERVAL_S = 0.001  # the GIL's switch interval while a look-ahead router decides off the loop
 _switch = {"holders": 0, "saved": 0.0}  # the setting is the process's: lowered by the first controller, restored by
@@ -148,6 +173,7 @@ class Controller:
         self.actuator: Any = None
         self.tasks: list[asyncio.Task] = []
         self._kv_checks: dict[str, asyncio.Task] = {}
+        self._reading: set[str] = set()  # workers whose /v1/models is being read again after a restart
         self.accepting = True
         self._ids = 0
         self._idle: dict[str, asyncio.Event] = {}
@@ -241,8 +267,8 @@ class Controller:
         d = InstanceConfig()
 
         def get(k: str, default: int) -> int:
-            v = args.get(k)
-            return int(v) if v is not None else default
+            v = launch_int(args.get(k))
+            return v if v is not None else default
 
         mml = get("max_model_len", max_model_len)
         tokens, seqs = self.batch_limits(args, mml)
@@ -255,15 +281,14 @@ class Controller:
         `EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`), 2048 / 128 on a CPU host. Where no
         hardware is named, or it is unknown, `InstanceConfig`'s placeholders stand in (8192 / 256)."""
         d = InstanceConfig()
-        tokens, seqs = args.get("max_num_batched_tokens"), args.get("max_num_seqs")
-        given = (int(tokens) if tokens is not None else None, int(seqs) if seqs is not None else None)
+        given = (launch_int(args.get("max_num_batched_tokens")), launch_int(args.get("max_num_seqs")))
         hw = self.cfg.shadow.hardware
         if hw is not None and None in given:
             from twin.engine.defaults import resolve_batch_limits
             from twin.specs.hardware import get_gpu
 
-            ranks = int(args.get("tensor_parallel_size") or self.cfg.shadow.tensor_parallel) * int(
-                args.get("pipeline_parallel_size") or 1)
+            ranks = (launch_int(args.get("tensor_parallel_size")) or self.cfg.shadow.tensor_parallel) * (
+                launch_int(args.get("pipeline_parallel_size")) or 1)
             chunked = args.get("enable_chunked_prefill")
             chunked = chunked is None or bool(chunked)
             try:
@@ -418,20 +443,44 @@ class Controller:
 
     async def read_models(self, w: Worker) -> bool:
         """What `/v1/models` tells: the models a worker serves and its context (then vLLM's clamps of its unset
-        batch limits by it). Read at first contact and again when the worker restarted (`scrape`)."""
+        batch limits by it). Read at first contact and again when the worker restarted (`scrape`). False (with
+        `w.last_error`) for an answer that is not vLLM's list of model cards."""
         async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
             if r.status != 200:
                 w.last_error = f"/v1/models answered {r.status}"
                 return False
             data = await r.json(content_type=None)
-        cards = data.get("data", [])
-        w.models = tuple(c["id"] for c in cards)
-        mml = next((c.get("max_model_len") for c in cards if c.get("max_model_len")), None)
-        if mml and not w.launch_args.get("max_model_len"):  # the config's value, where given, wins
-            c = w.config
-            tokens, seqs = self.batch_limits(w.launch_args, int(mml))
-            w.config = InstanceConfig(c.num_gpu_blocks, c.block_size, seqs, tokens, int(mml))
+        cards = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
+            w.last_error = "/v1/models answered something other than a list of model cards"
+            return False
+        models = tuple(c["id"] for c in cards)
+        mml = next((m for c in cards if (m := launch_int(c.get("max_model_len")))), None)
+        config = w.config
+        if mml and not launch_int(w.launch_args.get("max_model_len")):  # the config's value, where given, wins
+            tokens, seqs = self.batch_limits(w.launch_args, mml)
+            config = InstanceConfig(config.num_gpu_blocks, config.block_size, seqs, tokens, mml)
+        if models != w.models or config != w.config:
+            w.models, w.config = models, config
+            self.registry.changed()  # the routers' views and the proxy's served models are rebuilt on it
         return True
+
+    async def _reread_models(self, w: Worker) -> None:
+        """After a restart: /v1/models again, until one read succeeds (`w.models_stale`), one read at a time."""
+        if w.id in self._reading:
+            return
+        self._reading.add(w.id)
+        try:
+            if await self.read_models(w):
+                w.models_stale = False
+            else:
+                log.warning("worker %s: /v1/models after its restart: %s (tried again at the next scrape)", w.id,
+                            w.last_error)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            log.warning("worker %s: /v1/models after its restart: %s: %s (tried again at the next scrape)", w.id,
+                        type(e).__name__, e)
+        finally:
+            self._reading.discard(w.id)
 
     async def scrape(self, w: Worker) -> bool:
         t0 = time.perf_counter()
@@ -449,15 +498,15 @@ class Controller:
         page = parse_metrics(text)
         if page.process_start is not None:
             if w.process_start is not None and page.process_start != w.process_start:
-                # restarted between two looks (perhaps with another model or context): /v1/models was read once
+                # restarted between two looks (perhaps with another model or context): /v1/models was read once.
+                # Noted before any await, so a scrape overlapping this one (the health loop's) sees it once
                 log.warning("worker %s: restarted (its process start time changed): its prefix cache forgotten, "
                             "/v1/models read again", w.id)
                 self.forget_cache(w.id)
-                try:
-                    await self.read_models(w)
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
-                    log.warning("worker %s: /v1/models after its restart: %s: %s", w.id, type(e).__name__, e)
+                w.models_stale = True
             w.process_start = page.process_start
+        if w.models_stale:
+            await self._reread_models(w)
         now = time.monotonic()
         config = page.config(w.config) if page.cache_info else None
         if config is not None and config != w.config and 2 <= config.num_gpu_blocks and config.max_model_len > (
