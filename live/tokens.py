@@ -8,6 +8,7 @@ in process (needs `transformers`; the same files the worker loads); `estimate` c
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import reprlib
@@ -58,6 +59,21 @@ class PromptInfo:
     token_ids: Sequence[int] | None  # of the first prompt; None when only estimated
     text: str | None
     max_model_len: int | None = None  # from /tokenize, when it says
+
+
+def template_kwargs(body: dict) -> dict[str, Any]:
+    """A chat body's `tools` and `chat_template_kwargs`, which vLLM hands to the chat template."""
+    out: dict[str, Any] = {}
+    kw = body.get("chat_template_kwargs")
+    if isinstance(kw, dict):
+        out.update((k, v) for k, v in kw.items() if isinstance(k, str) and k not in _OWN_KWARGS)
+    if isinstance(body.get("tools"), list):
+        out["tools"] = body["tools"]
+    return out
+
+
+_OWN_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+               "chat_template", "return_dict")
 
 
 def token_options(body: dict, chat: bool) -> dict[str, bool]:
@@ -136,13 +152,16 @@ class PromptTokenizer:
             return PromptInfo(self._estimate_parts(parts, chat), None, text)
         if self.mode == "local":
             try:
-                ids = self._local_ids(first, chat, opts)
-                total = len(ids) + sum(len(self._local_ids(p, chat, opts)) for p in parts[1:])
+                kw = template_kwargs(body) if chat else {}
+                ids = self._local_ids(first, chat, opts, kw)
+                total = len(ids) + sum(len(self._local_ids(p, chat, opts, kw)) for p in parts[1:])
             except Exception as e:  # noqa: BLE001 - a chat template that raises on odd messages
                 # vLLM judges the request (its template, its 400): here it is routed on an estimate, not a 500
                 log.warning("local tokenizer failed (%s: %s); the prompt's length is estimated", type(e).__name__, e)
                 return PromptInfo(self._estimate_parts(parts, chat), None, text)
             return PromptInfo(total, ids, text)
+        if chat:  # as the body gives them: the worker's /tokenize takes the chat request's fields
+            opts = {**opts, **{k: body[k] for k in ("tools", "chat_template_kwargs") if body.get(k) is not None}}
         ids, mml = await self._worker_ids(session, worker_url, model, first, chat, opts)
         total = len(ids) + sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts[1:])
         return PromptInfo(total, ids, text, mml)
@@ -154,14 +173,16 @@ class PromptTokenizer:
                        for m in msgs) + 4 * len(msgs)
         return sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts)
 
-    def _local_ids(self, prompt: Any, chat: bool, opts: dict[str, bool]) -> list[int]:
-        """As vLLM's server: a chat is rendered to text by the template, then tokenized (without special tokens
-        unless the body asks for them); a completion's prompt with them unless it asks not to (`opts`)."""
+    def _local_ids(self, prompt: Any, chat: bool, opts: dict[str, bool], kw: dict[str, Any]) -> list[int]:
+        """As vLLM's server: a chat is rendered to text by the template (with the body's tools and template
+        arguments), then tokenized (without special tokens unless the body asks for them); a completion's prompt
+        with them unless it asks not to (`opts`)."""
         tok = self._tok
         if chat:
             msgs = template_messages(prompt, getattr(tok, "chat_template", None))
             text = tok.apply_chat_template(msgs, add_generation_prompt=opts["add_generation_prompt"],
-                                           continue_final_message=opts["continue_final_message"], tokenize=False)
+                                           continue_final_message=opts["continue_final_message"], tokenize=False,
+                                           **kw)
             return list(tok(text, add_special_tokens=opts["add_special_tokens"])["input_ids"])
         if isinstance(prompt, list):
             return prompt
@@ -169,7 +190,7 @@ class PromptTokenizer:
 
 
     async def _worker_ids(self, session: Any, url: str, model: str | None, prompt: Any, chat: bool,
-                          opts: dict[str, bool]) -> tuple[list[int], int | None]:
+                          opts: dict[str, Any]) -> tuple[list[int], int | None]:
         """vLLM's `/tokenize` (`vllm/entrypoints/serve/tokenize`): {"tokens": [...], "max_model_len": N}."""
         body: dict[str, Any] = {"messages": prompt, **opts} if chat else {"prompt": prompt, **opts}
         if model:
@@ -204,13 +225,60 @@ def _joined(content: Any) -> Any:
     return "\n".join(t for t in texts if isinstance(t, str))
 
 
+def _tool_calls(calls: Any) -> Any:
+    """An assistant's tool calls as templates take them: `arguments` a JSON object, not its text (vLLM's
+    `_postprocess_messages`: text that is not a JSON object becomes {})."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for item in calls:
+        fn = item.get("function") if isinstance(item, dict) else None
+        if isinstance(fn, dict):
+            args = fn.get("arguments")
+            if isinstance(args, str) and args:
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    args = None
+            item = {**item, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}
+        out.append(item)
+    return out
+
+
+def _message(m: dict, openai: bool) -> dict:
+    """One message rebuilt as vLLM's `_parse_chat_message_content` rebuilds it: the content as parts (a template
+    that loops over them) or one string; tool calls, a tool's call id, a name and reasoning kept, the rest not."""
+    role, c = m.get("role"), m.get("content")
+    parts = [] if c is None else ([{"type": "text", "text": c}] if isinstance(c, str) else c)
+    content: Any = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts] if openai else \
+        _joined(parts)
+    msg: dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant":
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"])
+            if msg["tool_calls"] == []:
+                del msg["tool_calls"]  # an empty list keeps the template on its plain assistant path
+        if m.get("reasoning") is not None:
+            msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
+    elif role == "tool":
+        if "tool_call_id" in m:
+            msg["tool_call_id"] = m["tool_call_id"]
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            msg["content"] = "\n".join(str(p.get("text", "")) for p in content)
+    if isinstance(m.get("name"), str):
+        msg["name"] = m["name"]
+    if role == "developer":
+        msg["tools"] = m.get("tools")
+    return msg
+
+
 def template_messages(messages: list[dict], template: Any) -> list[dict]:
-    """The messages as vLLM hands them to a chat template (`vllm/renderers/hf.py`, `safe_apply_chat_template`):
-    for a template that reads the content as a string, a list of parts becomes one string; for one that does not
-    name the `developer` role, developer messages become system ones, merged into one first system message."""
+    """The messages as vLLM hands them to a chat template (`vllm/renderers/chat_utils.py` `parse_chat_messages`,
+    `vllm/renderers/hf.py` `safe_apply_chat_template`): rebuilt one by one (`_message`); for a template that does
+    not name the `developer` role, developer messages become system ones, merged into one first system message.
+    Not mirrored: multimodal parts, Claude Code's billing header in system prompts."""
     text = template if isinstance(template, str) else ""
-    out = messages if _CONTENT_LOOP.search(text) else [
-        {**m, "content": _joined(m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
+    out = [_message(m, bool(_CONTENT_LOOP.search(text))) for m in messages]
     if '"developer"' in text or "'developer'" in text or not any(m.get("role") == "developer" for m in out):
         return out
     out = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m.get("role") == "developer" else m

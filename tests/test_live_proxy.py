@@ -45,6 +45,8 @@ class FakeWorker:
         self.runner: web.AppRunner | None = None
         self.started = 1.796e9  # process_start_time_seconds
         self.model, self.max_model_len = "fake", 64
+        self.models_answer: tuple[int, object] | None = None
+        self.models_reads = 0
 
     @property
     def url(self) -> str:
@@ -68,6 +70,9 @@ class FakeWorker:
         await self.runner.cleanup()
 
     async def models(self, request):
+        self.models_reads += 1
+        if self.models_answer is not None:  # (status, JSON body): what a broken or foreign server answers
+            return web.json_response(self.models_answer[1], status=self.models_answer[0])
         return web.json_response({"object": "list", "data": [{"id": self.model, "max_model_len": self.max_model_len}]})
 
     async def metrics(self, request):
@@ -795,6 +800,29 @@ def test_a_local_tokenizer_counts_a_chat_as_vllm_renders_it(tmp_path):
     first = [{"role": "developer", "content": "Be brief.", "tools": []}, {"role": "user", "content": "hi"}]
     assert template_messages(first, fast.chat_template) == [{"role": "system", "content": "Be brief."}, first[1]]
     assert template_messages(dev, fast.chat_template + "{# 'developer' #}")[1]["role"] == "developer"
+    # rebuilt as vLLM rebuilds them: tool-call arguments as objects (not JSON text; not an object: {}), a tool's
+    # text parts as one string, a string as one part for a template that loops over parts, other keys dropped
+    tools = [{"role": "user", "content": "weather?", "x-trace": 1},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}},
+                 {"id": "c2", "type": "function", "function": {"name": "w", "arguments": "[1]"}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sun"}]},
+             {"role": "assistant", "content": "ok", "tool_calls": []}]
+    assert template_messages(tools, looping) == [
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": [], "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Paris"}}},
+            {"id": "c2", "type": "function", "function": {"name": "w", "arguments": {}}}]},
+        {"role": "tool", "content": "sun", "tool_call_id": "c1"},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]
+    # the body's tools reach the template (a template that renders them counts them)
+    fast.chat_template = ("{% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+                          "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    fast.save_pretrained(tmp_path)
+    tok = PromptTokenizer("local", str(tmp_path))
+    n = [asyncio.run(tok.tokenize({"messages": msgs, **extra}, chat=True)) for extra in (
+        {"tools": []}, {"tools": [{"type": "function", "function": {"name": "serves"}}] * 3})]
+    assert n[1].token_ids is not None and n[1].num_tokens == n[0].num_tokens + 3  # "serves serves serves "
 
 
 def test_unset_batch_limits_are_vllms_defaults_on_the_named_hardware():
@@ -853,6 +881,46 @@ def test_a_worker_restarted_between_scrapes_is_read_again():
     before, held, same, after = run(main())
     assert before == (("fake",), 64, 2048) and held == 3 and same == (("fake",), 3)
     assert after == (("fake-2",), 8, 1024, 0)  # 128 sequences x 8 tokens caps the token default
+
+
+def test_after_a_restart_the_new_model_is_served_and_a_failed_read_is_tried_again():
+    """The routers' views and the proxy's served models follow the re-read (they kept the old ones: a request
+    for the new model was a 404); an answer that is not vLLM's, or a 503, is tried again at the next scrape (a
+    list stopped the scrape loop for good, a 503 left the old model forever); overlapping scrapes read once."""
+    async def main():
+        ws = await fakes(1)
+        router = {"scrape_interval_s": 60}
+        async with proxy(ws, shadow={"hardware": "CPU-2core-AVX512"}, router=router) as (ctl, url, c):
+            w, f = ctl.registry.get("w0"), ws[0]
+            f.started, f.model, f.max_model_len = f.started + 30, "fake-2", 8
+            f.models_answer = (200, ["not", "an", "object"])
+            ok = await ctl.scrape(w)
+            broken = (ok, w.models, w.models_stale)
+            f.models_answer = (503, {"error": "starting"})
+            await ctl.scrape(w)
+            unavailable = (w.models, w.models_stale)
+            f.models_answer, reads = None, f.models_reads
+            await asyncio.gather(ctl.scrape(w), ctl.scrape(w))  # the health loop's scrape beside the loop's
+            read_once = f.models_reads - reads
+            view = ctl.registry.fleet.instances[0].config.max_model_len
+            async with c.post(url + "/v1/completions", json={"model": "fake-2", "prompt": "hi", "max_tokens": 2}) as r:
+                served = r.status
+        await f.stop()
+        return broken, unavailable, read_once, view, served, w
+
+    broken, unavailable, read_once, view, served, w = run(main())
+    assert broken == (True, ("fake",), True) and unavailable == (("fake",), True)
+    assert read_once == 1 and not w.models_stale and w.models == ("fake-2",)
+    assert view == 8 and served == 200
+
+
+def test_launch_arguments_are_read_as_vllms_command_line_reads_them():
+    from live.controller import launch_int
+
+    assert [launch_int(v) for v in (8192, 8192.0, "8192", "8k", "8K", "25.6k", " 2M ")] == [
+        8192, 8192, 8192, 8000, 8192, 25600, 2 * 2**20]
+    # unset, vLLM's "fit to memory" for max_model_len, or what vLLM would judge at start: not a count
+    assert [launch_int(v) for v in (None, -1, "-1", "auto", 0, True, "2.5K", "lots", [8])] == [None] * 9
 
 
 def test_vllms_tokenize_detokenize_and_version_pass_through_to_a_serving_worker():
