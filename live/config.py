@@ -59,6 +59,8 @@ class WorkerSpec(_Spec):
         "its launch argument, when known (unset: vLLM's default on shadow.hardware, e.g. 8192 on an H100)"))
     max_num_seqs: Optional[int] = Field(None, gt=0, description="the same (unset: e.g. 1024 on an H100)")
     max_model_len: Optional[int] = Field(None, gt=0)
+    performance_mode: Optional[Literal["balanced", "interactivity", "throughput"]] = Field(None, description=(
+        "its --performance-mode, when set (throughput doubles the two defaults above)"))
 
     @field_validator("url")
     @classmethod

@@ -195,7 +195,8 @@ class Controller:
         if any(w.kv_events_endpoint for w in cfg.workers) or (cfg.launcher and cfg.launcher.kv_events):
             self.kv = KVEventSubscriber(self.precise, self.metrics)
         for wid, ws in zip(cfg.worker_ids(), cfg.workers):
-            given = {k: getattr(ws, k) for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len")}
+            given = {k: getattr(ws, k) for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                                                 "performance_mode")}
             w = Worker(wid, ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint,
                        launch_args={k: v for k, v in given.items() if v is not None})
             w.config = self.launch_config(w.launch_args)

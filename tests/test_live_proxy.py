@@ -832,9 +832,10 @@ def test_unset_batch_limits_are_vllms_defaults_on_the_named_hardware():
     from live.shadow import base_engine
 
     async def main():
-        ws = await fakes(3)
+        ws = await fakes(4)
         workers = [{"id": "w0", "url": ws[0].url}, {"id": "w1", "url": ws[1].url, "max_num_seqs": 1},
-                   {"id": "w2", "url": ws[2].url, "max_num_batched_tokens": 96, "max_num_seqs": 4}]
+                   {"id": "w2", "url": ws[2].url, "max_num_batched_tokens": 96, "max_num_seqs": 4},
+                   {"id": "w3", "url": ws[3].url, "performance_mode": "throughput"}]
         got = {}
         for hw in ("CPU-2core-AVX512", "H100-SXM-80GB", None):
             async with proxy(ws, workers=workers, shadow={"hardware": hw, "model": "tiny-llama"}) as (ctl, url, c):
@@ -850,10 +851,10 @@ def test_unset_batch_limits_are_vllms_defaults_on_the_named_hardware():
 
     got = run(main())
     # one sequence of at most 64 tokens (the fake's max_model_len): vLLM caps the token default at 64
-    assert got["CPU-2core-AVX512"] == {"w0": (2048, 128), "w1": (64, 1), "w2": (96, 4)}
+    assert got["CPU-2core-AVX512"] == {"w0": (2048, 128), "w1": (64, 1), "w2": (96, 4), "w3": (4096, 256)}
     assert got["CPU-2core-AVX512", "twin"] == (2048, 128)
-    assert got["H100-SXM-80GB"] == {"w0": (8192, 1024), "w1": (64, 1), "w2": (96, 4)}
-    assert got[None] == {"w0": (8192, 256), "w1": (8192, 1), "w2": (96, 4)}  # placeholders: nothing known
+    assert got["H100-SXM-80GB"] == {"w0": (8192, 1024), "w1": (64, 1), "w2": (96, 4), "w3": (16384, 2048)}
+    assert got[None] == {"w0": (8192, 256), "w1": (8192, 1), "w2": (96, 4), "w3": (8192, 256)}  # placeholders
     launch = got["CPU-2core-AVX512", "launch"]
     assert (launch.max_num_batched_tokens, launch.max_num_seqs, launch.max_model_len) == (2048, 1, 0)
     assert got["CPU-2core-AVX512", "throughput"] == 256 and got["H100-SXM-80GB", "throughput"] == 2048
