@@ -262,7 +262,7 @@ class Controller:
         pick = self.chunk_plan.engine_args if self.chunk_plan is not None else {}
         return LaunchSpec({**pick, **(engine_args or {})})
 
-    def launch_config(self, args: Mapping[str, Any], max_model_len: int = 0) -> InstanceConfig:
+    def launch_config(self, args: Mapping[str, Any]) -> InstanceConfig:
         """What a policy knows of a worker's launch arguments before its first scrape: those given (`args`, by
         vLLM's names), and for the batch limits left unset vLLM's defaults on `shadow.hardware`."""
         d = InstanceConfig()
@@ -271,7 +271,7 @@ class Controller:
             v = launch_int(args.get(k))
             return v if v is not None else default
 
-        mml = get("max_model_len", max_model_len)
+        mml = get("max_model_len", 0)
         tokens, seqs = self.batch_limits(args, mml)
         return InstanceConfig(num_gpu_blocks=0, block_size=get("block_size", d.block_size), max_num_seqs=seqs,
                               max_num_batched_tokens=tokens, max_model_len=mml)

@@ -278,7 +278,8 @@ def template_messages(messages: list[dict], template: Any) -> list[dict]:
     not name the `developer` role, developer messages become system ones, merged into one first system message.
     Not mirrored: multimodal parts, Claude Code's billing header in system prompts."""
     text = template if isinstance(template, str) else ""
-    out = [_message(m, bool(_CONTENT_LOOP.search(text))) for m in messages]
+    openai = _CONTENT_LOOP.search(text) is not None
+    out = [_message(m, openai) for m in messages]
     if '"developer"' in text or "'developer'" in text or not any(m.get("role") == "developer" for m in out):
         return out
     out = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m.get("role") == "developer" else m

@@ -229,7 +229,7 @@ class ClusterSpec(_Spec):
         128-token blocks unless the user gave a block size (16 for MLA models, which the twin does not model),
         and no async scheduling, whatever was asked (its comment: "not required on CPU"). GPUs keep 16 and the
         release's async default."""
-        if (get_gpu(self.hardware).device_name or "") != "cpu":
+        if not get_gpu(self.hardware).is_cpu:
             return self
         update: dict[str, Any] = {"async_scheduling": False}
         if "block_size" not in self.engine.model_fields_set:

