@@ -518,8 +518,22 @@ class Proxy:
             ctl.finished(req, w.id, time.monotonic(), n_out)
 
 
+@web.middleware
+async def route_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A path or method no route serves answers as vLLM's FastAPI app does, in JSON: {"detail": "Not Found"}
+    (404) or {"detail": "Method Not Allowed"} (405, with Allow), not aiohttp's plain text that a client's JSON
+    parser fails on. Only the router's own refusals are rewritten; the handlers answer with `error`."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if request.match_info.http_exception is not e or e.status not in (404, 405):
+            raise
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return web.json_response({"detail": e.reason}, status=e.status, headers=headers)
+
+
 def build_app(ctl: Controller) -> web.Application:
-    app = web.Application(client_max_size=ctl.cfg.server.max_body_bytes)
+    app = web.Application(client_max_size=ctl.cfg.server.max_body_bytes, middlewares=[route_errors])
     proxy = Proxy(ctl)
     app[CTL] = ctl
     app[PROXY] = proxy

@@ -952,3 +952,27 @@ def test_vllms_tokenize_detokenize_and_version_pass_through_to_a_serving_worker(
     assert ver == (200, {"version": "0.32.0", "worker": "w0"}) and detok == 404 and other == "w1"
     assert down[0] == 502 and "w0" in down[1] and down[2] is False
     assert "llmtwin_requests_total{" not in page  # not generation: on no request counter
+
+
+def test_a_path_or_method_no_route_serves_answers_in_json_as_vllm_does():
+    """vLLM's FastAPI app answers an unknown path {"detail": "Not Found"} and a wrong method {"detail": "Method
+    Not Allowed"}, both JSON: a client that parses every error body as JSON got aiohttp's plain text here."""
+    async def main():
+        ws = await fakes(1)
+        out = {}
+        async with proxy(ws) as (ctl, url, c):
+            for name, method, path in [("path", "GET", "/v1/nope"), ("method", "POST", "/health"),
+                                       ("get_chat", "GET", "/v1/chat/completions")]:
+                async with c.request(method, url + path) as r:
+                    out[name] = (r.status, r.content_type, await r.json(), r.headers.get("Allow"))
+            async with c.post(url + "/v1/chat/completions", json={"model": "gpt-9", "messages": []}) as r:
+                out["handler"] = (r.status, await r.json())
+        await ws[0].stop()
+        return out
+
+    out = run(main())
+    assert out["path"] == (404, "application/json", {"detail": "Not Found"}, None)
+    assert out["method"][:3] == (405, "application/json", {"detail": "Method Not Allowed"})
+    assert "GET" in out["method"][3] and "POST" not in out["method"][3]
+    assert out["get_chat"][:3] == (405, "application/json", {"detail": "Method Not Allowed"})
+    assert out["handler"][0] == 404 and "gpt-9" in out["handler"][1]["error"]["message"]  # a handler's own 404

@@ -224,6 +224,9 @@ def test_bad_input_against_real_workers(two_workers):
             assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
             r = post(c, url, prompt="hello", max_tokens=2, temperature=-1)  # vLLM's own 400 passes through
             assert r.status_code == 400 and "temperature" in r.text
+            for method, path in [("GET", "/v1/nope"), ("POST", "/health"), ("GET", "/v1/completions")]:
+                mine, vllms = c.request(method, url + path), c.request(method, two_workers[0].url + path)
+                assert (mine.status_code, mine.json()) == (vllms.status_code, vllms.json())  # JSON, as vLLM's
             assert rc.ctl.registry.get("w0").healthy and rc.ctl.registry.get("w1").healthy  # 4xx is not a fault
     finally:
         rc.stop()
