@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import reprlib
 import signal
 import time
 import traceback
@@ -29,7 +30,7 @@ from twin.workload.text_prefix import text_block_ids
 
 from live.controller import Controller
 from live.hashing import chain_hashes
-from live.tokens import BadPrompt, body_field
+from live.tokens import BadPrompt, body_field, fit_context
 
 log = logging.getLogger("llmtwin.live")
 CTL: web.AppKey[Controller] = web.AppKey("controller", Controller)
@@ -67,6 +68,8 @@ class Fields(NamedTuple):
     max_tokens: int | None
     priority: int
     echo: bool
+    truncate: int | None  # truncate_prompt_tokens
+    side: str | None  # truncation_side
 
 
 def read_fields(body: dict, chat: bool) -> Fields:
@@ -78,8 +81,14 @@ def read_fields(body: dict, chat: bool) -> Fields:
         max_tokens = mct if mct is not None else max_tokens
     elif max_tokens is None:  # vLLM's completions default, for a missing or null max_tokens (normalize_null_max_tokens)
         max_tokens = COMPLETIONS_MAX_TOKENS
+    truncate = body_field(body, "truncate_prompt_tokens", "int")
+    if truncate is not None and truncate < -1:  # vLLM's Field(ge=-1)
+        raise BadPrompt(f"'truncate_prompt_tokens': Input should be greater than or equal to -1 (got {truncate})")
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise BadPrompt(f"'truncation_side': Input should be 'left' or 'right' (got {reprlib.repr(side)})")
     return Fields(body_field(body, "model", "model"), bool(body_field(body, "stream", "bool")), max_tokens,
-                  body_field(body, "priority", "int") or 0, bool(body_field(body, "echo", "bool")))
+                  body_field(body, "priority", "int") or 0, bool(body_field(body, "echo", "bool")), truncate, side)
 
 
 class _Retryable(Exception):
@@ -307,15 +316,13 @@ class Proxy:
             return error(502, f"worker {routable[0].id} failed to tokenize the prompt: {e}")
         mml = info.max_model_len or min((w.config.max_model_len for w in routable if w.config.max_model_len),
                                         default=0)
-        if mml:
-            exact = info.token_ids is not None
-            need = (max_tokens or 0) + (info.num_tokens if exact else 0)
-            if need > mml:
-                self.reject("too_long")
-                return error(400, f"This model's maximum context length is {mml} tokens. However, you requested "
-                                  f"{need} tokens ({info.num_tokens if exact else 'unknown'} in the prompt, "
-                                  f"{max_tokens} in the completion). Please reduce the length of the prompt or "
-                                  "max_tokens.")
+        param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        try:
+            info, max_tokens = fit_context(info, max_tokens, mml, f.truncate, f.side,
+                                           0 if f.echo and not chat else 1, param)
+        except BadPrompt as e:
+            self.reject("too_long")
+            return error(400, str(e))
         bs = ctl.registry.block_size()
         # token ids where known; else the text's chained character blocks, as the simulator derives them from a
         # trace's texts (twin.workload.text_prefix), so text-matching routers (cache-aware) work in estimate mode

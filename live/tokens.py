@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from typing import Annotated, Any, Optional, Sequence, Union
@@ -59,6 +59,8 @@ class PromptInfo:
     token_ids: Sequence[int] | None  # of the first prompt; None when only estimated
     text: str | None
     max_model_len: int | None = None  # from /tokenize, when it says
+    lengths: tuple[int, ...] = ()  # each prompt's tokens (a chat is one prompt): exact for the first `exact`
+    exact: int = 0
 
 
 def template_kwargs(body: dict) -> dict[str, Any]:
@@ -147,31 +149,34 @@ class PromptTokenizer:
         opts = token_options(body, chat)
         first = parts[0]
         if not chat and isinstance(first, list):  # token ids given: nothing to tokenize
-            return PromptInfo(sum(len(p) if isinstance(p, list) else 0 for p in parts) or len(first), first, text)
+            lengths = tuple(len(p) for p in parts)
+            return PromptInfo(sum(lengths), first, text, lengths=lengths, exact=len(lengths))
         if self.mode == "estimate" or (self.mode == "worker" and (session is None or worker_url is None)):
-            return PromptInfo(self._estimate_parts(parts, chat), None, text)
+            return self._estimated(parts, chat, text)
         if self.mode == "local":
             try:
                 kw = template_kwargs(body) if chat else {}
                 ids = self._local_ids(first, chat, opts, kw)
-                total = len(ids) + sum(len(self._local_ids(p, chat, opts, kw)) for p in parts[1:])
+                lengths = (len(ids), *(len(self._local_ids(p, chat, opts, kw)) for p in parts[1:]))
             except Exception as e:  # noqa: BLE001 - a chat template that raises on odd messages
                 # vLLM judges the request (its template, its 400): here it is routed on an estimate, not a 500
                 log.warning("local tokenizer failed (%s: %s); the prompt's length is estimated", type(e).__name__, e)
-                return PromptInfo(self._estimate_parts(parts, chat), None, text)
-            return PromptInfo(total, ids, text)
+                return self._estimated(parts, chat, text)
+            return PromptInfo(sum(lengths), ids, text, lengths=lengths, exact=len(lengths))
         if chat:  # as the body gives them: the worker's /tokenize takes the chat request's fields
             opts = {**opts, **{k: body[k] for k in ("tools", "chat_template_kwargs") if body.get(k) is not None}}
         ids, mml = await self._worker_ids(session, worker_url, model, first, chat, opts)
-        total = len(ids) + sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts[1:])
-        return PromptInfo(total, ids, text, mml)
+        lengths = (len(ids), *(self.estimate(p) if isinstance(p, str) else len(p) for p in parts[1:]))
+        return PromptInfo(sum(lengths), ids, text, mml, lengths, 1)
 
-    def _estimate_parts(self, parts: list[Any], chat: bool) -> int:
+    def _estimated(self, parts: list[Any], chat: bool, text: str | None) -> PromptInfo:
         if chat:
             msgs = parts[0]
-            return sum(self.estimate(m.get("content") if isinstance(m.get("content"), str) else str(m.get("content")))
-                       for m in msgs) + 4 * len(msgs)
-        return sum(self.estimate(p) if isinstance(p, str) else len(p) for p in parts)
+            lengths: tuple[int, ...] = (sum(self.estimate(m.get("content") if isinstance(m.get("content"), str)
+                                                          else str(m.get("content"))) for m in msgs) + 4 * len(msgs),)
+        else:
+            lengths = tuple(self.estimate(p) if isinstance(p, str) else len(p) for p in parts)
+        return PromptInfo(sum(lengths), None, text, lengths=lengths)
 
     def _local_ids(self, prompt: Any, chat: bool, opts: dict[str, bool], kw: dict[str, Any]) -> list[int]:
         """As vLLM's server: a chat is rendered to text by the template (with the body's tools and template
@@ -210,6 +215,44 @@ class PromptTokenizer:
             raise BadAnswer(f"/tokenize answered {resp.status} without token ids: {reprlib.repr(data)}")
         mml = data.get("max_model_len")
         return tokens, mml if isinstance(mml, int) and not isinstance(mml, bool) else None
+
+
+def fit_context(info: PromptInfo, max_tokens: int | None, mml: int | None, truncate: int | None,
+                side: str | None, least: int, param: str) -> tuple[PromptInfo, int | None]:
+    """The prompt as vLLM 0.32 serves it within a `mml`-token context, and the output tokens it will allow; or
+    BadPrompt with vLLM's message. vLLM (`vllm/renderers/params.py` `TokenizeParams`) refuses max_tokens above the
+    context and a truncation above it, keeps the last `truncate_prompt_tokens` tokens of each prompt (the first
+    with `truncation_side: right`; -1: the context less one), refuses a prompt longer than the context, and then
+    *cuts* max_tokens to what the context leaves (`serve/utils/api_utils.py` `get_max_tokens`), per prompt: a
+    prompt plus max_tokens over the context is served, not refused. Estimated lengths are never refused."""
+    if mml and max_tokens is not None and max_tokens > mml:
+        raise BadPrompt(f"{param}={max_tokens} cannot be greater than max_model_len={mml}. Please request fewer "
+                        "output tokens.")
+    if mml and truncate is not None and truncate > mml:
+        raise BadPrompt(f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {mml}. Please "
+                        "request a smaller truncation size.")
+    keep = (mml - 1 if mml else None) if truncate == -1 else truncate
+    if keep is not None and info.lengths and max(info.lengths) > keep:
+        ids = info.token_ids
+        if ids is not None and len(ids) > keep:
+            ids = ids[:keep] if side == "right" else ids[len(ids) - keep:]
+        lengths = tuple(min(n, keep) for n in info.lengths)
+        info = replace(info, num_tokens=sum(lengths), token_ids=ids, lengths=lengths)
+    if not mml or not info.exact:
+        return info, max_tokens
+    longest = max(info.lengths[:info.exact])
+    if longest > mml:
+        qualifier = "at least " if longest == mml + 1 else ""
+        raise BadPrompt(f"This model's maximum context length is {mml} tokens. However, your prompt contains "
+                        f"{qualifier}{longest} input tokens, which exceeds this limit even without any output "
+                        "tokens. Please reduce the length of the input prompt.")
+    allowed = mml - longest
+    if max_tokens is None:
+        return info, None  # vLLM's chat default: what the context leaves, not an expected length
+    fits = min(max_tokens, allowed)
+    if fits < least:
+        raise BadPrompt(f"max_tokens must be at least {least}, got {fits}.")
+    return info, fits
 
 
 # a template that loops over a message's content takes OpenAI's list of parts; others get one string

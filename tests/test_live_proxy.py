@@ -273,7 +273,8 @@ def test_bad_input_is_4xx_with_a_message():
             await post("list", js=[1, 2])
             await post("model", js={"model": "gpt-9", "prompt": "x"})
             await post("big", data=json.dumps({"prompt": "x" * 10000}).encode())
-            await post("context", js={"prompt": "x" * 60, "max_tokens": 10})
+            await post("context", js={"prompt": "x" * 70, "max_tokens": 1})
+            await post("over", js={"prompt": "x", "max_tokens": 65})
             await post("maxtok", js={"prompt": "x", "max_tokens": -3})
             await post("noprompt", js={"max_tokens": 3})
             await post("chatmsgs", js={"messages": "hi"}, path="/v1/chat/completions")
@@ -292,6 +293,9 @@ def test_bad_input_is_4xx_with_a_message():
     assert out["model"][0] == 404 and "gpt-9" in out["model"][1]["error"]["message"]
     assert out["big"][0] == 413 and "4096 bytes" in out["big"][1]["error"]["message"]
     assert out["context"][0] == 400 and "maximum context length is 64" in out["context"][1]["error"]["message"]
+    assert out["context"][1]["error"]["message"].count("70 input tokens") == 1
+    assert out["over"][0] == 400 and "max_tokens=65 cannot be greater than max_model_len=64" in \
+        out["over"][1]["error"]["message"]
     assert out["maxtok"][0] == 400
     assert out["noprompt"][0] == 400 and "prompt" in out["noprompt"][1]["error"]["message"]
     assert out["chatmsgs"][0] == 400
@@ -326,7 +330,7 @@ def test_fields_are_read_as_vllm_reads_them():
     out, calls = run(main())
     assert [out[k][0] for k in ("float", "ids", "echo")] == [200] * 3
     assert out["float"][1].startswith("application/json")  # answered, not streamed
-    assert out["chat"][0] == 400 and b"100 in the completion" in out["chat"][2]
+    assert out["chat"][0] == 400 and b"max_completion_tokens=100 cannot be greater than" in out["chat"][2]
     dispatch = [c for c in calls if c[0] == "dispatch"]
     assert [c[3:] for c in dispatch] == [(1, 7), (3, 2), (1, 0)]  # prompt tokens, max_tokens
     assert [c[3] for c in calls if c[0] == "finish"] == [3, 3, 3]  # the answers' usage: not read as streams
@@ -630,10 +634,12 @@ def test_headers_as_long_as_vllm_takes_are_served():
     assert run(main()) == [200, 200]
 
 
-def test_a_completion_without_max_tokens_is_capped_at_vllms_16():
-    """vLLM's CompletionRequest caps a missing or null max_tokens at 16 (`normalize_null_max_tokens`): the proxy
-    read it as no cap, so the books expected no output and a prompt that leaves under 16 tokens of context passed
-    the length check that vLLM then failed. Chat has no such default."""
+def test_max_tokens_is_cut_to_the_context_as_vllm_does_and_only_what_vllm_refuses_is_refused():
+    """vLLM 0.32 serves a prompt plus max_tokens over the context: it cuts max_tokens to what the context leaves
+    (`get_max_tokens`), per prompt of a batch; it refuses only max_tokens above the context, a prompt longer than
+    it, or one that leaves no token. The proxy refused every sum over the context (a batch's total too), so
+    requests vLLM serves got a 400. A completion without max_tokens takes vLLM's 16 (`normalize_null_max_tokens`);
+    chat has no such default. truncate_prompt_tokens keeps a prompt's last tokens before any of this."""
 
     async def main():
         ws = await fakes(1)
@@ -642,17 +648,31 @@ def test_a_completion_without_max_tokens_is_capped_at_vllms_16():
         async with proxy(ws, rec, tokenizer={"mode": "worker"}) as (ctl, url, c):
             for path, js in (("/v1/completions", {"prompt": "x" * 10}),
                              ("/v1/completions", {"prompt": "x" * 10, "max_tokens": None}),
-                             ("/v1/completions", {"prompt": "x" * 50}),  # 50 + 16 > the fake's 64
-                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 50}]})):
+                             ("/v1/completions", {"prompt": "x" * 50}),  # 50 + 16 > the fake's 64: cut to 14
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 50}]}),
+                             ("/v1/completions", {"prompt": [[1] * 40, [2] * 40, [3] * 40], "max_tokens": 30}),
+                             ("/v1/completions", {"prompt": "x" * 64}),  # leaves no token: vLLM's 400
+                             ("/v1/completions", {"prompt": "x" * 64, "echo": True, "max_tokens": 0}),
+                             ("/v1/completions", {"prompt": "ab" * 50, "truncate_prompt_tokens": 6, "max_tokens": 2}),
+                             ("/v1/completions", {"prompt": "x" * 90, "truncate_prompt_tokens": -1}),  # 63 kept
+                             ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 65}),
+                             ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": -2}),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 60}],
+                                                       "max_completion_tokens": 65})):
                 async with c.post(url + path, json=js) as r:
                     got.append((r.status, (await r.json()).get("error", {}).get("message", "")))
         await ws[0].stop()
         return got, [call for call in rec.calls if call[0] == "dispatch"]
 
     got, dispatched = run(main())
-    assert [g[0] for g in got] == [200, 200, 400, 200]
-    assert "maximum context length is 64" in got[2][1] and "16 in the completion" in got[2][1]
-    assert [d[4] for d in dispatched] == [16, 16, None]  # the cap the books and routers read
+    assert [g[0] for g in got] == [200, 200, 200, 200, 200, 400, 200, 200, 200, 400, 400, 400], got
+    assert "max_tokens must be at least 1, got 0" in got[5][1]
+    assert "truncate_prompt_tokens=65 cannot be greater than max_model_len = 64" in got[9][1]
+    assert "greater than or equal to -1" in got[10][1]
+    assert "max_completion_tokens=65 cannot be greater than max_model_len=64" in got[11][1]
+    # (prompt tokens, the output cap the books and routers read)
+    assert [(d[3], d[4]) for d in dispatched] == [(10, 16), (10, 16), (50, 14), (50, None), (120, 24), (64, 0),
+                                                  (6, 2), (63, 1)]
 
 
 def test_health_checks_bring_a_worker_back():

@@ -47,7 +47,8 @@ def test_a_worker_restarted_with_a_smaller_context_is_read_again(tiny_model, tmp
         assert second[0] == 256 and second[1] > first[1], (first, second)
         assert models[0]["max_model_len"] == 256
         # refused by the controller's own check, with the new context (the worker's answer names it the same way)
-        assert r.status_code == 400 and "maximum context length is 256" in r.json()["error"]["message"], r.text
+        assert r.status_code == 400 and "cannot be greater than max_model_len=256" in r.json()["error"]["message"], \
+            r.text
         assert 'llmtwin_rejected_total{reason="too_long"} 1.0' in httpx.get(url + "/metrics").text
     finally:
         rc.stop()

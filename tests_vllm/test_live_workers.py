@@ -220,8 +220,27 @@ def test_bad_input_against_real_workers(two_workers):
             assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
             r = c.post(url + "/v1/completions", json={"model": SERVED, "prompt": "x" * 70000})
             assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
-            r = post(c, url, prompt="hello", max_tokens=MAX_MODEL_LEN)
-            assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+            # vLLM cuts max_tokens to what the context leaves (per prompt) and refuses only what cannot fit: the
+            # proxy answers as the worker does, with the worker's usage
+            long_ids = [5] * (MAX_MODEL_LEN - 20)
+            for body in [dict(prompt="hello", max_tokens=MAX_MODEL_LEN), dict(prompt="hi", max_tokens=MAX_MODEL_LEN + 1),
+                         dict(prompt=long_ids, max_tokens=30), dict(prompt=[long_ids, [6] * 8], max_tokens=25),
+                         dict(prompt=[5] * MAX_MODEL_LEN), dict(prompt=[5] * (MAX_MODEL_LEN + 1), max_tokens=1),
+                         dict(prompt=[5] * (MAX_MODEL_LEN + 50), truncate_prompt_tokens=10, max_tokens=3),
+                         dict(prompt=[5] * (MAX_MODEL_LEN + 50), truncate_prompt_tokens=-1, max_tokens=3),
+                         dict(prompt="hi", truncate_prompt_tokens=MAX_MODEL_LEN + 1)]:
+                body = {"model": SERVED, "ignore_eos": True, **body}
+                mine, vllms = c.post(url + "/v1/completions", json=body), c.post(two_workers[0].url +
+                                                                                "/v1/completions", json=body)
+                assert mine.status_code == vllms.status_code, (body, mine.text, vllms.text)
+                if vllms.status_code == 200:
+                    assert mine.json()["usage"] == vllms.json()["usage"]
+                else:
+                    assert mine.json()["error"]["message"] in vllms.json()["error"]["message"], (mine.text, vllms.text)
+            chat = {"model": SERVED, "messages": [{"role": "user", "content": "hello"}], "ignore_eos": True,
+                    "max_completion_tokens": MAX_MODEL_LEN}
+            r = c.post(url + "/v1/chat/completions", json=chat, timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == MAX_MODEL_LEN
             r = post(c, url, prompt="hello", max_tokens=2, temperature=-1)  # vLLM's own 400 passes through
             assert r.status_code == 400 and "temperature" in r.text
             for method, path in [("GET", "/v1/nope"), ("POST", "/health"), ("GET", "/v1/completions")]:
