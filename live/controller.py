@@ -461,6 +461,7 @@ class Controller:
         if mml and not launch_int(w.launch_args.get("max_model_len")):  # the config's value, where given, wins
             tokens, seqs = self.batch_limits(w.launch_args, mml)
             config = InstanceConfig(config.num_gpu_blocks, config.block_size, seqs, tokens, mml)
+        w.cards = tuple(cards)
         if models != w.models or config != w.config:
             w.models, w.config = models, config
             self.registry.changed()  # the routers' views and the proxy's served models are rebuilt on it

@@ -154,6 +154,8 @@ class Proxy:
         for w in ctl.registry:
             if not w.routable:
                 continue
+            for card in w.cards:  # vLLM's own (root: the model's path, parent, permission, created)
+                cards.setdefault(card["id"], card)
             for m in w.models:
                 cards.setdefault(m, {"id": m, "object": "model", "owned_by": "vllm", "root": m,
                                      "max_model_len": w.config.max_model_len or None})
@@ -169,13 +171,17 @@ class Proxy:
         ctl = self.ctl
         if not self.authorized(request):
             return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
-        routable = ctl.registry.routable()
-        if not routable:
-            return error(503, self._none_serving())
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return error(413, f"request body over the limit of {ctl.cfg.server.max_body_bytes} bytes")
+        try:  # /tokenize names a model: a worker that serves it answers
+            model = json.loads(raw).get("model") if raw else None
+        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
+            model = None  # the worker answers what it makes of the body
+        routable = ctl.registry.routable(model if isinstance(model, str) else None)
+        if not routable:
+            return error(503, self._none_serving(model if isinstance(model, str) else None))
         w = min(routable, key=lambda w: ctl.bookkeeping.load(w.id).requests)
         headers = {"Content-Type": request.headers["Content-Type"]} if "Content-Type" in request.headers else None
         try:
@@ -223,12 +229,13 @@ class Proxy:
         return web.json_response(self.ctl.shadow.status())
 
     # -- generation ----------------------------------------------------------------------------------
-    def _none_serving(self) -> str:
-        ws = list(self.ctl.registry)
+    def _none_serving(self, model: str | None = None) -> str:
+        off = self.ctl.registry.not_serving(model)
+        ws = [w for w in self.ctl.registry if w.id not in off]
         if not ws:
             return "no worker is registered"
         why = "; ".join(f"{w.id}: {w.status}" + (f" ({w.last_error})" if w.last_error else "") for w in ws)
-        return f"no worker is serving ({why})"
+        return f"no worker is serving{f' model {model}' if off else ''} ({why})"
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         """A request, on exactly one counter however it ends: one that leaves without being counted (cut by the
@@ -300,10 +307,10 @@ class Proxy:
             self.reject("bad_request")
             return error(400, f"max_tokens must be at least 1, got {max_tokens}.")
         t0 = time.perf_counter()
-        routable = ctl.registry.routable()
+        routable = ctl.registry.routable(model)
         if not routable:
             self.reject("none_serving")
-            return error(503, self._none_serving())
+            return error(503, self._none_serving(model))
         try:
             info = await ctl.tokenizer.tokenize(body, chat, ctl.session, routable[0].url, model)
         except BadPrompt as e:
@@ -342,7 +349,7 @@ class Proxy:
         for attempt in (0, 1):
             # a look-ahead router decides on its own thread: the decision and its dispatch one at a time
             async with ctl.routing():
-                w = await self._decide(req, tried, attempt, t0, last_error)
+                w = await self._decide(req, model, tried, attempt, t0, last_error)
                 if isinstance(w, web.Response):
                     return w
                 ctl.dispatched(req, w.id, time.monotonic())
@@ -364,22 +371,23 @@ class Proxy:
         self.count(tried[-1] if tried else "-", "502")
         return error(502, f"upstream failed before the first byte on {', '.join(tried)}: {last_error}")
 
-    async def _decide(self, req: RequestView, tried: list[str], attempt: int, t0: float,
+    async def _decide(self, req: RequestView, model: str | None, tried: list[str], attempt: int, t0: float,
                       last_error: str) -> Any:
-        """The serving worker the router chose for `req` (not one of `tried`), or the error response to send.
+        """The serving worker the router chose for `req` among those serving `model` (not one of `tried`), or the
+        error response to send.
 
         Off the loop (`Controller.choose`), a worker the router was offered can stop serving while it decides (a
         drain, a failed health check): the router decides again on the fleet as it is then, up to twice more."""
         ctl = self.ctl
         m = ctl.metrics
         for redo in range(3):
-            fleet = ctl.registry.fleet_view(time.monotonic(), tried)
+            fleet = ctl.registry.fleet_view(time.monotonic(), tried, model)
             if not fleet.instances:
                 if attempt:
                     self.count(tried[-1], "502")
                     return error(502, f"worker {tried[0]} failed ({last_error}) and no other worker is serving")
                 self.reject("none_serving")
-                return error(503, self._none_serving())
+                return error(503, self._none_serving(model))
             if attempt and not redo:
                 m.retries.inc()
             offered = {v.id for v in fleet.instances} if ctl.decides_off_loop else ()
@@ -400,11 +408,12 @@ class Proxy:
                 self.reject("router_reject")
                 return error(503, f"rejected by router {ctl.router_name!r}: {target.reason}")
             w = ctl.registry.get(target) if isinstance(target, str) else None
-            if w is not None and w.routable and target not in tried:
+            if w is not None and w.routable and target not in tried and target not in ctl.registry.not_serving(model):
                 return w
             if not isinstance(target, str) or target not in offered:
                 self.reject("router_error")
-                return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker")
+                return error(500, f"router {ctl.router_name!r} chose {target!r}, which is not a serving worker"
+                                  f"{f' of model {model}' if model else ''}")
             log.info("request %s: worker %s stopped serving while router %s decided; deciding again", req.id,
                      target, ctl.router_name)
         self.reject("none_serving")

@@ -31,6 +31,7 @@ class Worker:
     gauges: Gauges = field(default_factory=Gauges)
     counters: dict[str, float] = field(default_factory=dict)
     models: tuple[str, ...] = ()
+    cards: tuple[dict, ...] = ()  # its /v1/models cards, as vLLM wrote them
     kv_events_endpoint: str | None = None
     started_at: float = 0.0  # when it began serving (monotonic)
     created_at: float = 0.0  # when the controller registered it: a launched worker's launch (monotonic)
@@ -74,6 +75,7 @@ class Registry:
         self._views: dict[str, InstanceView] = {}
         self.fleet = FleetView(0.0, [], bookkeeping, prefix_index)
         self.version = 0
+        self._off: dict[str, frozenset[str]] = {}  # model -> the workers that do not serve it (rebuilt on change)
         # launched workers' measured start-ups (launch to serving, seconds), the latest last: the shadow twin's
         # start-up delay when `shadow.startup_delay_s` is not set
         self.startups: deque[float] = deque(maxlen=16)
@@ -105,8 +107,21 @@ class Registry:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def routable(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.routable]
+    def routable(self, model: str | None = None) -> list[Worker]:
+        """Serving, healthy workers; with `model`, those that serve it (or whose models are not read yet)."""
+        off = self.not_serving(model)
+        return [w for w in self.workers.values() if w.routable and w.id not in off]
+
+    def not_serving(self, model: str | None) -> frozenset[str]:
+        """The workers whose /v1/models lacks `model`: a fleet of several models routes a request only among
+        the workers that serve its model, as vLLM's own server serves only its own. An empty name is any."""
+        if not model:
+            return frozenset()
+        off = self._off.get(model)
+        if off is None:
+            off = self._off[model] = frozenset(w.id for w in self.workers.values() if w.models and model not in
+                                               w.models)
+        return off
 
     def set_state(self, worker: Worker, state: str, now: float | None = None) -> None:
         if state not in LIFECYCLE:
@@ -151,6 +166,7 @@ class Registry:
     def changed(self) -> None:
         """A worker was added, removed or changed state: rebuild the views (cheap, and rare)."""
         self.version += 1
+        self._off.clear()
         views = []
         for w in self.workers.values():
             views.append(InstanceView(w.id, w.view_state, w.gauges, w.config,  # type: ignore[arg-type]
@@ -159,11 +175,12 @@ class Registry:
         self.fleet.all_instances = views
         self.fleet.instances = [v for v in views if v.state == "serving"]
 
-    def fleet_view(self, now: float, exclude: Iterable[str] = ()) -> FleetView:
-        """The fleet as the router sees it now; `exclude` hides workers (a retry goes elsewhere)."""
+    def fleet_view(self, now: float, exclude: Iterable[str] = (), model: str | None = None) -> FleetView:
+        """The fleet as the router sees it now; `exclude` hides workers (a retry goes elsewhere), and so does
+        `model` (workers that do not serve it)."""
         fleet = self.fleet
         fleet.now = now
-        ex = set(exclude)
+        ex = set(exclude) | self.not_serving(model)
         if not ex:
             return fleet
         return FleetView(now, [v for v in fleet.instances if v.id not in ex], fleet.bookkeeping,

@@ -73,7 +73,9 @@ class FakeWorker:
         self.models_reads += 1
         if self.models_answer is not None:  # (status, JSON body): what a broken or foreign server answers
             return web.json_response(self.models_answer[1], status=self.models_answer[0])
-        return web.json_response({"object": "list", "data": [{"id": self.model, "max_model_len": self.max_model_len}]})
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm",
+                                                              "root": f"/models/{self.model}", "parent": None,
+                                                              "max_model_len": self.max_model_len}]})
 
     async def metrics(self, request):
         return web.Response(text=METRICS.format(running=len(self.received), started=self.started))
@@ -996,3 +998,37 @@ def test_a_path_or_method_no_route_serves_answers_in_json_as_vllm_does():
     assert "GET" in out["method"][3] and "POST" not in out["method"][3]
     assert out["get_chat"][:3] == (405, "application/json", {"detail": "Method Not Allowed"})
     assert out["handler"][0] == 404 and "gpt-9" in out["handler"][1]["error"]["message"]  # a handler's own 404
+
+
+def test_a_fleet_of_several_models_routes_each_request_to_a_worker_that_serves_its_model():
+    """Workers that serve different models (or a model and its LoRA adapters on some): a request goes only to a
+    worker whose /v1/models lists its model. Routing ignored the model, so round-robin sent every other request to
+    a worker that answered 404. /v1/models passes vLLM's own cards (root, parent, permission)."""
+    async def main():
+        ws = await fakes(3)
+        ws[0].model = ws[1].model = "model-a"
+        ws[2].model = "model-b"
+        out = {}
+        async with proxy(ws, None, router={"name": "round-robin"}) as (ctl, url, c):
+            for model in ["model-a"] * 4 + ["model-b"] * 2 + [""] * 3:
+                async with c.post(url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}) as r:
+                    out.setdefault(model, []).append((r.status, (await r.json()).get("worker")))
+            async with c.get(url + "/v1/models") as r:
+                out["cards"] = (await r.json())["data"]
+            async with c.post(url + "/tokenize", json={"model": "model-b", "prompt": "abc"}) as r:
+                out["tokenize"] = r.status
+            ctl.registry.set_state(ctl.registry.get("w2"), "draining")
+            async with c.post(url + "/v1/completions", json={"model": "model-b", "prompt": "x"}) as r:
+                out["b_gone"] = (r.status, (await r.json())["error"]["message"])
+        for w in ws:
+            await w.stop()
+        return out
+
+    out = run(main())
+    assert out["model-a"] == [(200, "w0"), (200, "w1"), (200, "w0"), (200, "w1")]
+    assert out["model-b"] == [(200, "w2")] * 2
+    assert {w for _, w in out[""]} == {"w0", "w1", "w2"}  # an empty name: each worker serves its own model
+    assert [(c["id"], c["root"]) for c in out["cards"]] == [("model-a", "/models/model-a"),
+                                                            ("model-b", "/models/model-b")]
+    assert out["tokenize"] == 200
+    assert out["b_gone"][0] == 503 and "model model-b" in out["b_gone"][1] and "w0" not in out["b_gone"][1]

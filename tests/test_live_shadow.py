@@ -396,7 +396,7 @@ def test_controller_shadow_end_to_end_with_fake_workers():
         ws = await fakes()
         for w in ws:
             w.delay = 0.01
-        shadow = {**SHADOW, "interval_s": 0.4, "engine": {"async_scheduling": False, "block_size": 16}}
+        shadow = {**SHADOW, "interval_s": 0.4, "engine": {"async_scheduling": False, "block_size": 32}}
         async with proxy(ws, shadow=shadow) as (ctl, url, c):
             sent = 0
             for i in range(12):
@@ -542,7 +542,7 @@ def test_block_runs_live_on_the_shadow_twins_per_instance_forecasts():
         ws = await fakes()
         for w in ws:
             w.delay = 0.05
-        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}
+        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 32}}
         async with proxy(ws, None, shadow=shadow, router={"name": "block", "scrape_interval_s": 0.05,
                                                           "params": {"objective": "e2e"}}) as (ctl, url, c):
             fc = ctl.registry.fleet.forecaster
@@ -590,7 +590,7 @@ def test_block_decides_off_the_event_loop_one_decision_at_a_time():
         ws = await fakes()
         for w in ws:
             w.delay = 0.5  # all eight still in flight when the last is routed
-        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}
+        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 32}}
         seen: list[tuple[str, int]] = []
         async with proxy(ws, None, shadow=shadow, router={"name": "block", "scrape_interval_s": 0.05,
                                                           "params": {"objective": "e2e"}}) as (ctl, url, c):
@@ -628,7 +628,7 @@ def test_a_worker_drained_while_block_decides_gets_the_request_decided_again():
 
     async def main():
         ws = await fakes()
-        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}
+        shadow = {**SHADOW, "engine": {"async_scheduling": False, "block_size": 32}}
         async with proxy(ws, None, shadow=shadow, router={"name": "block", "params": {"objective": "e2e"}}) as (
                 ctl, url, c):
             fc = ctl.registry.fleet.forecaster
@@ -665,7 +665,7 @@ def test_a_worker_drained_while_block_decides_gets_the_request_decided_again():
 def block_controller(*ids: str) -> Controller:
     """A controller routing with Block (shadow on, synchronous twin engine) over serving workers `ids`."""
     ctl = Controller(parse_config({"workers": [{"url": "http://127.0.0.1:1"}], "router": {"name": "block"},
-                                   "shadow": {**SHADOW, "engine": {"async_scheduling": False, "block_size": 16}}}))
+                                   "shadow": {**SHADOW, "engine": {"async_scheduling": False, "block_size": 32}}}))
     for wid in ids:
         w = Worker(wid, "http://127.0.0.1:1", state="starting")
         w.config = WCFG
@@ -965,11 +965,11 @@ def test_a_scraped_cache_smaller_than_the_known_context_is_one_warning(caplog):
 
 
 def test_a_block_size_set_in_shadow_engine_keeps_the_workers_cache_memory():
-    """The worker's count of 128-token blocks, taken as 16-token ones, gave the twin a cache 8 times smaller."""
-    eng = base_engine(cfg_of(engine={"async_scheduling": False, "block_size": 16}), WCFG)  # 512 blocks of 128
-    assert eng["block_size"] == 16 and eng["num_gpu_blocks_override"] == 512 * 128 // 16
+    """The worker's count of 128-token blocks, taken as 32-token ones, gave the twin a cache 4 times smaller."""
+    eng = base_engine(cfg_of(engine={"async_scheduling": False, "block_size": 32}), WCFG)  # 512 blocks of 128
+    assert eng["block_size"] == 32 and eng["num_gpu_blocks_override"] == 512 * 128 // 32
     assert eng["max_model_len"] == 512  # the worker's, which its cache holds
-    both = base_engine(cfg_of(engine={"block_size": 16, "num_gpu_blocks_override": 100}), WCFG)
+    both = base_engine(cfg_of(engine={"block_size": 32, "num_gpu_blocks_override": 100}), WCFG)
     assert both["num_gpu_blocks_override"] == 100 and both["max_model_len"] == 512  # both set: as given
 
 
