@@ -92,7 +92,35 @@ def read_fields(body: dict, chat: bool) -> Fields:
 
 
 class _Retryable(Exception):
-    """The attempt failed before the client received anything: another worker may take it."""
+    """The attempt failed before the client received anything: another worker may take it. `answer`: the
+    worker's own answer (status, body, content type), which the client gets if no other worker does better;
+    then the worker is not at fault."""
+
+    def __init__(self, message: str, answer: tuple[int, bytes, str] | None = None) -> None:
+        super().__init__(message)
+        self.answer = answer
+
+
+# vLLM's message for a dead engine (vllm/v1/engine/exceptions.py, EngineDeadError); its server then terminates
+ENGINE_DEAD = "EngineCore encountered an issue"
+
+
+def upstream_5xx(w: Any, status: int, data: bytes, ctype: str) -> tuple[int, bytes, str] | None:
+    """A worker's 5xx: None passes vLLM's own per-request error to the client as it is (vLLM answers 500 for an
+    unclassified error, 501 for an unsupported feature: `create_error_response`); else `_Retryable`. A 503 (vLLM's
+    RetryableRequestError) is tried once elsewhere, the worker kept; anything that is not vLLM's error body (a
+    page from something in between), or a dead engine, marks the worker down and is tried elsewhere."""
+    text = data[:200].decode(errors="replace")
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        body = None
+    vllms = isinstance(body, dict) and (isinstance(body.get("error"), dict) or body.get("object") == "error")
+    if not vllms or ENGINE_DEAD in text:
+        raise _Retryable(f"{w.id} answered {status}: {text}")
+    if status == 503:
+        raise _Retryable(f"{w.id} answered {status}: {text}", (status, data, ctype))
+    return None
 
 
 class Proxy:
@@ -346,6 +374,7 @@ class Proxy:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: list[str] = []
         last_error = ""
+        answer: tuple[int, bytes, str] | None = None
         for attempt in (0, 1):
             # a look-ahead router decides on its own thread: the decision and its dispatch one at a time
             async with ctl.routing():
@@ -359,15 +388,20 @@ class Proxy:
                     return await self._stream(request, req, w, path, raw, chat)
                 return await self._unary(req, w, path, raw)
             except _Retryable as e:
-                last_error = str(e)
-                ctl.fail(w, last_error)
+                last_error, answer = str(e), e.answer
+                if answer is None:
+                    ctl.fail(w, last_error)
                 m.upstream_errors.labels(w.id, "before_first_byte").inc()
                 tried.append(w.id)
-                if not ctl.cfg.server.retry_before_first_byte:
+                if not ctl.cfg.server.retry_before_first_byte or (
+                        answer is not None and not ctl.registry.fleet_view(time.monotonic(), tried, model).instances):
                     break
                 if attempt == 0:
                     log.warning("request %s: worker %s failed before the first byte (%s); retrying elsewhere",
                                 req.id, w.id, last_error)
+        if answer is not None:  # the last worker's own answer (vLLM's 503), not the proxy's 502
+            self.count(tried[-1], str(answer[0]))
+            return web.Response(body=answer[1], status=answer[0], headers={"Content-Type": answer[2]})
         self.count(tried[-1] if tried else "-", "502")
         return error(502, f"upstream failed before the first byte on {', '.join(tried)}: {last_error}")
 
@@ -429,7 +463,7 @@ class Proxy:
                 data = await r.read()
                 status = r.status
                 if status >= 500:
-                    raise _Retryable(f"{w.id} answered {status}: {data[:200].decode(errors='replace')}")
+                    upstream_5xx(w, status, data, r.headers.get("Content-Type", "application/json"))
                 ctl.first_token(req, w.id, time.monotonic())
                 if status == 200:  # its output tokens (a few microseconds): the scalers' recent-window signals
                     try:  # count a completion only with its tokens; on_finish hooks and the shadow twin take them
@@ -464,7 +498,7 @@ class Proxy:
                 if r.status != 200:
                     data = await r.read()
                     if r.status >= 500:
-                        raise _Retryable(f"{w.id} answered {r.status}: {data[:200].decode(errors='replace')}")
+                        upstream_5xx(w, r.status, data, r.headers.get("Content-Type", "application/json"))
                     self.count(w.id, str(r.status))
                     return web.Response(body=data, status=r.status,
                                         headers={"Content-Type": r.headers.get("Content-Type", "application/json")})

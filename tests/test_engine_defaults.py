@@ -42,7 +42,8 @@ def test_a_cpu_host_takes_the_cpu_platforms_defaults_per_rank():
     cpu = get_gpu("CPU-2core-AVX512")
     assert batch_defaults(cpu) == (2048, 128) and batch_defaults(cpu, 2) == (4096, 256)
     assert batch_defaults(get_gpu("H100"), 2) == (8192, 1024)
-    cfg = engine_config(make_scenario(**UNSET, **{"cluster.hardware": "cpu", "cluster.model": "tiny-llama"}))
+    cfg = engine_config(make_scenario(**{"cluster.engine": {"block_size": 128}, "cluster.hardware": "cpu",
+                                         "cluster.model": "tiny-llama"}))
     assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2048, 128)
 
 
@@ -61,6 +62,7 @@ def test_a_cpu_host_takes_vllm_cpus_block_size_and_synchronous_scheduling():
     raw = yaml.safe_load((root / "quickstart.yaml").read_text())
     raw["cluster"].update(hardware="CPU-2core-AVX512", model="tiny-llama")
     raw["cluster"]["engine"].pop("max_model_len", None)
+    raw["cluster"]["engine"]["block_size"] = 64
     given = parse_scenario(raw, "q", str(root)).cluster.engine.block_size
     del raw["cluster"]["engine"]["block_size"]
     cpu = parse_scenario(raw, "q", str(root)).cluster.engine.block_size
@@ -68,7 +70,7 @@ def test_a_cpu_host_takes_vllm_cpus_block_size_and_synchronous_scheduling():
     cpu_async = parse_scenario(raw, "q", str(root)).cluster.engine.async_scheduling
     raw["cluster"]["hardware"] = "H100"
     h100 = parse_scenario(raw, "q", str(root)).cluster.engine
-    assert (given, cpu, h100.block_size) == (16, 128, 16)
+    assert (given, cpu, h100.block_size) == (64, 128, 16)
     assert cpu_async is False and h100.async_scheduling is True
     del raw["cluster"]["engine"]["async_scheduling"]
     raw["cluster"]["hardware"] = "CPU-2core-AVX512"

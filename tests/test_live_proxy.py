@@ -33,7 +33,7 @@ class FakeWorker:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.mode = "ok"  # ok | error500 | die_mid_stream | die_before_headers
+        self.mode = "ok"  # ok | error500 | request500 | busy503 | die_mid_stream | die_before_headers
         self.tokenize_status = 200
         self.tokenize_delay = 0.0
         self.received: list[dict] = []
@@ -103,8 +103,14 @@ class FakeWorker:
         is_probe = body.get("prompt") == "hi" and body.get("max_tokens") == 1
         if not is_probe:
             self.received.append(body)
-        if self.mode == "error500":
-            return web.json_response({"error": {"message": "engine dead"}}, status=500)
+        if self.mode == "error500":  # vLLM's answer from a dead engine, before its server terminates
+            return web.json_response({"error": {"message": "EngineCore encountered an issue. See stack trace (above) "
+                                                           "for the root cause.", "type": "InternalServerError",
+                                                "param": None, "code": 500}}, status=500)
+        if self.mode in ("request500", "busy503") and not is_probe:  # vLLM's per-request errors
+            code = 500 if self.mode == "request500" else 503
+            return web.json_response({"error": {"message": f"{self.name} failed this request", "type": "Error",
+                                                "param": None, "code": code}}, status=code)
         if self.mode == "die_before_headers" and not is_probe:
             request.transport.close()
             await asyncio.sleep(1)
@@ -1032,3 +1038,51 @@ def test_a_fleet_of_several_models_routes_each_request_to_a_worker_that_serves_i
                                                             ("model-b", "/models/model-b")]
     assert out["tokenize"] == 200
     assert out["b_gone"][0] == 503 and "model model-b" in out["b_gone"][1] and "w0" not in out["b_gone"][1]
+
+
+def test_vllms_own_per_request_5xx_reaches_the_client_and_keeps_the_worker():
+    """vLLM answers 500 for a request's unclassified error, 501 for an unsupported feature, 503 for a retryable one,
+    with its error body, and goes on serving. The proxy took each for a dead worker: marked down, retried, and the
+    client got the proxy's 502; two such answers emptied the fleet. Now a 500 passes as it is, a 503 is tried once
+    elsewhere (the worker kept), and only a dead engine's answer or a body that is not vLLM's marks it down."""
+    async def main():
+        ws = await fakes(2)
+        out = {}
+        async with proxy(ws, None, router={"name": "round-robin"},
+                         health={"interval_s": 30, "backoff_initial_s": 30, "backoff_max_s": 30}) as (ctl, url, c):
+            async def post(key, **extra):
+                async with c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra}) as r:
+                    if r.content_type == "text/event-stream":
+                        out.setdefault(key, []).append((r.status, "stream"))
+                        await r.read()
+                        return
+                    body = await r.json()
+                    out.setdefault(key, []).append((r.status, body.get("worker") or body["error"]["message"]))
+            ws[0].mode = "request500"
+            await post("500")  # round-robin: w0
+            await post("stream500", stream=True)  # w1
+            await post("stream500", stream=True)  # w0: its 500, not a stream
+            ws[0].mode, ws[1].mode = "busy503", "ok"
+            await post("503")  # w1
+            await post("503")  # w0's 503: tried on w1
+            ws[1].mode = "busy503"
+            await post("both503")  # both answer 503: the last one's answer
+            out["healthy"] = [w.healthy for w in ctl.registry]
+            ws[0].mode = ws[1].mode = "ok"
+            ws[0].mode = "error500"  # a dead engine: down, and tried elsewhere
+            await post("dead")
+            await post("dead")
+            out["dead_healthy"] = [w.healthy for w in ctl.registry]
+            page = await (await c.get(url + "/metrics")).text()
+        for w in ws:
+            await w.stop()
+        return out, page
+
+    out, page = run(main())
+    assert out["500"] == [(500, "w0 failed this request")]
+    assert out["stream500"] == [(200, "stream"), (500, "w0 failed this request")]
+    assert out["503"] == [(200, "w1"), (200, "w1")]
+    assert len(out["both503"]) == 1 and out["both503"][0][0] == 503 and "failed this request" in out["both503"][0][1]
+    assert out["healthy"] == [True, True]
+    assert out["dead"] == [(200, "w1"), (200, "w1")] and out["dead_healthy"] == [False, True]
+    assert 'llmtwin_requests_total{status="500",worker="w0"} 2.0' in page
