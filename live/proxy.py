@@ -158,6 +158,12 @@ class Proxy:
         c.inc()
         _COUNTED.set(True)
 
+    def cut_status(self) -> str:
+        """Why a handler was cancelled: its client left ("499"; aiohttp cancels the handler, `handler_cancellation`,
+        which closes the upstream request so that vLLM aborts it, as its own server does), or the shutdown's grace
+        ran out ("cancelled")."""
+        return "499" if self.ctl.accepting else CANCELLED
+
     def reject(self, reason: str) -> None:
         """`llmtwin_rejected_total{reason}` += 1: the controller answered the request itself."""
         self.ctl.metrics.rejected.labels(reason).inc()
@@ -276,7 +282,7 @@ class Proxy:
             resp = await self._generate_inner(request, chat)
         except asyncio.CancelledError:
             if not _COUNTED.get():
-                self.count("-", CANCELLED)
+                self.count("-", self.cut_status())
             raise
         except _CLIENT_GONE + (aiohttp.ClientPayloadError, asyncio.IncompleteReadError):
             if not _COUNTED.get():
@@ -479,8 +485,8 @@ class Proxy:
             ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
             self.count(w.id, "504")
             return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
-        except asyncio.CancelledError:  # the shutdown's grace ran out: on a counter, not lost
-            self.count(w.id, CANCELLED)
+        except asyncio.CancelledError:  # the client left (vLLM aborts it), or the shutdown's grace ran out
+            self.count(w.id, self.cut_status())
             raise
         finally:
             ctl.finished(req, w.id, time.monotonic(), out_tokens)
@@ -554,8 +560,8 @@ class Proxy:
             m.upstream_errors.labels(w.id, "timeout").inc()
             self.count(w.id, "504")
             return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
-        except asyncio.CancelledError:  # the shutdown's grace ran out, before or during the stream: not a 200
-            status = CANCELLED
+        except asyncio.CancelledError:  # the client left, or the shutdown's grace ran out: not a 200
+            status = self.cut_status()
             if out is None:
                 self.count(w.id, status)
             raise
@@ -613,7 +619,10 @@ async def serve(ctl: Controller, on_ready: Any = None, stop: asyncio.Event | Non
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     app = build_app(ctl)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False,
+    # handler_cancellation: a client that leaves cancels its handler, which closes the upstream request, so that
+    # the worker aborts it (vLLM's own routes do so, `with_cancellation`); without it an abandoned unary request
+    # ran to its end on the worker
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
                            shutdown_timeout=cfg.server.shutdown_timeout_s, **HEADER_LIMITS)
     await runner.setup()
     cleaned = False

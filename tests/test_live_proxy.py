@@ -47,6 +47,7 @@ class FakeWorker:
         self.model, self.max_model_len = "fake", 64
         self.models_answer: tuple[int, object] | None = None
         self.models_reads = 0
+        self.abandoned = 0  # unary requests whose connection closed before the answer
 
     @property
     def url(self) -> str:
@@ -116,6 +117,8 @@ class FakeWorker:
             await asyncio.sleep(1)
         if str(body.get("stream")).lower() not in ("true", "1"):  # as vLLM reads it: "false" is false
             await asyncio.sleep(self.delay)
+            if not is_probe and (request.transport is None or request.transport.is_closing()):  # vLLM aborts it
+                self.abandoned += 1
             return web.json_response({"id": "cmpl-1", "worker": self.name, "choices": [{"text": "x" * 3}],
                                       "usage": {"completion_tokens": 3}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -1086,3 +1089,29 @@ def test_vllms_own_per_request_5xx_reaches_the_client_and_keeps_the_worker():
     assert out["healthy"] == [True, True]
     assert out["dead"] == [(200, "w1"), (200, "w1")] and out["dead_healthy"] == [False, True]
     assert 'llmtwin_requests_total{status="500",worker="w0"} 2.0' in page
+
+
+def test_a_unary_request_whose_client_leaves_is_aborted_on_the_worker():
+    """vLLM aborts a request whose client disconnects (`with_cancellation`). Through the proxy an abandoned unary
+    request ran to its end on the worker, holding its batch slot and KV blocks: aiohttp does not cancel a handler
+    by default. It is counted 499, not with the worker's status."""
+    async def main():
+        ws = await fakes(1)
+        ws[0].delay = 0.6
+        async with proxy(ws) as (ctl, url, c):
+            try:
+                async with c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                  timeout=aiohttp.ClientTimeout(total=0.2)) as r:
+                    await r.read()
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(0.8)
+            page = await (await c.get(url + "/metrics")).text()
+            inflight = ctl.bookkeeping.in_flight()
+        await ws[0].stop()
+        return ws[0].abandoned, page, inflight
+
+    abandoned, page, inflight = run(main())
+    assert abandoned == 1
+    assert 'llmtwin_requests_total{status="499",worker="w0"} 1.0' in page and 'status="200"' not in page
+    assert inflight == 0
