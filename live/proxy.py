@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from yarl import URL
 
 from twin.policy.host import RouterError, router_cause
@@ -57,6 +58,12 @@ def sse_error(message: str, code: int = 502) -> bytes:
 # traceback what vLLM serves (a 9,000-byte X-Session-Id, 300 headers): vLLM's uvicorn parses with httptools, which
 # has no such limits; these bounds are the controller's own
 HEADER_LIMITS = {"max_line_size": 4 * 1024 * 1024, "max_field_size": 4 * 1024 * 1024, "max_headers": 32768}
+# headers a proxy does not pass on (hop-by-hop, or its own to set); the rest reach the worker as the client sent
+# them, as they would reach vLLM directly: X-Request-Id (vLLM's request id), traceparent, X-Session-Id and the like
+_NOT_FORWARDED = frozenset(("host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
+                            "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"))
+_NOT_RETURNED = frozenset(("content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding",
+                           "date", "server"))
 _COUNTED: contextvars.ContextVar[bool] = contextvars.ContextVar("llmtwin_counted", default=False)  # per handler
 COMPLETIONS_MAX_TOKENS = 16  # vllm/entrypoints/openai/completion/protocol.py, CompletionRequest.max_tokens
 CANCELLED = "cancelled"  # `llmtwin_requests_total`'s status for a request cut when the shutdown's grace ran out
@@ -158,6 +165,12 @@ class Proxy:
         c.inc()
         _COUNTED.set(True)
 
+    def forwarded(self, request: web.Request) -> CIMultiDict:
+        """The client's headers for the worker: all but hop-by-hop ones, and its Authorization when it was the
+        proxy's own key (without one, the proxy is transparent and a worker's --api-key sees the client's)."""
+        drop = _NOT_FORWARDED if self.ctl.api_key is None else _NOT_FORWARDED | {"authorization"}
+        return CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in drop)
+
     def cut_status(self) -> str:
         """Why a handler was cancelled: its client left ("499"; aiohttp cancels the handler, `handler_cancellation`,
         which closes the upstream request so that vLLM aborts it, as its own server does), or the shutdown's grace
@@ -217,13 +230,11 @@ class Proxy:
         if not routable:
             return error(503, self._none_serving(model if isinstance(model, str) else None))
         w = min(routable, key=lambda w: ctl.bookkeeping.load(w.id).requests)
-        headers = {"Content-Type": request.headers["Content-Type"]} if "Content-Type" in request.headers else None
         try:
             async with ctl.session.request(request.method, self.upstream(w, request.path), data=raw or None,
-                                           headers=headers, timeout=self.timeout) as r:
+                                           headers=self.forwarded(request), timeout=self.timeout) as r:
                 data = await r.read()
-                return web.Response(body=data, status=r.status,
-                                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+                return web.Response(body=data, status=r.status, headers=returned(r.headers))
         except asyncio.TimeoutError:
             return error(504, f"worker {w.id} did not answer {request.path} within "
                               f"{ctl.cfg.server.request_timeout_s:g} s")
@@ -381,6 +392,7 @@ class Proxy:
         tried: list[str] = []
         last_error = ""
         answer: tuple[int, bytes, str] | None = None
+        fwd = self.forwarded(request)
         for attempt in (0, 1):
             # a look-ahead router decides on its own thread: the decision and its dispatch one at a time
             async with ctl.routing():
@@ -391,8 +403,8 @@ class Proxy:
                 ctl.streamed(req, stream)
             try:
                 if stream:
-                    return await self._stream(request, req, w, path, raw, chat)
-                return await self._unary(req, w, path, raw)
+                    return await self._stream(request, req, w, path, raw, chat, fwd)
+                return await self._unary(req, w, path, raw, fwd)
             except _Retryable as e:
                 last_error, answer = str(e), e.answer
                 if answer is None:
@@ -459,13 +471,13 @@ class Proxy:
         self.reject("none_serving")
         return error(503, f"the workers router {ctl.router_name!r} chose stopped serving while it decided")
 
-    async def _unary(self, req: RequestView, w: Any, path: str, raw: bytes) -> web.Response:
+    async def _unary(self, req: RequestView, w: Any, path: str, raw: bytes, fwd: CIMultiDict) -> web.Response:
         ctl = self.ctl
         out_tokens = 0
         status = 502
         try:
             async with ctl.session.post(self.upstream(w, path), data=raw, timeout=self.timeout,
-                                        headers={"Content-Type": "application/json", "X-Request-Id": req.id}) as r:
+                                        headers=fwd) as r:
                 data = await r.read()
                 status = r.status
                 if status >= 500:
@@ -477,8 +489,7 @@ class Proxy:
                     except (ValueError, AttributeError, TypeError):
                         pass
                 self.count(w.id, str(status))
-                return web.Response(body=data, status=status,
-                                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+                return web.Response(body=data, status=status, headers=returned(r.headers))
         except _UPSTREAM_FAILURES as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:
@@ -492,7 +503,7 @@ class Proxy:
             ctl.finished(req, w.id, time.monotonic(), out_tokens)
 
     async def _stream(self, request: web.Request, req: RequestView, w: Any, path: str, raw: bytes,
-                      chat: bool) -> web.StreamResponse:
+                      chat: bool, fwd: CIMultiDict) -> web.StreamResponse:
         ctl = self.ctl
         m = ctl.metrics
         events = 0
@@ -500,14 +511,13 @@ class Proxy:
         status = "200"
         try:
             async with ctl.session.post(self.upstream(w, path), data=raw, timeout=self.timeout,
-                                        headers={"Content-Type": "application/json", "X-Request-Id": req.id}) as r:
+                                        headers=fwd) as r:
                 if r.status != 200:
                     data = await r.read()
                     if r.status >= 500:
                         upstream_5xx(w, r.status, data, r.headers.get("Content-Type", "application/json"))
                     self.count(w.id, str(r.status))
-                    return web.Response(body=data, status=r.status,
-                                        headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+                    return web.Response(body=data, status=r.status, headers=returned(r.headers))
                 try:
                     first = await r.content.readany()
                 except _UPSTREAM_FAILURES as e:
@@ -515,8 +525,7 @@ class Proxy:
                 if not first:
                     raise _Retryable(f"{w.id} closed the stream before its first chunk")
                 ctl.first_token(req, w.id, time.monotonic())
-                out = web.StreamResponse(status=200, headers={
-                    "Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+                out = web.StreamResponse(status=200, headers=returned(r.headers, Cache_Control="no-cache"))
                 try:  # a client gone before its first chunk is no worker's fault: not retried, the worker kept
                     await out.prepare(request)
                     events += first.count(b"data: ")
@@ -645,3 +654,12 @@ async def serve(ctl: Controller, on_ready: Any = None, stop: asyncio.Event | Non
         if not cleaned:
             await runner.cleanup()
         await ctl.stop()
+
+
+def returned(headers: Any, **extra: str) -> CIMultiDict:
+    """A worker's response headers for the client (X-Request-Id with vLLM's --enable-request-id-headers, its
+    endpoint-load-metrics...), all but hop-by-hop ones and those the proxy's server sets itself."""
+    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_RETURNED)
+    for k, v in extra.items():
+        out[k.replace("_", "-")] = v
+    return out

@@ -11,10 +11,11 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
+from multidict import CIMultiDict  # noqa: E402
 
 from live.config import parse_config  # noqa: E402
 from live.controller import Controller  # noqa: E402
-from live.proxy import serve  # noqa: E402
+from live.proxy import HEADER_LIMITS, serve  # noqa: E402
 from twin.policy import RouterBase  # noqa: E402
 
 METRICS = """# TYPE process_start_time_seconds gauge
@@ -48,6 +49,7 @@ class FakeWorker:
         self.models_answer: tuple[int, object] | None = None
         self.models_reads = 0
         self.abandoned = 0  # unary requests whose connection closed before the answer
+        self.headers: list[CIMultiDict] = []
 
     @property
     def url(self) -> str:
@@ -61,7 +63,7 @@ class FakeWorker:
         app.router.add_get("/version", self.version)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
-        self.runner = web.AppRunner(app, access_log=None)
+        self.runner = web.AppRunner(app, access_log=None, **HEADER_LIMITS)  # vLLM's uvicorn: no header limits
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()
@@ -104,6 +106,8 @@ class FakeWorker:
         is_probe = body.get("prompt") == "hi" and body.get("max_tokens") == 1
         if not is_probe:
             self.received.append(body)
+            self.headers.append(CIMultiDict(request.headers))
+        echo = {"X-Request-Id": request.headers["X-Request-Id"]} if "X-Request-Id" in request.headers else {}
         if self.mode == "error500":  # vLLM's answer from a dead engine, before its server terminates
             return web.json_response({"error": {"message": "EngineCore encountered an issue. See stack trace (above) "
                                                            "for the root cause.", "type": "InternalServerError",
@@ -120,8 +124,8 @@ class FakeWorker:
             if not is_probe and (request.transport is None or request.transport.is_closing()):  # vLLM aborts it
                 self.abandoned += 1
             return web.json_response({"id": "cmpl-1", "worker": self.name, "choices": [{"text": "x" * 3}],
-                                      "usage": {"completion_tokens": 3}})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                                      "usage": {"completion_tokens": 3}}, headers=echo)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **echo})
         await resp.prepare(request)
         if self.gate is not None:
             await self.gate.wait()
@@ -1115,3 +1119,28 @@ def test_a_unary_request_whose_client_leaves_is_aborted_on_the_worker():
     assert abandoned == 1
     assert 'llmtwin_requests_total{status="499",worker="w0"} 1.0' in page and 'status="200"' not in page
     assert inflight == 0
+
+
+def test_the_clients_headers_reach_the_worker_and_the_workers_come_back():
+    """vLLM takes its request id from X-Request-Id (the answer's id, its logs), and reads traceparent, X-Session-Id
+    and others; with --enable-request-id-headers it echoes X-Request-Id. The proxy sent only its own id
+    (live-N, repeated across restarts and replicas) and returned only Content-Type. Hop-by-hop headers and the
+    proxy's own API key stay behind."""
+    async def main():
+        ws = await fakes(1)
+        got = []
+        async with proxy(ws, server={"api_key": "k"}) as (ctl, url, c):
+            hdrs = {"X-Request-Id": "client-abc", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b716"
+                    "9203331-01", "Authorization": "Bearer k", "Connection": "keep-alive"}
+            for stream in (False, True):
+                async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": stream}, headers=hdrs) as r:
+                    await r.read()
+                    got.append((r.status, r.headers.get("X-Request-Id"), r.headers.get("Content-Type")))
+        await ws[0].stop()
+        return got, ws[0].headers
+
+    got, seen = run(main())
+    assert got == [(200, "client-abc", "application/json; charset=utf-8"), (200, "client-abc", "text/event-stream")]
+    for h in seen:
+        assert h["X-Request-Id"] == "client-abc" and h["traceparent"].startswith("00-0af7")
+        assert "Authorization" not in h and h["Content-Type"] == "application/json"
