@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import re
 import reprlib
 import signal
 import time
@@ -403,7 +404,7 @@ class Proxy:
                 ctl.streamed(req, stream)
             try:
                 if stream:
-                    return await self._stream(request, req, w, path, raw, chat, fwd)
+                    return await self._stream(request, req, w, path, raw, fwd)
                 return await self._unary(req, w, path, raw, fwd)
             except _Retryable as e:
                 last_error, answer = str(e), e.answer
@@ -503,10 +504,11 @@ class Proxy:
             ctl.finished(req, w.id, time.monotonic(), out_tokens)
 
     async def _stream(self, request: web.Request, req: RequestView, w: Any, path: str, raw: bytes,
-                      chat: bool, fwd: CIMultiDict) -> web.StreamResponse:
+                      fwd: CIMultiDict) -> web.StreamResponse:
         ctl = self.ctl
         m = ctl.metrics
-        events = 0
+        events = roles = 0
+        tail = b""  # the stream's last bytes: the usage event, when the client asked for it
         out: web.StreamResponse | None = None
         status = "200"
         try:
@@ -529,6 +531,8 @@ class Proxy:
                 try:  # a client gone before its first chunk is no worker's fault: not retried, the worker kept
                     await out.prepare(request)
                     events += first.count(b"data: ")
+                    roles += first.count(b'"role"')
+                    tail = first[-_TAIL:]
                     await out.write(first)
                 except _CLIENT_GONE:
                     status = "499"
@@ -536,6 +540,8 @@ class Proxy:
                 try:
                     async for chunk in r.content.iter_any():
                         events += chunk.count(b"data: ")
+                        roles += chunk.count(b'"role"')
+                        tail = (tail + chunk)[-_TAIL:]
                         await out.write(chunk)
                 except _CLIENT_GONE:
                     status = "499"  # the client went away; leaving the block closes the upstream (vLLM aborts)
@@ -577,10 +583,28 @@ class Proxy:
         finally:
             if out is not None:
                 self.count(w.id, status)
-            # output tokens for on_finish: SSE events minus [DONE] and chat's role chunk; a lower bound, as vLLM
-            # merges tokens into one event when the client reads slower than it decodes
-            n_out = max(0, events - 1 - (1 if chat else 0))
-            ctl.finished(req, w.id, time.monotonic(), n_out)
+            ctl.finished(req, w.id, time.monotonic(), streamed_tokens(events, roles, tail))
+
+
+_TAIL = 4096
+_USAGE = re.compile(rb'data: (\{"[^\n]*"choices":\[\][^\n]*\})\n')
+
+
+def streamed_tokens(events: int, roles: int, tail: bytes) -> int:
+    """A stream's output tokens for on_finish (the scalers' signals, the shadow twin, the chunk planner): the
+    usage event's completion_tokens when the client asked for it (`stream_options.include_usage`: vLLM's last
+    event before [DONE], with no choices), all choices together; else the events less [DONE] and chat's role
+    chunks (one per choice, the only events with a role: vLLM writes deltas with exclude_unset), a lower bound,
+    as vLLM merges tokens into one event when the client reads slower than it decodes."""
+    found = _USAGE.findall(tail)
+    if found:
+        try:
+            usage = json.loads(found[-1]).get("usage")
+            return int(usage["completion_tokens"])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            pass
+    usage_events = tail.count(b'"choices":[]')
+    return max(0, events - 1 - roles - usage_events)
 
 
 @web.middleware

@@ -127,6 +127,9 @@ class FakeWorker:
                                       "usage": {"completion_tokens": 3}}, headers=echo)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **echo})
         await resp.prepare(request)
+        if self.mode == "vllm_sse":  # vLLM's events: a role chunk per choice (chat), tokens, the usage event
+            await self.vllm_events(resp, body, request.path.endswith("chat/completions"))
+            return resp
         if self.gate is not None:
             await self.gate.wait()
         for i in range(self.chunks):
@@ -138,6 +141,25 @@ class FakeWorker:
                 return resp
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+
+    async def vllm_events(self, resp, body, chat):
+        n, per = int(body.get("n", 1)), 4
+        base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": self.model}
+        events = []
+        if chat:
+            events += [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}
+                       for i in range(n)]
+        for t in range(per):
+            for i in range(n):
+                delta = {"content": "tok"} if chat else None
+                events.append({**base, "choices": [{"index": i, **({"delta": delta} if chat else {"text": "tok"})}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n * per,
+                                                            "total_tokens": 3 + n * per}})
+        for ev in events:  # one write each: the proxy sees them in any chunking
+            await resp.write(f"data: {json.dumps(ev, separators=(',', ':'))}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
 
 
 class Recorder(RouterBase):
@@ -1144,3 +1166,27 @@ def test_the_clients_headers_reach_the_worker_and_the_workers_come_back():
     for h in seen:
         assert h["X-Request-Id"] == "client-abc" and h["traceparent"].startswith("00-0af7")
         assert "Authorization" not in h and h["Content-Type"] == "application/json"
+
+
+def test_a_streams_output_tokens_are_vllms_usage_or_its_token_events():
+    """The on_finish hooks, the shadow twin and the chunk planner read a stream's output tokens. The proxy counted
+    the usage event as a token and one role chunk for chat whatever `n`: 9 for 8 tokens with include_usage, 27
+    for 24 in a chat with n=3. The usage event's count is now taken as it is, and else each choice's role chunk
+    is left out."""
+    async def main():
+        ws = await fakes(1)
+        ws[0].mode = "vllm_sse"
+        rec = Recorder()
+        async with proxy(ws, rec) as (ctl, url, c):
+            usage = {"stream_options": {"include_usage": True}}
+            msgs = {"messages": [{"role": "user", "content": "x"}]}
+            for path, extra in (("/v1/completions", {"prompt": "x"}), ("/v1/completions", {"prompt": "x", **usage}),
+                                ("/v1/completions", {"prompt": "x", "n": 3, **usage}),
+                                ("/v1/chat/completions", {**msgs, "n": 3}),
+                                ("/v1/chat/completions", {**msgs, "n": 3, **usage})):
+                async with c.post(url + path, json={"stream": True, **extra}) as r:
+                    await r.read()
+        await ws[0].stop()
+        return [call[3] for call in rec.calls if call[0] == "finish"]
+
+    assert run(main()) == [4, 4, 12, 12, 12]

@@ -66,8 +66,22 @@ def post(client, url, path="/v1/completions", **body):
     return client.post(url + path, json=body, timeout=60)
 
 
+class Finishes(RoundRobin):
+    """Round-robin that keeps the output tokens the proxy reports at each finish."""
+
+    name = "finishes"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[int] = []
+
+    def on_finish(self, req, instance_id, now, output_tokens):
+        self.tokens.append(output_tokens)
+
+
 def test_routes_stream_chat_models_and_gauges(two_workers):
-    rc = run_controller(static_config(two_workers))
+    fin = Finishes()
+    rc = run_controller(static_config(two_workers), router=fin)
     try:
         ctl, url = rc.ctl, rc.url
         with httpx.Client() as c:
@@ -89,6 +103,17 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
                                 "stream": True}) as s:
                 body = s.read().decode()
             assert s.status_code == 200 and body.rstrip().endswith("data: [DONE]")
+            # the output tokens the hooks read: vLLM's usage event, or its events less each choice's role chunk
+            for path, extra in (("/v1/completions", {"prompt": "Hi", "n": 2}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "yo"}], "n": 3}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "yo"}], "n": 2,
+                                                          "stream_options": {"include_usage": True}})):
+                with c.stream("POST", url + path, json={"model": SERVED, "max_tokens": 3, "stream": True,
+                                                        "ignore_eos": True, **extra}) as s:
+                    s.read()
+            time.sleep(0.2)
+            # without usage a lower bound (vLLM merges tokens into one event when the reader lags), never above
+            assert 0 < fin.tokens[-3] <= 6 and 0 < fin.tokens[-2] <= 9 and fin.tokens[-1] == 6, fin.tokens
             models = c.get(url + "/v1/models").json()
             assert [m["id"] for m in models["data"]] == [SERVED]
             assert c.get(url + "/health").json()["serving"] == 2
@@ -100,7 +125,7 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             time.sleep(0.5)
             status = c.get(url + "/workers").json()
         assert ctl.bookkeeping.in_flight() == 0
-        assert sorted(ld.dispatched_total for ld in ctl.bookkeeping.loads.values()) == [2, 2]  # round-robin
+        assert sorted(ld.dispatched_total for ld in ctl.bookkeeping.loads.values()) == [3, 4]  # round-robin
         for v in ctl.registry.fleet.instances:
             assert v.block_size == 128 and v.num_gpu_blocks > 0 and v.config.max_model_len == MAX_MODEL_LEN
             assert v.as_of > 0
@@ -108,7 +133,7 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             assert w["scrape_age_s"] is not None and w["scrape_age_s"] < 5
             assert w["prefix_cache_queries"] > 0  # counters from the worker's own page
         page = httpx.get(url + "/metrics").text
-        assert 'llmtwin_requests_total{status="200",worker="w0"} 2.0' in page
+        assert 'llmtwin_requests_total{status="200",worker="w0"} 4.0' in page
         assert "llmtwin_scrape_duration_seconds_count" in page
     finally:
         rc.stop()
