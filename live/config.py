@@ -29,8 +29,11 @@ class ServerSpec(_Spec):
     port: int = Field(8100, ge=0, le=65535)
     api_key: Optional[str] = Field(None, description="clients must send 'Authorization: Bearer KEY'")
     api_key_env: Optional[str] = Field(None, description="or: read the key from this environment variable")
-    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0, description="whole upstream request, streaming included")
+    # vLLM's server takes a body of any size (a long prompt's token ids, base64 images); this bound is the proxy's
+    max_body_bytes: int = Field(128 * 1024 * 1024, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="a whole unary upstream request; for a stream, the "
+                                     "longest wait for its next chunk (the first included), so that a long stream "
+                                     "that goes on producing is not cut")
     connect_timeout_s: float = Field(5.0, gt=0)
     shutdown_timeout_s: float = Field(60.0, gt=0, description="SIGTERM: how long in-flight requests may finish")
     max_connections_per_worker: int = Field(256, gt=0, description="pooled upstream connections per worker")

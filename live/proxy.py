@@ -39,6 +39,7 @@ CTL: web.AppKey[Controller] = web.AppKey("controller", Controller)
 PROXY: web.AppKey["Proxy"] = web.AppKey("proxy")
 _UPSTREAM_FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionResetError)
 _CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
+_READ_TIMEOUT = aiohttp.SocketTimeoutError  # a stream's silence over `sock_read`: a timeout (504), not a failure
 
 
 def error(status: int, message: str, kind: str | None = None) -> web.Response:
@@ -139,6 +140,10 @@ class Proxy:
         self.idle.set()
         s = ctl.cfg.server
         self.timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
+        # a stream is bounded by its silences, not its length: vLLM sets no bound, and a long answer (reasoning)
+        # streams past any total
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s,
+                                                    sock_read=s.request_timeout_s)
         # per-request work kept off the hot path (benchmarks/bench_proxy.py): parsed upstream URLs, the
         # served-model set (rebuilt when the registry changes), and the request counter's label children
         self._urls: dict[tuple[str, str], URL] = {}
@@ -171,6 +176,14 @@ class Proxy:
         proxy's own key (without one, the proxy is transparent and a worker's --api-key sees the client's)."""
         drop = _NOT_FORWARDED if self.ctl.api_key is None else _NOT_FORWARDED | {"authorization"}
         return CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in drop)
+
+    def _silent(self, w: Any, out: web.StreamResponse | None) -> web.StreamResponse:
+        """A stream whose worker sent nothing for `request_timeout_s` before its first chunk: a 504."""
+        if out is not None:
+            return out
+        self.ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
+        self.count(w.id, "504")
+        return error(504, f"worker {w.id} did not answer within {self.ctl.cfg.server.request_timeout_s:g} s")
 
     def cut_status(self) -> str:
         """Why a handler was cancelled: its client left ("499"; aiohttp cancels the handler, `handler_cancellation`,
@@ -512,7 +525,7 @@ class Proxy:
         out: web.StreamResponse | None = None
         status = "200"
         try:
-            async with ctl.session.post(self.upstream(w, path), data=raw, timeout=self.timeout,
+            async with ctl.session.post(self.upstream(w, path), data=raw, timeout=self.stream_timeout,
                                         headers=fwd) as r:
                 if r.status != 200:
                     data = await r.read()
@@ -522,6 +535,8 @@ class Proxy:
                     return web.Response(body=data, status=r.status, headers=returned(r.headers))
                 try:
                     first = await r.content.readany()
+                except _READ_TIMEOUT:
+                    raise
                 except _UPSTREAM_FAILURES as e:
                     raise _Retryable(f"{type(e).__name__}: {e}") from None
                 if not first:
@@ -546,6 +561,14 @@ class Proxy:
                 except _CLIENT_GONE:
                     status = "499"  # the client went away; leaving the block closes the upstream (vLLM aborts)
                     return out
+                except asyncio.TimeoutError:  # before the failures: a read timeout is both
+                    status = "504"
+                    m.upstream_errors.labels(w.id, "timeout").inc()
+                    try:
+                        await out.write(sse_error(f"worker {w.id} sent nothing for "
+                                                  f"{ctl.cfg.server.request_timeout_s:g} s mid-stream", 504))
+                    except _CLIENT_GONE:
+                        pass
                 except _UPSTREAM_FAILURES as e:
                     status = "502"
                     msg = f"worker {w.id} failed mid-stream: {type(e).__name__}: {e}"
@@ -555,26 +578,17 @@ class Proxy:
                         await out.write(sse_error(msg))
                     except _CLIENT_GONE:
                         pass
-                except asyncio.TimeoutError:
-                    status = "504"
-                    m.upstream_errors.labels(w.id, "timeout").inc()
-                    try:
-                        await out.write(sse_error(f"worker {w.id} timed out mid-stream", 504))
-                    except _CLIENT_GONE:
-                        pass
                 try:
                     await out.write_eof()
                 except _CLIENT_GONE:
                     status = "499"
                 return out
         except _UPSTREAM_FAILURES as e:
-            raise _Retryable(f"{type(e).__name__}: {e}") from None
+            if not isinstance(e, _READ_TIMEOUT):  # a connection that failed or timed out: tried elsewhere
+                raise _Retryable(f"{type(e).__name__}: {e}") from None
+            return self._silent(w, out)
         except asyncio.TimeoutError:
-            if out is not None:
-                return out
-            m.upstream_errors.labels(w.id, "timeout").inc()
-            self.count(w.id, "504")
-            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
+            return self._silent(w, out)
         except asyncio.CancelledError:  # the client left, or the shutdown's grace ran out: not a 200
             status = self.cut_status()
             if out is None:

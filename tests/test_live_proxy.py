@@ -1190,3 +1190,19 @@ def test_a_streams_output_tokens_are_vllms_usage_or_its_token_events():
         return [call[3] for call in rec.calls if call[0] == "finish"]
 
     assert run(main()) == [4, 4, 12, 12, 12]
+
+
+def test_a_stream_that_goes_on_producing_is_not_cut_by_the_request_timeout():
+    """`server.request_timeout_s` bounded a whole stream, so a long answer still streaming (reasoning) was cut
+    with a 504 event after 600 s, where vLLM sets no bound. A stream is now bounded by its silences."""
+    async def main():
+        ws = await fakes(1)
+        ws[0].chunks, ws[0].delay = 8, 0.15  # 1.2 s in all, never silent for 0.5 s
+        async with proxy(ws, server={"request_timeout_s": 0.5}) as (ctl, url, c):
+            async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                body = (await r.read()).decode()
+        await ws[0].stop()
+        return body
+
+    body = run(main())
+    assert body.count('"worker": "w0"') == 8 and body.rstrip().endswith("data: [DONE]") and "error" not in body
