@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -27,7 +27,8 @@ class ServerSpec(_Spec):
 
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
-    api_key: Optional[str] = Field(None, description="clients must send 'Authorization: Bearer KEY'")
+    api_key: Optional[Union[str, list[str]]] = Field(
+        None, description="clients of /v1 must send 'Authorization: Bearer KEY' (one of them, as vLLM's --api-key)")
     api_key_env: Optional[str] = Field(None, description="or: read the key from this environment variable")
     # vLLM's server takes a body of any size (a long prompt's token ids, base64 images); this bound is the proxy's
     max_body_bytes: int = Field(128 * 1024 * 1024, gt=0)
@@ -39,14 +40,18 @@ class ServerSpec(_Spec):
     max_connections_per_worker: int = Field(256, gt=0, description="pooled upstream connections per worker")
     retry_before_first_byte: bool = True
 
-    def resolved_api_key(self) -> str | None:
+    def resolved_api_keys(self) -> tuple[str, ...] | None:
+        """The keys a client may send, or None (no key asked)."""
         if self.api_key:
-            return self.api_key
+            keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
+            if any(not k for k in keys):
+                raise TwinInputError("server.api_key: an empty key")
+            return keys
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)
             if not key:
                 raise TwinInputError(f"server.api_key_env: environment variable {self.api_key_env} is not set")
-            return key
+            return (key,)
         return None
 
 

@@ -167,7 +167,7 @@ class Controller:
         # recent arrivals and completions, as the simulator's dispatcher keeps them: scalers read it
         self.signals = self.host.signals
         self.registry.fleet.signals = self.signals
-        self.api_key = cfg.server.resolved_api_key()
+        self.api_key = cfg.server.resolved_api_keys()
         self.session: aiohttp.ClientSession | None = None
         self.kv: KVEventSubscriber | None = None
         self.actuator: Any = None

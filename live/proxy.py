@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import json
 import logging
 import re
 import reprlib
+import secrets
 import signal
 import time
 import traceback
@@ -49,6 +51,12 @@ def error(status: int, message: str, kind: str | None = None) -> web.Response:
                     503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}.get(status, "Error")
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
     return web.Response(status=status, text=body, content_type="application/json")
+
+
+def unauthorized() -> web.Response:
+    """vLLM's 401, as its AuthenticationMiddleware writes it (it guards /v1 only; so does the proxy, and its own
+    /workers and /shadow)."""
+    return web.json_response({"error": "Unauthorized"}, status=401)
 
 
 def sse_error(message: str, code: int = 502) -> bytes:
@@ -142,6 +150,8 @@ class Proxy:
         self.timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
         # a stream is bounded by its silences, not its length: vLLM sets no bound, and a long answer (reasoning)
         # streams past any total
+        keys = ctl.api_key
+        self._key_hashes = None if keys is None else [hashlib.sha256(k.encode()).digest() for k in keys]
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s,
                                                     sock_read=s.request_timeout_s)
         # per-request work kept off the hot path (benchmarks/bench_proxy.py): parsed upstream URLs, the
@@ -198,8 +208,18 @@ class Proxy:
 
     # -- routes --------------------------------------------------------------------------------------
     def authorized(self, request: web.Request) -> bool:
-        key = self.ctl.api_key
-        return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+        """vLLM's check (`vllm/entrypoints/serve/middleware/authenticate.py`): a Bearer token (the scheme in any
+        case) equal to one of the keys, compared in constant time."""
+        if self._key_hashes is None:
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        ok = False
+        for h in self._key_hashes:
+            ok |= secrets.compare_digest(digest, h)
+        return ok
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -209,7 +229,7 @@ class Proxy:
 
     async def models(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
-            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+            return unauthorized()
         ctl = self.ctl
         cards: dict[str, dict] = {}
         for w in ctl.registry:
@@ -228,10 +248,9 @@ class Proxy:
         """vLLM's endpoints beside generation (`/tokenize`, `/detokenize`, `/version`), answered by the least
         busy serving worker: a tool that asks the server for token counts gets the served model's. Not
         generation, so on no request counter. The worker's answer passes as it is (a 5xx too: the body is the
-        client's, and the health probe judges the worker); a worker that cannot be reached is marked down."""
+        client's, and the health probe judges the worker); a worker that cannot be reached is marked down. No API
+        key is asked, as vLLM asks none outside /v1."""
         ctl = self.ctl
-        if not self.authorized(request):
-            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -279,12 +298,12 @@ class Proxy:
 
     async def workers(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
-            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+            return unauthorized()
         return web.json_response(self.ctl.status())
 
     async def shadow(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
-            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+            return unauthorized()
         return web.json_response(self.ctl.shadow.status())
 
     # -- generation ----------------------------------------------------------------------------------
@@ -328,7 +347,7 @@ class Proxy:
         m = ctl.metrics
         if not self.authorized(request):
             self.reject("auth")
-            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+            return unauthorized()
         if not ctl.accepting:
             self.reject("shutting_down")
             return error(503, "the controller is shutting down")

@@ -79,9 +79,9 @@ def test_overrides_and_api_key_env(tmp_path, monkeypatch):
     assert cfg.server.port == 1234 and cfg.router.name == "round-robin"
     monkeypatch.delenv("LLMTWIN_TEST_KEY", raising=False)
     with pytest.raises(TwinInputError, match="LLMTWIN_TEST_KEY is not set"):
-        cfg.server.resolved_api_key()
+        cfg.server.resolved_api_keys()
     monkeypatch.setenv("LLMTWIN_TEST_KEY", "s3cret")
-    assert cfg.server.resolved_api_key() == "s3cret"
+    assert cfg.server.resolved_api_keys() == ("s3cret",)
 
 
 def test_binds_loopback_by_default():

@@ -384,17 +384,29 @@ def test_chat_parts_whose_text_is_no_string_go_to_vllm_to_refuse():
         assert prompt_parts(body, chat=True) == ([body["messages"]], "ok")
 
 
-def test_api_key():
+def test_api_key_as_vllm_checks_it():
+    """vLLM's AuthenticationMiddleware: one of several keys, the Bearer scheme in any case, /v1 only (vLLM's own
+    /tokenize and /version are open), and a 401 of {"error": "Unauthorized"}. The proxy took one key, refused
+    `bearer k` and guarded /tokenize and /version."""
     async def main():
         ws = await fakes(1)
-        async with proxy(ws, None, server={"api_key": "k"}) as (ctl, url, c):
-            r1 = await c.post(url + "/v1/completions", json={"prompt": "x"})
-            r2 = await c.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer k"})
-            s = (r1.status, r2.status)
+        got = []
+        async with proxy(ws, None, server={"api_key": ["k", "k2"]}) as (ctl, url, c):
+            for method, path, auth in [("POST", "/v1/completions", None), ("POST", "/v1/completions", "Bearer k"),
+                                       ("POST", "/v1/completions", "bearer k2"), ("POST", "/v1/completions", "Basic k"),
+                                       ("POST", "/v1/completions", "Bearer k3"), ("GET", "/v1/models", None),
+                                       ("POST", "/tokenize", None), ("GET", "/version", None),
+                                       ("GET", "/workers", None), ("GET", "/workers", "Bearer k")]:
+                headers = {"Authorization": auth} if auth else {}
+                async with c.request(method, url + path, json={"prompt": "x"}, headers=headers) as r:
+                    body = await r.json()
+                    got.append((r.status, body if r.status == 401 else None))
         await ws[0].stop()
-        return s
+        return got
 
-    assert run(main()) == (401, 200)
+    got = run(main())
+    assert [g[0] for g in got] == [401, 200, 200, 401, 401, 401, 200, 200, 401, 200]
+    assert got[0][1] == {"error": "Unauthorized"}
 
 
 def test_failure_before_first_byte_is_retried_once_elsewhere_and_marks_down():
