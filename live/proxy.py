@@ -282,6 +282,10 @@ class Proxy:
         return web.json_response({"status": "ok" if status == 200 else "unavailable", "serving": n,
                                   "workers": {w.id: w.status for w in ctl.registry}}, status=status)
 
+    async def load(self, request: web.Request) -> web.Response:
+        """vLLM's `/load` ({"server_load": the requests in flight}): here the fleet's, through this proxy."""
+        return web.json_response({"server_load": self.active})
+
     async def metrics(self, request: web.Request) -> web.Response:
         ctl = self.ctl
         m = ctl.metrics
@@ -663,6 +667,9 @@ def build_app(ctl: Controller) -> web.Application:
     app.router.add_post("/v1/chat/completions", proxy.chat)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
+    app.router.add_get("/ping", proxy.health)  # vLLM's SageMaker ping: its /health
+    app.router.add_post("/ping", proxy.health)
+    app.router.add_get("/load", proxy.load)
     app.router.add_post("/tokenize", proxy.passthrough)
     app.router.add_post("/detokenize", proxy.passthrough)
     app.router.add_get("/version", proxy.passthrough)

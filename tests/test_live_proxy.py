@@ -1218,3 +1218,23 @@ def test_a_stream_that_goes_on_producing_is_not_cut_by_the_request_timeout():
 
     body = run(main())
     assert body.count('"worker": "w0"') == 8 and body.rstrip().endswith("data: [DONE]") and "error" not in body
+
+
+def test_ping_and_load_answer_as_vllms_do():
+    """vLLM serves /ping (GET and POST: its /health, for SageMaker) and /load ({"server_load": requests in
+    flight}); the proxy answered 404, so a SageMaker or load-aware front end could not use it."""
+    async def main():
+        ws = await fakes(1)
+        ws[0].delay = 0.3
+        async with proxy(ws) as (ctl, url, c):
+            pings = [(await c.get(url + "/ping")).status, (await c.post(url + "/ping")).status]
+            pending = asyncio.ensure_future(c.post(url + "/v1/completions", json={"prompt": "x"}))
+            await asyncio.sleep(0.1)
+            busy = await (await c.get(url + "/load")).json()
+            (await pending).release()
+            idle = await (await c.get(url + "/load")).json()
+        await ws[0].stop()
+        return pings, busy, idle
+
+    pings, busy, idle = run(main())
+    assert pings == [200, 200] and busy == {"server_load": 1} and idle == {"server_load": 0}
