@@ -76,6 +76,7 @@ _NOT_RETURNED = frozenset(("content-length", "transfer-encoding", "connection", 
                            "date", "server"))
 _COUNTED: contextvars.ContextVar[bool] = contextvars.ContextVar("llmtwin_counted", default=False)  # per handler
 COMPLETIONS_MAX_TOKENS = 16  # vllm/entrypoints/openai/completion/protocol.py, CompletionRequest.max_tokens
+MESSAGES = "/v1/messages"  # vLLM's Anthropic Messages API
 CANCELLED = "cancelled"  # `llmtwin_requests_total`'s status for a request cut when the shutdown's grace ran out
 
 
@@ -227,6 +228,10 @@ class Proxy:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's Anthropic Messages API (`vllm/entrypoints/anthropic/`), routed as a chat."""
+        return await self._generate(request, chat=True, path=MESSAGES)
+
     async def models(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
             return unauthorized()
@@ -319,7 +324,7 @@ class Proxy:
         why = "; ".join(f"{w.id}: {w.status}" + (f" ({w.last_error})" if w.last_error else "") for w in ws)
         return f"no worker is serving{f' model {model}' if off else ''} ({why})"
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, chat: bool, path: str | None = None) -> web.StreamResponse:
         """A request, on exactly one counter however it ends: one that leaves without being counted (cut by the
         shutdown while it was tokenised or routed, its client gone while its body was read, a bug) is counted
         here under worker "-"."""
@@ -327,7 +332,7 @@ class Proxy:
         self.idle.clear()
         _COUNTED.set(False)
         try:
-            resp = await self._generate_inner(request, chat)
+            resp = await self._generate_inner(request, chat, path)
         except asyncio.CancelledError:
             if not _COUNTED.get():
                 self.count("-", self.cut_status())
@@ -346,7 +351,7 @@ class Proxy:
                 self.idle.set()
         return resp
 
-    async def _generate_inner(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _generate_inner(self, request: web.Request, chat: bool, path: str | None) -> web.StreamResponse:
         ctl = self.ctl
         m = ctl.metrics
         if not self.authorized(request):
@@ -394,7 +399,10 @@ class Proxy:
             self.reject("none_serving")
             return error(503, self._none_serving(model))
         try:
-            info = await ctl.tokenizer.tokenize(body, chat, ctl.session, routable[0].url, model)
+            if path == MESSAGES:  # Anthropic's blocks and `system`: estimated, not the chat template's tokens
+                info = ctl.tokenizer.estimated_messages(body)
+            else:
+                info = await ctl.tokenizer.tokenize(body, chat, ctl.session, routable[0].url, model)
         except BadPrompt as e:
             self.reject("bad_request")
             return error(400, str(e))
@@ -425,7 +433,7 @@ class Proxy:
         if ctl.host.predictor is not None:  # the configured length predictor, as the simulator asks it
             req = replace(req, predicted_output_tokens=ctl.host.predict(req))
         stream = f.stream
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        path = path or ("/v1/chat/completions" if chat else "/v1/completions")
         tried: list[str] = []
         last_error = ""
         answer: tuple[int, bytes, str] | None = None
@@ -522,7 +530,8 @@ class Proxy:
                 ctl.first_token(req, w.id, time.monotonic())
                 if status == 200:  # its output tokens (a few microseconds): the scalers' recent-window signals
                     try:  # count a completion only with its tokens; on_finish hooks and the shadow twin take them
-                        out_tokens = int(json.loads(data).get("usage", {}).get("completion_tokens", 0))
+                        usage = json.loads(data).get("usage", {})  # OpenAI's, or Anthropic's output_tokens
+                        out_tokens = int(usage.get("completion_tokens", usage.get("output_tokens", 0)))
                     except (ValueError, AttributeError, TypeError):
                         pass
                 self.count(w.id, str(status))
@@ -624,13 +633,14 @@ class Proxy:
 
 
 _TAIL = 4096
+_OUTPUT_TOKENS = re.compile(rb'"type":"message_delta".*"output_tokens":(\d+)')
 _USAGE = re.compile(rb'data: (\{"[^\n]*"choices":\[\][^\n]*\})\n')
 
 
 def streamed_tokens(events: int, roles: int, tail: bytes) -> int:
     """A stream's output tokens for on_finish (the scalers' signals, the shadow twin, the chunk planner): the
     usage event's completion_tokens when the client asked for it (`stream_options.include_usage`: vLLM's last
-    event before [DONE], with no choices), all choices together; else the events less [DONE] and chat's role
+    event before [DONE], with no choices), all choices together, or the Messages API's message_delta; else the events less [DONE] and chat's role
     chunks (one per choice, the only events with a role: vLLM writes deltas with exclude_unset), a lower bound,
     as vLLM merges tokens into one event when the client reads slower than it decodes."""
     found = _USAGE.findall(tail)
@@ -640,6 +650,9 @@ def streamed_tokens(events: int, roles: int, tail: bytes) -> int:
             return int(usage["completion_tokens"])
         except (ValueError, TypeError, KeyError, AttributeError):
             pass
+    anthropic = _OUTPUT_TOKENS.findall(tail)  # the Messages API's message_delta carries its usage
+    if anthropic:
+        return int(anthropic[-1])
     usage_events = tail.count(b'"choices":[]')
     return max(0, events - 1 - roles - usage_events)
 
@@ -665,6 +678,8 @@ def build_app(ctl: Controller) -> web.Application:
     app[PROXY] = proxy
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_post(MESSAGES, proxy.messages)
+    app.router.add_post(MESSAGES + "/count_tokens", proxy.passthrough)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/ping", proxy.health)  # vLLM's SageMaker ping: its /health

@@ -169,6 +169,17 @@ class PromptTokenizer:
         lengths = (len(ids), *(self.estimate(p) if isinstance(p, str) else len(p) for p in parts[1:]))
         return PromptInfo(sum(lengths), ids, text, mml, lengths, 1)
 
+    def estimated_messages(self, body: dict) -> PromptInfo:
+        """An Anthropic Messages body's prompt, estimated: its `system` and its messages' text (a string, or the
+        text blocks), 4 tokens a message for the template's frame as a chat's estimate."""
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+            raise BadPrompt("'messages' must be a non-empty list of objects with 'role' and 'content'")
+        texts = [t for c in [body.get("system"), *(m.get("content") for m in msgs)] for t in _texts(c)]
+        text = "\n".join(texts)
+        n = self.estimate(text) + 4 * len(msgs) if text else 4 * len(msgs)
+        return PromptInfo(n, None, text, lengths=(n,))
+
     def _estimated(self, parts: list[Any], chat: bool, text: str | None) -> PromptInfo:
         if chat:
             msgs = parts[0]
@@ -258,6 +269,15 @@ def fit_context(info: PromptInfo, max_tokens: int | None, mml: int | None, trunc
 # a template that loops over a message's content takes OpenAI's list of parts; others get one string
 # (vLLM: `vllm/renderers/hf.py` `_detect_content_format`, which walks the template's AST for such a loop)
 _CONTENT_LOOP = re.compile(r"\bfor\s+\w+\s+in\s+[\w.]+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def _texts(content: Any) -> list[str]:
+    """The text of a content: a string, or the `text` of its blocks (Anthropic's and OpenAI's parts alike)."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [b["text"] for b in content if isinstance(b, dict) and isinstance(b.get("text"), str)]
+    return []
 
 
 def _joined(content: Any) -> Any:

@@ -63,6 +63,7 @@ class FakeWorker:
         app.router.add_get("/version", self.version)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/v1/messages", self.messages)
         self.runner = web.AppRunner(app, access_log=None, **HEADER_LIMITS)  # vLLM's uvicorn: no header limits
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
@@ -142,6 +143,29 @@ class FakeWorker:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+
+    async def messages(self, request):
+        """vLLM's Anthropic Messages API: a message with usage, or its SSE events (`event:` lines)."""
+        body = await request.json()
+        self.received.append(body)
+        if not body.get("stream"):
+            return web.json_response({"id": "msg_1", "type": "message", "role": "assistant", "worker": self.name,
+                                      "content": [{"type": "text", "text": "hi"}],
+                                      "usage": {"input_tokens": 9, "output_tokens": 5}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        events = [("message_start", {"type": "message_start", "message": {"id": "msg_1", "role": "assistant",
+                                                                           "usage": {"input_tokens": 9,
+                                                                                     "output_tokens": 0}}}),
+                  ("content_block_start", {"type": "content_block_start", "index": 0})]
+        events += [("content_block_delta", {"type": "content_block_delta", "delta": {"text": "t"}})] * 6
+        events += [("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                   ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                      "usage": {"input_tokens": 9, "output_tokens": 6}}),
+                   ("message_stop", {"type": "message_stop"})]
+        for name, ev in events:
+            await resp.write(f"event: {name}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n".encode())
+        return resp
 
     async def vllm_events(self, resp, body, chat):
         n, per = int(body.get("n", 1)), 4
@@ -1238,3 +1262,32 @@ def test_ping_and_load_answer_as_vllms_do():
 
     pings, busy, idle = run(main())
     assert pings == [200, 200] and busy == {"server_load": 1} and idle == {"server_load": 0}
+
+
+def test_the_anthropic_messages_api_is_routed_as_vllm_serves_it():
+    """vLLM serves Anthropic's Messages API (/v1/messages: Claude Code and Anthropic SDKs talk to it); the proxy
+    answered 404. It is routed as a chat on an estimate of its system and text blocks, and the finish carries
+    the answer's usage.output_tokens, or a stream's message_delta usage."""
+    async def main():
+        ws = await fakes(2)
+        rec = Recorder()
+        got = []
+        body = {"model": "fake", "max_tokens": 64, "system": "s" * 40,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 80}]}]}
+        async with proxy(ws, rec) as (ctl, url, c):
+            for stream in (False, True):
+                async with c.post(url + "/v1/messages", json={**body, "stream": stream}) as r:
+                    got.append((r.status, r.content_type, (await r.read()).decode()))
+            async with c.post(url + "/v1/messages", json={"model": "fake", "max_tokens": 4, "messages": []}) as r:
+                got.append((r.status, r.content_type, (await r.json())["error"]["message"]))
+        for w in ws:
+            await w.stop()
+        return got, rec.calls
+
+    got, calls = run(main())
+    assert got[0][0] == 200 and '"output_tokens": 5' in got[0][2]
+    assert got[1][:2] == (200, "text/event-stream") and got[1][2].count("event: content_block_delta") == 6
+    assert got[2][0] == 400 and "messages" in got[2][2]
+    dispatched = [cl for cl in calls if cl[0] == "dispatch"]
+    assert [(d[2], d[3], d[4]) for d in dispatched] == [("w0", 34, 64), ("w1", 34, 64)]  # (40 + 80) / 4 + 4
+    assert [cl[3] for cl in calls if cl[0] == "finish"] == [5, 6]

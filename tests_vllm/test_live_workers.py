@@ -114,6 +114,18 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             time.sleep(0.2)
             # without usage a lower bound (vLLM merges tokens into one event when the reader lags), never above
             assert 0 < fin.tokens[-3] <= 6 and 0 < fin.tokens[-2] <= 9 and fin.tokens[-1] == 6, fin.tokens
+            # vLLM's Anthropic Messages API, answered and streamed; the finish carries its output_tokens
+            msg = {"model": SERVED, "max_tokens": 3, "system": "be brief", "messages": [{"role": "user",
+                                                                                       "content": "hey"}]}
+            r = c.post(url + "/v1/messages", json=msg, timeout=60)
+            assert r.status_code == 200 and r.json()["type"] == "message", r.text
+            with c.stream("POST", url + "/v1/messages", json={**msg, "stream": True}) as s:
+                events = s.read().decode()
+            assert s.status_code == 200 and "event: message_delta" in events, events
+            delta = [json.loads(line[len("data: "):]) for line in events.splitlines()
+                     if line.startswith("data: ") and '"message_delta"' in line][-1]
+            time.sleep(0.2)
+            assert fin.tokens[-2:] == [r.json()["usage"]["output_tokens"], delta["usage"]["output_tokens"]], fin.tokens
             models = c.get(url + "/v1/models").json()
             assert [m["id"] for m in models["data"]] == [SERVED]
             assert c.get(url + "/health").json()["serving"] == 2
@@ -125,7 +137,7 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             time.sleep(0.5)
             status = c.get(url + "/workers").json()
         assert ctl.bookkeeping.in_flight() == 0
-        assert sorted(ld.dispatched_total for ld in ctl.bookkeeping.loads.values()) == [3, 4]  # round-robin
+        assert sorted(ld.dispatched_total for ld in ctl.bookkeeping.loads.values()) == [4, 5]  # round-robin
         for v in ctl.registry.fleet.instances:
             assert v.block_size == 128 and v.num_gpu_blocks > 0 and v.config.max_model_len == MAX_MODEL_LEN
             assert v.as_of > 0
@@ -133,7 +145,7 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             assert w["scrape_age_s"] is not None and w["scrape_age_s"] < 5
             assert w["prefix_cache_queries"] > 0  # counters from the worker's own page
         page = httpx.get(url + "/metrics").text
-        assert 'llmtwin_requests_total{status="200",worker="w0"} 4.0' in page
+        assert 'llmtwin_requests_total{status="200",worker="w0"} 5.0' in page
         assert "llmtwin_scrape_duration_seconds_count" in page
     finally:
         rc.stop()
