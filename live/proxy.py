@@ -20,6 +20,7 @@ import secrets
 import signal
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -77,6 +78,8 @@ _NOT_RETURNED = frozenset(("content-length", "transfer-encoding", "connection", 
 _COUNTED: contextvars.ContextVar[bool] = contextvars.ContextVar("llmtwin_counted", default=False)  # per handler
 COMPLETIONS_MAX_TOKENS = 16  # vllm/entrypoints/openai/completion/protocol.py, CompletionRequest.max_tokens
 MESSAGES = "/v1/messages"  # vLLM's Anthropic Messages API
+RESPONSES = "/v1/responses"  # vLLM's OpenAI Responses API
+_RESPONSE_ID = re.compile(rb'"id":"(resp_[^"]+)"')
 CANCELLED = "cancelled"  # `llmtwin_requests_total`'s status for a request cut when the shutdown's grace ran out
 
 
@@ -158,6 +161,7 @@ class Proxy:
         # per-request work kept off the hot path (benchmarks/bench_proxy.py): parsed upstream URLs, the
         # served-model set (rebuilt when the registry changes), and the request counter's label children
         self._urls: dict[tuple[str, str], URL] = {}
+        self.owners: OrderedDict[str, str] = OrderedDict()  # Responses API: response id -> its worker
         self._served: tuple[int, set[str]] = (-1, set())
         self._counters: dict[tuple[str, str], Any] = {}
 
@@ -196,6 +200,14 @@ class Proxy:
         self.count(w.id, "504")
         return error(504, f"worker {w.id} did not answer within {self.ctl.cfg.server.request_timeout_s:g} s")
 
+    def own(self, response_id: str, worker_id: str) -> None:
+        """Which worker made a response (the latest 65,536): it alone holds it for previous_response_id, GET and
+        cancel."""
+        self.owners[response_id] = worker_id
+        self.owners.move_to_end(response_id)
+        if len(self.owners) > 65536:
+            self.owners.popitem(last=False)
+
     def cut_status(self) -> str:
         """Why a handler was cancelled: its client left ("499"; aiohttp cancels the handler, `handler_cancellation`,
         which closes the upstream request so that vLLM aborts it, as its own server does), or the shutdown's grace
@@ -228,6 +240,11 @@ class Proxy:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's OpenAI Responses API, routed as a chat; a response that continues another
+        (`previous_response_id`) goes to the worker that made it, which holds it (VLLM_ENABLE_RESPONSES_API_STORE)."""
+        return await self._generate(request, chat=True, path=RESPONSES)
+
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """vLLM's Anthropic Messages API (`vllm/entrypoints/anthropic/`), routed as a chat."""
         return await self._generate(request, chat=True, path=MESSAGES)
@@ -254,8 +271,10 @@ class Proxy:
         busy serving worker: a tool that asks the server for token counts gets the served model's. Not
         generation, so on no request counter. The worker's answer passes as it is (a 5xx too: the body is the
         client's, and the health probe judges the worker); a worker that cannot be reached is marked down. No API
-        key is asked, as vLLM asks none outside /v1."""
+        key is asked outside /v1, as vLLM asks none there. A stored response (GET, cancel) goes to its worker."""
         ctl = self.ctl
+        if request.path.startswith("/v1") and not self.authorized(request):
+            return unauthorized()
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -267,7 +286,9 @@ class Proxy:
         routable = ctl.registry.routable(model if isinstance(model, str) else None)
         if not routable:
             return error(503, self._none_serving(model if isinstance(model, str) else None))
-        w = min(routable, key=lambda w: ctl.bookkeeping.load(w.id).requests)
+        owner = ctl.registry.get(self.owners.get(request.match_info.get("response_id", ""), ""))
+        w = owner if owner is not None and owner.routable else min(
+            routable, key=lambda w: ctl.bookkeeping.load(w.id).requests)
         try:
             async with ctl.session.request(request.method, self.upstream(w, request.path), data=raw or None,
                                            headers=self.forwarded(request), timeout=self.timeout) as r:
@@ -385,6 +406,12 @@ class Proxy:
         except BadPrompt as e:
             self.reject("bad_request")
             return error(400, str(e))
+        if path == RESPONSES:  # the Responses API names its cap max_output_tokens
+            try:
+                f = f._replace(max_tokens=body_field(body, "max_output_tokens", "int"))
+            except BadPrompt as e:
+                self.reject("bad_request")
+                return error(400, str(e))
         model, max_tokens = f.model, f.max_tokens
         served = self.served_models()
         if model and served and model not in served:  # vLLM serves its model to an empty name too
@@ -401,6 +428,8 @@ class Proxy:
         try:
             if path == MESSAGES:  # Anthropic's blocks and `system`: estimated, not the chat template's tokens
                 info = ctl.tokenizer.estimated_messages(body)
+            elif path == RESPONSES:
+                info = ctl.tokenizer.estimated_input(body)
             else:
                 info = await ctl.tokenizer.tokenize(body, chat, ctl.session, routable[0].url, model)
         except BadPrompt as e:
@@ -413,7 +442,8 @@ class Proxy:
             return error(502, f"worker {routable[0].id} failed to tokenize the prompt: {e}")
         mml = info.max_model_len or min((w.config.max_model_len for w in routable if w.config.max_model_len),
                                         default=0)
-        param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        param = "max_output_tokens" if path == RESPONSES else \
+            "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         try:
             info, max_tokens = fit_context(info, max_tokens, mml, f.truncate, f.side,
                                            0 if f.echo and not chat else 1, param)
@@ -438,10 +468,12 @@ class Proxy:
         last_error = ""
         answer: tuple[int, bytes, str] | None = None
         fwd = self.forwarded(request)
+        prev = body.get("previous_response_id") if path == RESPONSES else None
+        pin = self.owners.get(prev) if isinstance(prev, str) else None
         for attempt in (0, 1):
             # a look-ahead router decides on its own thread: the decision and its dispatch one at a time
             async with ctl.routing():
-                w = await self._decide(req, model, tried, attempt, t0, last_error)
+                w = await self._decide(req, model, tried, attempt, t0, last_error, pin)
                 if isinstance(w, web.Response):
                     return w
                 ctl.dispatched(req, w.id, time.monotonic())
@@ -469,7 +501,7 @@ class Proxy:
         return error(502, f"upstream failed before the first byte on {', '.join(tried)}: {last_error}")
 
     async def _decide(self, req: RequestView, model: str | None, tried: list[str], attempt: int, t0: float,
-                      last_error: str) -> Any:
+                      last_error: str, pin: str | None = None) -> Any:
         """The serving worker the router chose for `req` among those serving `model` (not one of `tried`), or the
         error response to send.
 
@@ -477,6 +509,10 @@ class Proxy:
         drain, a failed health check): the router decides again on the fleet as it is then, up to twice more."""
         ctl = self.ctl
         m = ctl.metrics
+        if pin is not None and pin not in tried:  # the worker that holds the previous response
+            w = ctl.registry.get(pin)
+            if w is not None and w.routable:
+                return w
         for redo in range(3):
             fleet = ctl.registry.fleet_view(time.monotonic(), tried, model)
             if not fleet.instances:
@@ -530,8 +566,11 @@ class Proxy:
                 ctl.first_token(req, w.id, time.monotonic())
                 if status == 200:  # its output tokens (a few microseconds): the scalers' recent-window signals
                     try:  # count a completion only with its tokens; on_finish hooks and the shadow twin take them
-                        usage = json.loads(data).get("usage", {})  # OpenAI's, or Anthropic's output_tokens
+                        answer = json.loads(data)
+                        usage = answer.get("usage") or {}  # OpenAI's, or Anthropic's and Responses' output_tokens
                         out_tokens = int(usage.get("completion_tokens", usage.get("output_tokens", 0)))
+                        if path == RESPONSES and isinstance(answer.get("id"), str):
+                            self.own(answer["id"], w.id)
                     except (ValueError, AttributeError, TypeError):
                         pass
                 self.count(w.id, str(status))
@@ -574,6 +613,8 @@ class Proxy:
                 if not first:
                     raise _Retryable(f"{w.id} closed the stream before its first chunk")
                 ctl.first_token(req, w.id, time.monotonic())
+                if path == RESPONSES and (rid := _RESPONSE_ID.search(first)):  # response.created names it
+                    self.own(rid.group(1).decode(), w.id)
                 out = web.StreamResponse(status=200, headers=returned(r.headers, Cache_Control="no-cache"))
                 try:  # a client gone before its first chunk is no worker's fault: not retried, the worker kept
                     await out.prepare(request)
@@ -633,7 +674,8 @@ class Proxy:
 
 
 _TAIL = 4096
-_OUTPUT_TOKENS = re.compile(rb'"type":"message_delta".*"output_tokens":(\d+)')
+# the Messages API's message_delta and the Responses API's response.completed carry their usage's output_tokens
+_OUTPUT_TOKENS = re.compile(rb'"output_tokens":(\d+)')
 _USAGE = re.compile(rb'data: (\{"[^\n]*"choices":\[\][^\n]*\})\n')
 
 
@@ -650,9 +692,9 @@ def streamed_tokens(events: int, roles: int, tail: bytes) -> int:
             return int(usage["completion_tokens"])
         except (ValueError, TypeError, KeyError, AttributeError):
             pass
-    anthropic = _OUTPUT_TOKENS.findall(tail)  # the Messages API's message_delta carries its usage
-    if anthropic:
-        return int(anthropic[-1])
+    output = _OUTPUT_TOKENS.findall(tail)  # the last: message_start's 0 comes first
+    if output:
+        return int(output[-1])
     usage_events = tail.count(b'"choices":[]')
     return max(0, events - 1 - roles - usage_events)
 
@@ -678,6 +720,9 @@ def build_app(ctl: Controller) -> web.Application:
     app[PROXY] = proxy
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_post(RESPONSES, proxy.responses)
+    app.router.add_get(RESPONSES + "/{response_id}", proxy.passthrough)
+    app.router.add_post(RESPONSES + "/{response_id}/cancel", proxy.passthrough)
     app.router.add_post(MESSAGES, proxy.messages)
     app.router.add_post(MESSAGES + "/count_tokens", proxy.passthrough)
     app.router.add_get("/v1/models", proxy.models)

@@ -180,6 +180,20 @@ class PromptTokenizer:
         n = self.estimate(text) + 4 * len(msgs) if text else 4 * len(msgs)
         return PromptInfo(n, None, text, lengths=(n,))
 
+    def estimated_input(self, body: dict) -> PromptInfo:
+        """A Responses API body's prompt, estimated: its `instructions` and `input` (a string, or items whose
+        content is a string or text parts), 4 tokens an item."""
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"content": items}]
+        if not isinstance(items, list) or not items:
+            raise BadPrompt("'input' must be a string or a non-empty list of items")
+        texts = _texts(body.get("instructions")) + [t for it in items if isinstance(it, dict)
+                                                      for t in _texts(it.get("content", it.get("output")))]
+        text = "\n".join(texts)
+        n = (self.estimate(text) if text else 0) + 4 * len(items)
+        return PromptInfo(n, None, text, lengths=(n,))
+
     def _estimated(self, parts: list[Any], chat: bool, text: str | None) -> PromptInfo:
         if chat:
             msgs = parts[0]

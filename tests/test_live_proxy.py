@@ -50,6 +50,7 @@ class FakeWorker:
         self.models_reads = 0
         self.abandoned = 0  # unary requests whose connection closed before the answer
         self.headers: list[CIMultiDict] = []
+        self.stored: list[str] = []  # Responses API ids it made
 
     @property
     def url(self) -> str:
@@ -64,6 +65,8 @@ class FakeWorker:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{rid}", self.get_response)
         self.runner = web.AppRunner(app, access_log=None, **HEADER_LIMITS)  # vLLM's uvicorn: no header limits
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
@@ -166,6 +169,35 @@ class FakeWorker:
         for name, ev in events:
             await resp.write(f"event: {name}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n".encode())
         return resp
+
+    async def responses(self, request):
+        """vLLM's Responses API with its store on: ids it made, a 404 for a previous id it does not hold."""
+        body = await request.json()
+        self.received.append(body)
+        prev = body.get("previous_response_id")
+        if prev and prev not in self.stored:
+            return web.json_response({"error": {"message": f"Response with id '{prev}' not found.",
+                                                "type": "invalid_request_error", "param": None, "code": 404}},
+                                     status=404)
+        rid = f"resp_{self.name}_{len(self.stored)}"
+        self.stored.append(rid)
+        done = {"id": rid, "object": "response", "status": "completed", "worker": self.name,
+                "usage": {"input_tokens": 5, "output_tokens": 7, "total_tokens": 12}}
+        if not body.get("stream"):
+            return web.json_response(done)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for name, ev in [("response.created", {"type": "response.created", "response": {"id": rid}}),
+                         ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "t"}),
+                         ("response.completed", {"type": "response.completed", "response": done})]:
+            await resp.write(f"event: {name}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n".encode())
+        return resp
+
+    async def get_response(self, request):
+        rid = request.match_info["rid"]
+        if rid not in self.stored:
+            return web.json_response({"error": {"message": "not found", "code": 404}}, status=404)
+        return web.json_response({"id": rid, "worker": self.name})
 
     async def vllm_events(self, resp, body, chat):
         n, per = int(body.get("n", 1)), 4
@@ -1291,3 +1323,34 @@ def test_the_anthropic_messages_api_is_routed_as_vllm_serves_it():
     dispatched = [cl for cl in calls if cl[0] == "dispatch"]
     assert [(d[2], d[3], d[4]) for d in dispatched] == [("w0", 34, 64), ("w1", 34, 64)]  # (40 + 80) / 4 + 4
     assert [cl[3] for cl in calls if cl[0] == "finish"] == [5, 6]
+
+
+def test_the_responses_api_is_routed_and_a_continuation_goes_to_the_worker_that_holds_its_response():
+    """vLLM serves the Responses API (/v1/responses); the proxy answered 404. With its store on, a worker holds the
+    responses it made: a request with `previous_response_id`, and GET /v1/responses/{id}, must reach that worker,
+    which round-robin would not. The finish carries usage.output_tokens, of the answer or response.completed."""
+    async def main():
+        ws = await fakes(2)
+        rec = Recorder()
+        got = []
+        async with proxy(ws, rec) as (ctl, url, c):
+            body = {"model": "fake", "input": "x" * 40, "instructions": "y" * 40, "max_output_tokens": 20}
+            async with c.post(url + "/v1/responses", json=body) as r:
+                first = await r.json()
+            for stream in (False, True, False):
+                async with c.post(url + "/v1/responses", json={**body, "stream": stream,
+                                                               "previous_response_id": first["id"]}) as r:
+                    got.append((r.status, (await r.read()).decode()))
+            async with c.get(url + f"/v1/responses/{first['id']}") as r:
+                got.append((r.status, (await r.json())["worker"]))
+        for w in ws:
+            await w.stop()
+        return first, got, rec.calls
+
+    first, got, calls = run(main())
+    assert first["worker"] == "w0"
+    assert [g[0] for g in got] == [200] * 4 and '"worker": "w0"' in got[0][1] and "resp_w0_" in got[1][1]
+    assert got[3] == (200, "w0")
+    dispatched = [cl for cl in calls if cl[0] == "dispatch"]
+    assert {d[2] for d in dispatched} == {"w0"} and dispatched[0][3:] == (24, 20)  # 81 chars / 4 + 4 an item
+    assert [cl[3] for cl in calls if cl[0] == "finish"] == [7, 7, 7, 7]

@@ -126,6 +126,18 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
                      if line.startswith("data: ") and '"message_delta"' in line][-1]
             time.sleep(0.2)
             assert fin.tokens[-2:] == [r.json()["usage"]["output_tokens"], delta["usage"]["output_tokens"]], fin.tokens
+            # vLLM's Responses API, answered and streamed (its response.completed carries the usage)
+            body = {"model": SERVED, "input": "hey there", "max_output_tokens": 4}
+            r = c.post(url + "/v1/responses", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["object"] == "response", r.text
+            with c.stream("POST", url + "/v1/responses", json={**body, "stream": True}) as s:
+                events = s.read().decode()
+            assert s.status_code == 200 and "response.completed" in events, events
+            done = [json.loads(line[len("data: "):]) for line in events.splitlines()
+                    if line.startswith("data: ") and '"response.completed"' in line][-1]
+            time.sleep(0.2)
+            assert fin.tokens[-2:] == [r.json()["usage"]["output_tokens"],
+                                       done["response"]["usage"]["output_tokens"]], fin.tokens
             models = c.get(url + "/v1/models").json()
             assert [m["id"] for m in models["data"]] == [SERVED]
             assert c.get(url + "/health").json()["serving"] == 2
@@ -137,7 +149,7 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             time.sleep(0.5)
             status = c.get(url + "/workers").json()
         assert ctl.bookkeeping.in_flight() == 0
-        assert sorted(ld.dispatched_total for ld in ctl.bookkeeping.loads.values()) == [4, 5]  # round-robin
+        assert sorted(ld.dispatched_total for ld in ctl.bookkeeping.loads.values()) == [5, 6]  # round-robin
         for v in ctl.registry.fleet.instances:
             assert v.block_size == 128 and v.num_gpu_blocks > 0 and v.config.max_model_len == MAX_MODEL_LEN
             assert v.as_of > 0
@@ -145,7 +157,7 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             assert w["scrape_age_s"] is not None and w["scrape_age_s"] < 5
             assert w["prefix_cache_queries"] > 0  # counters from the worker's own page
         page = httpx.get(url + "/metrics").text
-        assert 'llmtwin_requests_total{status="200",worker="w0"} 5.0' in page
+        assert 'llmtwin_requests_total{status="200",worker="w0"} 6.0' in page
         assert "llmtwin_scrape_duration_seconds_count" in page
     finally:
         rc.stop()
