@@ -11,8 +11,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import PositiveInt, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from twin.errors import TwinInputError
-from twin.scenario import (ChunkPlanSpec, PerfSpec, PredictorSpec, RouterSpec, ScalerSpec, SLOSpec,
-                           _format_error, apply_overrides, read_yaml_mapping)
+from twin.scenario import (ChunkPlanSpec, PerfSpec, PredictorSpec, RouterSpec, ScalerSpec, SLOSpec, _format_error,
+                           apply_overrides, kv_cache_dtype_name, read_yaml_mapping)
 from twin.spec_base import NumbersChecked
 
 
@@ -200,8 +200,13 @@ class ShadowSpec(_Spec):
     hardware: Optional[str] = Field(None, description="the workers' GPU (twin/specs/hardware.yaml), e.g. CPU-2core-AVX512")
     model: Optional[str] = Field(None, description="the served model's shapes (twin/specs/models.yaml), e.g. tiny-llama")
     dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
-    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"
+    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"  # or vLLM's names: bfloat16, fp8_e4m3...
     tensor_parallel: int = Field(1, gt=0)
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _kv_dtype(cls, v: Any) -> Any:
+        return kv_cache_dtype_name(v)
     perf: PerfSpec = Field(default_factory=PerfSpec, description=(
         "the step model, as in a scenario: {kind: roofline} or {kind: fitted, fit_path: FILE} (`twin calibrate`)"))
     engine: dict[str, Any] = Field(default_factory=dict, description=(

@@ -153,3 +153,11 @@ def test_max_model_len_above_the_models_context_needs_rope_scaling():
     assert make_scenario(**{"cluster.model": "Qwen2.5-32B", "cluster.tensor_parallel": 2, "cluster.hardware": "H200",
                             "cluster.engine.rope_scaling_factor": 2.0}).cluster.max_model_len() == 65536
     assert make_scenario().cluster.max_model_len() == 8192
+
+
+@pytest.mark.parametrize("name,twin", [("bfloat16", "bf16"), ("float16", "fp16"), ("fp8_e4m3", "fp8"),
+                                       ("fp8_e5m2", "fp8"), ("FP8", "fp8"), ("auto", "auto")])
+def test_vllms_kv_cache_dtype_names_are_read_as_the_twins(name, twin):
+    # vllm/config/cache.py CacheDType: a worker's --kv-cache-dtype bfloat16 was refused by the scenario
+    assert make_scenario(**{"cluster.kv_cache_dtype": name}).cluster.kv_cache_dtype == twin
+    assert "kv_cache_dtype" in refused(**{"cluster.kv_cache_dtype": "int4"})

@@ -30,6 +30,15 @@ KERNEL_BLOCK_MULTIPLE = 16
 # platform only warns, and the worker then fails to start (`select_common_block_size`, vllm/v1/worker/utils.py:
 # "No common block size for 16")
 CPU_BLOCK_MULTIPLE = 32
+# vLLM's --kv-cache-dtype names (vllm/config/cache.py CacheDType) as the twin's cluster.kv_cache_dtype
+KV_CACHE_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
+                   "half": "fp16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+
+def kv_cache_dtype_name(v: Any) -> Any:
+    """vLLM's spelling (`bfloat16`, `fp8_e4m3`) read as the twin's (`bf16`, `fp8`), so that a worker's
+    --kv-cache-dtype is taken as it is."""
+    return KV_CACHE_DTYPES.get(v.lower(), v) if isinstance(v, str) else v
 
 
 class _Spec(NumbersChecked):
@@ -182,9 +191,14 @@ class ClusterSpec(_Spec):
     hardware: str = "H100-SXM-80GB"
     model: str = "Llama-3-8B"
     dtype: Literal["bf16", "fp16", "fp8", "mxfp4"] = "bf16"  # mxfp4: MoE experts only (twin.perf.roofline)
-    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"
+    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"  # or vLLM's names: bfloat16, fp8_e4m3...
     tensor_parallel: int = Field(1, gt=0)
     engine: EngineSpec = EngineSpec()
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _kv_dtype(cls, v: Any) -> Any:
+        return kv_cache_dtype_name(v)
     perf: PerfSpec = PerfSpec()
 
     def derived_max_model_len(self) -> int:

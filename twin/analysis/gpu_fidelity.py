@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from twin.errors import TwinInputError, out_folder
+from twin.scenario import KV_CACHE_DTYPES
 
 REQUIRED = ("model", "gpu", "precision", "tp", "isl", "osl", "concurrency", "ttft_ms", "tpot_ms")
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "throughput_tok_s")
@@ -113,8 +114,7 @@ def _number(path: Path, line: int, row: dict, col: str, kind=float, low: float =
 
 
 # vLLM's --kv-cache-dtype values, as the twin's cluster.kv_cache_dtype
-KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-             "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+KV_DTYPES = KV_CACHE_DTYPES
 
 
 def _logged(row: dict, col: str, kind):
