@@ -42,10 +42,10 @@ class ServerSpec(_Spec):
 
     def resolved_api_keys(self) -> tuple[str, ...] | None:
         """The keys a client may send, or None (no key asked)."""
-        if self.api_key:
+        if self.api_key is not None:
             keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
-            if any(not k for k in keys):
-                raise TwinInputError("server.api_key: an empty key")
+            if not keys or any(not k for k in keys):  # else an empty list or key had turned the check off
+                raise TwinInputError("server.api_key: an empty key or list (leave it out to ask no key)")
             return keys
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)

@@ -14,7 +14,6 @@ import concurrent.futures
 import contextlib
 import logging
 import random
-import re
 import sys
 import time
 import traceback
@@ -28,6 +27,7 @@ from twin.policy.base import build_router as build_router_from
 from twin.policy.host import PolicyHost
 from twin.policy.prefix_index import PreciseIndex
 from twin.policy.views import FleetView, InstanceConfig
+from twin.scenario import human_int
 
 from live.config import LiveConfig
 from live.kv_subscriber import KVEventSubscriber
@@ -37,28 +37,16 @@ from live.scaling import make_scaler, plan_scale
 from live.signals import parse_metrics
 from live.tokens import PromptTokenizer
 
-_HUMAN_INT = re.compile(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT]?)\s*")
-
-
 def launch_int(v: Any) -> int | None:
-    """An engine argument's count as vLLM's command line reads it (`vllm/utils/argparse_utils.py`
-    `human_readable_int`: 8k is 8,000, 8K is 8,192); None where it is unset, -1 or "auto" (max_model_len:
-    vLLM fits it to memory) or not a count (vLLM judges that at start)."""
+    """An engine argument's count as vLLM's command line reads it (`twin.scenario.human_int`: 8k is 8,000, 8K is
+    8,192); None where it is unset, -1 or "auto" (max_model_len: vLLM fits it to memory) or not a count (vLLM
+    judges that at start)."""
     if v is None or isinstance(v, bool):
         return None
-    if isinstance(v, (int, float)):
-        n = int(v)
-    else:
-        m = _HUMAN_INT.fullmatch(str(v))
-        if m is None:
-            return None
-        num, suffix = m.groups()
-        if suffix.isupper() and "." in num:
-            return None  # vLLM refuses decimals with binary suffixes
-        scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-                 "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[suffix]
-        n = int(float(num) * scale) if "." in num else int(num) * scale
-    return n if n > 0 else None
+    n = human_int(v)
+    if isinstance(n, float):
+        n = int(n)
+    return n if isinstance(n, int) and n > 0 else None
 
 
 ROUTE_SWITCH_INTERVAL_S = 0.001  # the GIL's switch interval while a look-ahead router decides off the loop

@@ -71,8 +71,10 @@ def sse_error(message: str, code: int = 502) -> bytes:
 HEADER_LIMITS = {"max_line_size": 4 * 1024 * 1024, "max_field_size": 4 * 1024 * 1024, "max_headers": 32768}
 # headers a proxy does not pass on (hop-by-hop, or its own to set); the rest reach the worker as the client sent
 # them, as they would reach vLLM directly: X-Request-Id (vLLM's request id), traceparent, X-Session-Id and the like
+# (the body is sent as aiohttp read it, decompressed: its content-encoding and digests no longer hold)
 _NOT_FORWARDED = frozenset(("host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
-                            "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"))
+                            "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding",
+                            "content-encoding", "content-md5", "digest"))
 _NOT_RETURNED = frozenset(("content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding",
                            "date", "server"))
 _COUNTED: contextvars.ContextVar[bool] = contextvars.ContextVar("llmtwin_counted", default=False)  # per handler
@@ -190,7 +192,9 @@ class Proxy:
         """The client's headers for the worker: all but hop-by-hop ones, and its Authorization when it was the
         proxy's own key (without one, the proxy is transparent and a worker's --api-key sees the client's)."""
         drop = _NOT_FORWARDED if self.ctl.api_key is None else _NOT_FORWARDED | {"authorization"}
-        return CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in drop)
+        out = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in drop)
+        out["Accept-Encoding"] = "identity"  # the answer is relayed as it comes, and its usage read
+        return out
 
     def _silent(self, w: Any, out: web.StreamResponse | None) -> web.StreamResponse:
         """A stream whose worker sent nothing for `request_timeout_s` before its first chunk: a 504."""
@@ -228,7 +232,9 @@ class Proxy:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer":
             return False
-        digest = hashlib.sha256(token.encode()).digest()
+        # as Starlette reads a header (latin-1) and vLLM hashes it (utf-8); aiohttp keeps a non-UTF-8 byte as a
+        # surrogate, which a plain encode() refused with a 500
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape").decode("latin-1").encode()).digest()
         ok = False
         for h in self._key_hashes:
             ok |= secrets.compare_digest(digest, h)
@@ -283,9 +289,14 @@ class Proxy:
             model = json.loads(raw).get("model") if raw else None
         except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
             model = None  # the worker answers what it makes of the body
-        routable = ctl.registry.routable(model if isinstance(model, str) else None)
+        if not isinstance(model, str):
+            model = None
+        served = self.served_models()
+        if model and served and model not in served:  # vLLM's answer for a model it does not serve
+            return error(404, f"The model `{model}` does not exist.")
+        routable = ctl.registry.routable(model)
         if not routable:
-            return error(503, self._none_serving(model if isinstance(model, str) else None))
+            return error(503, self._none_serving(model))
         owner = ctl.registry.get(self.owners.get(request.match_info.get("response_id", ""), ""))
         w = owner if owner is not None and owner.routable else min(
             routable, key=lambda w: ctl.bookkeeping.load(w.id).requests)
@@ -596,8 +607,11 @@ class Proxy:
         out: web.StreamResponse | None = None
         status = "200"
         try:
-            async with ctl.session.post(self.upstream(w, path), data=raw, timeout=self.stream_timeout,
-                                        headers=fwd) as r:
+            # the answer's headers within request_timeout_s, the wait for a pooled connection included (the
+            # stream's own timeout bounds only its silences)
+            async with await asyncio.wait_for(ctl.session.post(self.upstream(w, path), data=raw, headers=fwd,
+                                                               timeout=self.stream_timeout),
+                                              ctl.cfg.server.request_timeout_s) as r:
                 if r.status != 200:
                     data = await r.read()
                     if r.status >= 500:

@@ -119,8 +119,9 @@ class Registry:
             return frozenset()
         off = self._off.get(model)
         if off is None:
-            off = self._off[model] = frozenset(w.id for w in self.workers.values() if w.models and model not in
-                                               w.models)
+            off = frozenset(w.id for w in self.workers.values() if w.models and model not in w.models)
+            if any(model in w.models for w in self.workers.values()):  # a served name only: clients send any
+                self._off[model] = off
         return off
 
     def set_state(self, worker: Worker, state: str, now: float | None = None) -> None:

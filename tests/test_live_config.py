@@ -150,3 +150,11 @@ def test_shadow_names_are_checked_even_with_shadow_mode_off():
         with pytest.raises(TwinInputError, match=msg):
             parse_config({**base, "shadow": shadow}, "t")
     assert parse_config({**base, "shadow": {"hardware": "h100", "model": "tiny-llama"}}, "t").shadow.hardware == "h100"
+
+
+@pytest.mark.parametrize("keys", [[], ""])
+def test_an_empty_api_key_is_refused_not_taken_as_none(keys):
+    """Found in review: `api_key: []` turned the check off without a word (while ["a", ""] was refused)."""
+    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:9"}], "server": {"api_key": keys}}, "t")
+    with pytest.raises(TwinInputError, match="empty key"):
+        cfg.server.resolved_api_keys()

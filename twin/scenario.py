@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -110,6 +111,25 @@ class PerfSpec(_Spec):
         return self
 
 
+_HUMAN_INT = re.compile(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT]?)\s*")
+
+
+def human_int(v: Any) -> Any:
+    """A count as vLLM's command line reads it (`vllm/utils/argparse_utils.py` `human_readable_int`: 8k is 8,000,
+    8K is 8,192); anything else as it is, for the field's own check."""
+    if not isinstance(v, str):
+        return v
+    m = _HUMAN_INT.fullmatch(v)
+    if m is None:
+        return v
+    num, suffix = m.groups()
+    if suffix.isupper() and "." in num:
+        return v  # vLLM refuses decimals with binary suffixes
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30,
+             "T": 2**40}[suffix]
+    return int(float(num) * scale) if "." in num else int(num) * scale
+
+
 class EngineSpec(_Spec):
     """vLLM engine arguments, by their vLLM names. `max_num_batched_tokens` / `max_num_seqs` unset (null)
     take vLLM's defaults for the GPU (twin.engine.defaults); `gpu_memory_utilization` defaults to 0.92 as
@@ -139,13 +159,31 @@ class EngineSpec(_Spec):
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
     activation_reserve_gb: float = Field(3.3, ge=0)  # ASSUMPTION, GB (1e9 bytes); see EngineConfig
     num_gpu_blocks_override: Optional[int] = Field(None, ge=2)
-    max_model_len: Optional[int] = Field(None, gt=0)
+    # "auto" (or -1): vLLM fits it to the KV cache (`_auto_fit_max_model_len`); resolved by `parse_scenario`
+    max_model_len: Optional[Union[Annotated[int, Field(gt=0)], Literal["auto"]]] = None
     # how many times the model's positions the served config allows: the context vLLM derives, and so the longest
     # max_model_len it accepts, is the model's times this. vLLM 0.32 multiplies by a linear or dynamic
     # `rope_scaling` factor; YaRN (llama3, longrope) it does not multiply, as max_position_embeddings is taken as
     # already scaled, so YaRN served long overrides that too: --hf-overrides '{"rope_scaling": {"rope_type":
     # "yarn", "factor": 4, "original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}'
     rope_scaling_factor: Optional[float] = Field(None, ge=1)
+
+    @field_validator("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_gpu_blocks_override",
+                     mode="before")
+    @classmethod
+    def _human_counts(cls, v: Any, info: Any) -> Any:
+        """Counts as vLLM's command line takes them (8k, 32K); max_model_len -1 or "auto" as vLLM's auto-fit."""
+        if info.field_name != "max_model_len":
+            return human_int(v)
+        if v == -1 or (isinstance(v, str) and v.strip().lower() in ("auto", "-1")):
+            return "auto"
+        n = human_int(v)
+        if isinstance(n, float) and n.is_integer():
+            n = int(n)
+        if v is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+            raise ValueError("must be a positive count of tokens (vLLM's 8k or 32K too), or auto (-1: vLLM fits it "
+                             "to the KV cache)")
+        return n
     # vLLM resolves async scheduling on for GPU engines (`config/vllm.py`; the CPU build forces it off): the
     # scheduler plans step k+1 while the GPU runs step k and processes outputs one step later
     # (twin.engine.scheduler). false: the synchronous engine loop (`EngineCore.step`). Unset: as `vllm_version`.
@@ -208,8 +246,9 @@ class ClusterSpec(_Spec):
         return int(get_model(self.model).max_model_len * (self.engine.rope_scaling_factor or 1.0))
 
     def max_model_len(self) -> int:
-        """`engine.max_model_len`, or by default the derived one (as vLLM)."""
-        return self.engine.max_model_len or self.derived_max_model_len()
+        """`engine.max_model_len`, or by default (and before "auto" is fitted) the derived one (as vLLM)."""
+        mml = self.engine.max_model_len
+        return mml if isinstance(mml, int) else self.derived_max_model_len()
 
     @field_validator("hardware")
     @classmethod
@@ -284,7 +323,7 @@ class ClusterSpec(_Spec):
                              f"of {gpu.name} GPUs has {per_node}; got tensor parallel size {tp} (vLLM: world "
                              "size larger than the number of available GPUs in this node)")
         derived, mml = self.derived_max_model_len(), self.engine.max_model_len
-        if mml is not None and mml > derived:
+        if isinstance(mml, int) and mml > derived:
             # _get_and_verify_max_len (vllm/config/model.py): refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which
             # vLLM warns may give wrong outputs or CUDA errors; served long with RoPE scaling instead
             factor = self.engine.rope_scaling_factor
@@ -635,7 +674,32 @@ def parse_scenario(raw: Any, source: str = "scenario", base_dir: str | Path = ".
         sc = Scenario.model_validate({**raw, "base_dir": str(base_dir)})
     except ValidationError as e:
         raise TwinInputError(_format_error(e, source, flags)) from None
+    if sc.cluster.engine.max_model_len == "auto":
+        sc = _auto_fit_max_model_len(sc, source)
     return sc
+
+
+def _auto_fit_max_model_len(sc: Scenario, source: str) -> Scenario:
+    """`max_model_len: auto` as vLLM fits it (`v1/core/kv_cache_utils.py` `_auto_fit_max_model_len`): the
+    derived context, or less where the KV cache (sized as for the derived one) holds less."""
+    import dataclasses
+
+    from twin.engine.config import num_gpu_blocks, tokens_held
+    from twin.perf.registry import build_perf
+    from twin.sim.build import engine_config
+
+    cl = sc.cluster
+    derived = cl.derived_max_model_len()
+    cfg = engine_config(sc)
+    perf = build_perf(sc)
+    sizing = dataclasses.replace(cfg, max_model_len=1)  # sized without the one-request check, as vLLM
+    n = num_gpu_blocks(sizing, perf.gpu.device_memory, perf.weight_bytes_per_gpu, perf.kv_bytes_per_token_per_gpu)
+    fitted = min(derived, tokens_held(n, cfg.block_size))
+    if fitted <= 0:
+        raise TwinInputError(f"{source}: cluster.engine.max_model_len: auto: vLLM cannot auto-fit max_model_len: "
+                             "not enough memory to serve even a single token (raise gpu_memory_utilization)")
+    engine = cl.engine.model_copy(update={"max_model_len": fitted})
+    return sc.model_copy(update={"cluster": cl.model_copy(update={"engine": engine})})
 
 
 def with_served_context(engine: dict, model: str | None) -> dict:
