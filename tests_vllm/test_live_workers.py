@@ -61,6 +61,19 @@ def streamed_tokens(body: str) -> int:
     return -1
 
 
+def answered_and_streamed(client, url: str, body: dict, last_event: str) -> tuple[dict, dict]:
+    """`body` answered (200), then streamed (200): the answer, and the stream's last `last_event` event."""
+    r = client.post(url, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    with client.stream("POST", url, json={**body, "stream": True}) as s:
+        events = s.read().decode()
+    assert s.status_code == 200 and f'"{last_event}"' in events, events
+    last = [json.loads(line[len("data: "):]) for line in events.splitlines()
+            if line.startswith("data: ") and f'"{last_event}"' in line][-1]
+    time.sleep(0.2)  # the finish is booked after the last byte
+    return r.json(), last
+
+
 def post(client, url, path="/v1/completions", **body):
     body.setdefault("model", SERVED)
     return client.post(url + path, json=body, timeout=60)
@@ -114,30 +127,18 @@ def test_routes_stream_chat_models_and_gauges(two_workers):
             time.sleep(0.2)
             # without usage a lower bound (vLLM merges tokens into one event when the reader lags), never above
             assert 0 < fin.tokens[-3] <= 6 and 0 < fin.tokens[-2] <= 9 and fin.tokens[-1] == 6, fin.tokens
-            # vLLM's Anthropic Messages API, answered and streamed; the finish carries its output_tokens
+            # vLLM's Anthropic Messages API and Responses API, each answered and streamed: the finish carries the
+            # answer's usage.output_tokens, or the stream's last usage (message_delta, response.completed)
             msg = {"model": SERVED, "max_tokens": 3, "system": "be brief", "messages": [{"role": "user",
                                                                                        "content": "hey"}]}
-            r = c.post(url + "/v1/messages", json=msg, timeout=60)
-            assert r.status_code == 200 and r.json()["type"] == "message", r.text
-            with c.stream("POST", url + "/v1/messages", json={**msg, "stream": True}) as s:
-                events = s.read().decode()
-            assert s.status_code == 200 and "event: message_delta" in events, events
-            delta = [json.loads(line[len("data: "):]) for line in events.splitlines()
-                     if line.startswith("data: ") and '"message_delta"' in line][-1]
-            time.sleep(0.2)
-            assert fin.tokens[-2:] == [r.json()["usage"]["output_tokens"], delta["usage"]["output_tokens"]], fin.tokens
-            # vLLM's Responses API, answered and streamed (its response.completed carries the usage)
+            answer, last = answered_and_streamed(c, url + "/v1/messages", msg, "message_delta")
+            assert answer["type"] == "message"
+            assert fin.tokens[-2:] == [answer["usage"]["output_tokens"], last["usage"]["output_tokens"]], fin.tokens
             body = {"model": SERVED, "input": "hey there", "max_output_tokens": 4}
-            r = c.post(url + "/v1/responses", json=body, timeout=60)
-            assert r.status_code == 200 and r.json()["object"] == "response", r.text
-            with c.stream("POST", url + "/v1/responses", json={**body, "stream": True}) as s:
-                events = s.read().decode()
-            assert s.status_code == 200 and "response.completed" in events, events
-            done = [json.loads(line[len("data: "):]) for line in events.splitlines()
-                    if line.startswith("data: ") and '"response.completed"' in line][-1]
-            time.sleep(0.2)
-            assert fin.tokens[-2:] == [r.json()["usage"]["output_tokens"],
-                                       done["response"]["usage"]["output_tokens"]], fin.tokens
+            answer, last = answered_and_streamed(c, url + "/v1/responses", body, "response.completed")
+            assert answer["object"] == "response"
+            assert fin.tokens[-2:] == [answer["usage"]["output_tokens"],
+                                       last["response"]["usage"]["output_tokens"]], fin.tokens
             models = c.get(url + "/v1/models").json()
             assert [m["id"] for m in models["data"]] == [SERVED]
             assert c.get(url + "/health").json()["serving"] == 2

@@ -682,19 +682,18 @@ def parse_scenario(raw: Any, source: str = "scenario", base_dir: str | Path = ".
 def _auto_fit_max_model_len(sc: Scenario, source: str) -> Scenario:
     """`max_model_len: auto` as vLLM fits it (`v1/core/kv_cache_utils.py` `_auto_fit_max_model_len`): the
     derived context, or less where the KV cache (sized as for the derived one) holds less."""
-    import dataclasses
-
-    from twin.engine.config import num_gpu_blocks, tokens_held
+    from twin.engine.config import EngineConfig, num_gpu_blocks, tokens_held
     from twin.perf.registry import build_perf
-    from twin.sim.build import engine_config
 
-    cl = sc.cluster
+    cl, e = sc.cluster, sc.cluster.engine
     derived = cl.derived_max_model_len()
-    cfg = engine_config(sc)
     perf = build_perf(sc)
-    sizing = dataclasses.replace(cfg, max_model_len=1)  # sized without the one-request check, as vLLM
+    # the knobs that size the cache; max_model_len 1: sized without the one-request check, as vLLM sizes it first
+    sizing = EngineConfig(block_size=e.block_size, gpu_memory_utilization=e.gpu_memory_utilization,
+                          activation_reserve_gb=e.activation_reserve_gb,
+                          num_gpu_blocks_override=e.num_gpu_blocks_override, max_model_len=1)
     n = num_gpu_blocks(sizing, perf.gpu.device_memory, perf.weight_bytes_per_gpu, perf.kv_bytes_per_token_per_gpu)
-    fitted = min(derived, tokens_held(n, cfg.block_size))
+    fitted = min(derived, tokens_held(n, e.block_size))
     if fitted <= 0:
         raise TwinInputError(f"{source}: cluster.engine.max_model_len: auto: vLLM cannot auto-fit max_model_len: "
                              "not enough memory to serve even a single token (raise gpu_memory_utilization)")
