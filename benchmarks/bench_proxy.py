@@ -50,7 +50,7 @@ FAKE = textwrap.dedent("""
 
 
 def free_port() -> int:
-    from live_workers import free_port as fp
+    from live.vllm_server import free_port as fp  # (it moved from tests_vllm/live_workers.py)
 
     return fp()
 
