@@ -82,6 +82,7 @@ COMPLETIONS_MAX_TOKENS = 16  # vllm/entrypoints/openai/completion/protocol.py, C
 MESSAGES = "/v1/messages"  # vLLM's Anthropic Messages API
 RESPONSES = "/v1/responses"  # vLLM's OpenAI Responses API
 _RESPONSE_ID = re.compile(rb'"id":"(resp_[^"]+)"')
+_OUTPUT_EVENT = b'"type":"response.output'  # the Responses API's output events (items, text deltas)
 CANCELLED = "cancelled"  # `llmtwin_requests_total`'s status for a request cut when the shutdown's grace ran out
 
 
@@ -626,7 +627,11 @@ class Proxy:
                     raise _Retryable(f"{type(e).__name__}: {e}") from None
                 if not first:
                     raise _Retryable(f"{w.id} closed the stream before its first chunk")
-                ctl.first_token(req, w.id, time.monotonic())
+                # the Responses API writes response.created and .in_progress before the engine's first output:
+                # its first token is its first output event
+                booked = path != RESPONSES or _OUTPUT_EVENT in first
+                if booked:
+                    ctl.first_token(req, w.id, time.monotonic())
                 if path == RESPONSES and (rid := _RESPONSE_ID.search(first)):  # response.created names it
                     self.own(rid.group(1).decode(), w.id)
                 out = web.StreamResponse(status=200, headers=returned(r.headers, Cache_Control="no-cache"))
@@ -641,6 +646,9 @@ class Proxy:
                     return out
                 try:
                     async for chunk in r.content.iter_any():
+                        if not booked and _OUTPUT_EVENT in chunk:
+                            ctl.first_token(req, w.id, time.monotonic())
+                            booked = True
                         events += chunk.count(b"data: ")
                         roles += chunk.count(b'"role"')
                         tail = (tail + chunk)[-_TAIL:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import pytest
 
@@ -191,6 +192,7 @@ class FakeWorker:
                          ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "t"}),
                          ("response.completed", {"type": "response.completed", "response": done})]:
             await resp.write(f"event: {name}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n".encode())
+            await asyncio.sleep(self.delay)  # vLLM writes response.created before the engine's first output
         return resp
 
     async def get_response(self, request):
@@ -227,6 +229,7 @@ class Recorder(RouterBase):
         self.n = 0
         self.calls: list[tuple] = []
         self.seen_prefix: list[dict] = []
+        self.first_at: dict[str, float] = {}
 
     def choose(self, req, fleet):
         self.seen_prefix.append(fleet.cached_blocks(req))
@@ -239,6 +242,7 @@ class Recorder(RouterBase):
 
     def on_first_token(self, req, instance_id, now):
         self.calls.append(("first", req.id, instance_id))
+        self.first_at[req.id] = now
 
     def on_finish(self, req, instance_id, now, output_tokens):
         self.calls.append(("finish", req.id, instance_id, output_tokens))
@@ -1448,3 +1452,21 @@ def test_a_stream_waiting_for_a_pooled_connection_is_bounded_by_the_request_time
     (status, waited), healthy = run(main())
     assert status == 504 and healthy  # a wait, not the worker's failure
     assert waited < 2.0  # the bound, not the first stream's 2.4 s (a behaviour check, with a wide margin)
+
+
+def test_a_responses_streams_first_token_is_its_first_output_event_not_response_created():
+    """vLLM's Responses API writes response.created and response.in_progress before the engine's first output:
+    the proxy booked its first token there, so TTFT signals and the books read it before prefill had run."""
+    async def main():
+        ws = await fakes(1)
+        ws[0].delay = 0.3
+        rec = Recorder()
+        async with proxy(ws, rec) as (ctl, url, c):
+            t0 = time.monotonic()
+            async with c.post(url + "/v1/responses", json={"input": "x", "stream": True}) as r:
+                await r.read()
+        await ws[0].stop()
+        return list(rec.first_at.values()), t0
+
+    (first,), t0 = run(main())
+    assert first - t0 >= 0.3  # at response.output_text.delta, written 0.3 s after response.created
