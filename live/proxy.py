@@ -155,10 +155,10 @@ class Proxy:
         self.idle.set()
         s = ctl.cfg.server
         self.timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
+        keys = ctl.api_key  # hashed as vLLM hashes its --api-key values
+        self._key_hashes = None if keys is None else [hashlib.sha256(k.encode()).digest() for k in keys]
         # a stream is bounded by its silences, not its length: vLLM sets no bound, and a long answer (reasoning)
         # streams past any total
-        keys = ctl.api_key
-        self._key_hashes = None if keys is None else [hashlib.sha256(k.encode()).digest() for k in keys]
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s,
                                                     sock_read=s.request_timeout_s)
         # per-request work kept off the hot path (benchmarks/bench_proxy.py): parsed upstream URLs, the
