@@ -202,11 +202,6 @@ class ShadowSpec(_Spec):
     dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
     kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"  # or vLLM's names: bfloat16, fp8_e4m3...
     tensor_parallel: int = Field(1, gt=0)
-
-    @field_validator("kv_cache_dtype", mode="before")
-    @classmethod
-    def _kv_dtype(cls, v: Any) -> Any:
-        return kv_cache_dtype_name(v)
     perf: PerfSpec = Field(default_factory=PerfSpec, description=(
         "the step model, as in a scenario: {kind: roofline} or {kind: fitted, fit_path: FILE} (`twin calibrate`)"))
     engine: dict[str, Any] = Field(default_factory=dict, description=(
@@ -230,6 +225,11 @@ class ShadowSpec(_Spec):
     @property
     def window(self) -> float:
         return self.window_s if self.window_s is not None else self.interval_s
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _kv_dtype(cls, v: Any) -> Any:
+        return kv_cache_dtype_name(v)
 
     @field_validator("hardware", "model")
     @classmethod

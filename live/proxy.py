@@ -175,6 +175,11 @@ class Proxy:
             u = self._urls[key] = URL(w.url + path)
         return u
 
+    def unserved(self, model: str | None) -> bool:
+        """A model no worker serves (an empty name is any worker's own, as vLLM serves its model to it)."""
+        served = self.served_models()
+        return bool(model and served and model not in served)
+
     def served_models(self) -> set[str]:
         version = self.ctl.registry.version
         if self._served[0] != version:
@@ -197,8 +202,9 @@ class Proxy:
         out["Accept-Encoding"] = "identity"  # the answer is relayed as it comes, and its usage read
         return out
 
-    def _silent(self, w: Any, out: web.StreamResponse | None) -> web.StreamResponse:
-        """A stream whose worker sent nothing for `request_timeout_s` before its first chunk: a 504."""
+    def _timed_out(self, w: Any, out: web.StreamResponse | None = None) -> web.StreamResponse:
+        """A worker that did not answer within `request_timeout_s` (a stream: sent nothing before its first chunk;
+        once the stream is relayed, `out` is what the client has): a 504."""
         if out is not None:
             return out
         self.ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
@@ -292,8 +298,7 @@ class Proxy:
             model = None  # the worker answers what it makes of the body
         if not isinstance(model, str):
             model = None
-        served = self.served_models()
-        if model and served and model not in served:  # vLLM's answer for a model it does not serve
+        if self.unserved(model):  # vLLM's answer for a model it does not serve
             return error(404, f"The model `{model}` does not exist.")
         routable = ctl.registry.routable(model)
         if not routable:
@@ -425,10 +430,10 @@ class Proxy:
                 self.reject("bad_request")
                 return error(400, str(e))
         model, max_tokens = f.model, f.max_tokens
-        served = self.served_models()
-        if model and served and model not in served:  # vLLM serves its model to an empty name too
+        if self.unserved(model):
             self.reject("unknown_model")
-            return error(404, f"The model `{model}` does not exist (served: {', '.join(sorted(served))}).")
+            return error(404, f"The model `{model}` does not exist (served: "
+                              f"{', '.join(sorted(self.served_models()))}).")
         if max_tokens is not None and max_tokens < (0 if f.echo and not chat else 1):  # echo: the prompt alone
             self.reject("bad_request")
             return error(400, f"max_tokens must be at least 1, got {max_tokens}.")
@@ -590,9 +595,7 @@ class Proxy:
         except _UPSTREAM_FAILURES as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:
-            ctl.metrics.upstream_errors.labels(w.id, "timeout").inc()
-            self.count(w.id, "504")
-            return error(504, f"worker {w.id} did not answer within {ctl.cfg.server.request_timeout_s:g} s")
+            return self._timed_out(w)
         except asyncio.CancelledError:  # the client left (vLLM aborts it), or the shutdown's grace ran out
             self.count(w.id, self.cut_status())
             raise
@@ -634,7 +637,9 @@ class Proxy:
                     ctl.first_token(req, w.id, time.monotonic())
                 if path == RESPONSES and (rid := _RESPONSE_ID.search(first)):  # response.created names it
                     self.own(rid.group(1).decode(), w.id)
-                out = web.StreamResponse(status=200, headers=returned(r.headers, Cache_Control="no-cache"))
+                headers = returned(r.headers)
+                headers["Cache-Control"] = "no-cache"
+                out = web.StreamResponse(status=200, headers=headers)
                 try:  # a client gone before its first chunk is no worker's fault: not retried, the worker kept
                     await out.prepare(request)
                     events += first.count(b"data: ")
@@ -678,12 +683,12 @@ class Proxy:
                 except _CLIENT_GONE:
                     status = "499"
                 return out
-        except _UPSTREAM_FAILURES as e:
-            if not isinstance(e, _READ_TIMEOUT):  # a connection that failed or timed out: tried elsewhere
-                raise _Retryable(f"{type(e).__name__}: {e}") from None
-            return self._silent(w, out)
+        except _READ_TIMEOUT:  # before the failures, which it is one of
+            return self._timed_out(w, out)
+        except _UPSTREAM_FAILURES as e:  # a connection that failed or timed out: tried elsewhere
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:
-            return self._silent(w, out)
+            return self._timed_out(w, out)
         except asyncio.CancelledError:  # the client left, or the shutdown's grace ran out: not a 200
             status = self.cut_status()
             if out is None:
@@ -704,9 +709,10 @@ _USAGE = re.compile(rb'data: (\{"[^\n]*"choices":\[\][^\n]*\})\n')
 def streamed_tokens(events: int, roles: int, tail: bytes) -> int:
     """A stream's output tokens for on_finish (the scalers' signals, the shadow twin, the chunk planner): the
     usage event's completion_tokens when the client asked for it (`stream_options.include_usage`: vLLM's last
-    event before [DONE], with no choices), all choices together, or the Messages API's message_delta; else the events less [DONE] and chat's role
-    chunks (one per choice, the only events with a role: vLLM writes deltas with exclude_unset), a lower bound,
-    as vLLM merges tokens into one event when the client reads slower than it decodes."""
+    event before [DONE], with no choices), all choices together; the Messages API's message_delta or the
+    Responses API's response.completed output_tokens; else the events less [DONE] and chat's role chunks (one per
+    choice, the only events with a role: vLLM writes deltas with exclude_unset), a lower bound, as vLLM merges
+    tokens into one event when the client reads slower than it decodes."""
     found = _USAGE.findall(tail)
     if found:
         try:
@@ -802,10 +808,7 @@ async def serve(ctl: Controller, on_ready: Any = None, stop: asyncio.Event | Non
         await ctl.stop()
 
 
-def returned(headers: Any, **extra: str) -> CIMultiDict:
+def returned(headers: Any) -> CIMultiDict:
     """A worker's response headers for the client (X-Request-Id with vLLM's --enable-request-id-headers, its
     endpoint-load-metrics...), all but hop-by-hop ones and those the proxy's server sets itself."""
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_RETURNED)
-    for k, v in extra.items():
-        out[k.replace("_", "-")] = v
-    return out
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_RETURNED)

@@ -100,11 +100,7 @@ def prompt_parts(body: dict, chat: bool) -> tuple[list[Any], str | None]:
         for m in msgs:
             if not isinstance(m, dict) or "role" not in m:
                 raise BadPrompt("each message must be an object with 'role' and 'content'")
-            c = m.get("content")
-            if isinstance(c, str):
-                texts.append(c)
-            elif isinstance(c, list):
-                texts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+            texts.extend(_texts(m.get("content")))
         return [msgs], "\n".join(texts)
     try:  # vLLM's own reading: token ids [1, 2.0] and [1, "2"] are [1, 2] there
         p = PROMPT_TYPE.validate_python(body.get("prompt"))
@@ -175,10 +171,8 @@ class PromptTokenizer:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
             raise BadPrompt("'messages' must be a non-empty list of objects with 'role' and 'content'")
-        texts = [t for c in [body.get("system"), *(m.get("content") for m in msgs)] for t in _texts(c)]
-        text = "\n".join(texts)
-        n = self.estimate(text) + 4 * len(msgs) if text else 4 * len(msgs)
-        return PromptInfo(n, None, text, lengths=(n,))
+        contents = [body.get("system"), *(m.get("content") for m in msgs)]
+        return self._estimated_texts([t for c in contents for t in _texts(c)], len(msgs))
 
     def estimated_input(self, body: dict) -> PromptInfo:
         """A Responses API body's prompt, estimated: its `instructions` and `input` (a string, or items whose
@@ -188,10 +182,14 @@ class PromptTokenizer:
             items = [{"content": items}]
         if not isinstance(items, list) or not items:
             raise BadPrompt("'input' must be a string or a non-empty list of items")
-        texts = _texts(body.get("instructions")) + [t for it in items if isinstance(it, dict)
-                                                      for t in _texts(it.get("content", it.get("output")))]
+        contents = [body.get("instructions"), *(it.get("content", it.get("output")) for it in items
+                                                if isinstance(it, dict))]
+        return self._estimated_texts([t for c in contents for t in _texts(c)], len(items))
+
+    def _estimated_texts(self, texts: list[str], frames: int) -> PromptInfo:
+        """One prompt of these texts, estimated, with 4 tokens of the template's frame for each of `frames`."""
         text = "\n".join(texts)
-        n = (self.estimate(text) if text else 0) + 4 * len(items)
+        n = (self.estimate(text) if text else 0) + 4 * frames
         return PromptInfo(n, None, text, lengths=(n,))
 
     def _estimated(self, parts: list[Any], chat: bool, text: str | None) -> PromptInfo:

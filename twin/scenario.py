@@ -167,6 +167,19 @@ class EngineSpec(_Spec):
     # already scaled, so YaRN served long overrides that too: --hf-overrides '{"rope_scaling": {"rope_type":
     # "yarn", "factor": 4, "original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}'
     rope_scaling_factor: Optional[float] = Field(None, ge=1)
+    # vLLM resolves async scheduling on for GPU engines (`config/vllm.py`; the CPU build forces it off): the
+    # scheduler plans step k+1 while the GPU runs step k and processes outputs one step later
+    # (twin.engine.scheduler). false: the synchronous engine loop (`EngineCore.step`). Unset: as `vllm_version`.
+    async_scheduling: Optional[bool] = None
+    # vLLM's --performance-mode (0.17 on): `throughput` doubles the unset max_num_batched_tokens / max_num_seqs
+    # defaults (twin.engine.defaults). `interactivity` captures finer CUDA graphs at small batches, a kernel-time
+    # effect the step models do not carry: it runs as `balanced` here
+    performance_mode: Literal["balanced", "interactivity", "throughput"] = "balanced"
+    # host time left in series with the GPU under async scheduling, and V0's per-sequence host time before 0.6
+    # (twin.perf.generation). ASSUMPTIONS
+    async_exposed_step_s: float = Field(0.0, ge=0)
+    async_exposed_request_s: float = Field(0.0, ge=0)
+    v0_seq_host_s: float = Field(140e-6, ge=0)
 
     @field_validator("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_gpu_blocks_override",
                      mode="before")
@@ -184,19 +197,6 @@ class EngineSpec(_Spec):
             raise ValueError("must be a positive count of tokens (vLLM's 8k or 32K too), or auto (-1: vLLM fits it "
                              "to the KV cache)")
         return n
-    # vLLM resolves async scheduling on for GPU engines (`config/vllm.py`; the CPU build forces it off): the
-    # scheduler plans step k+1 while the GPU runs step k and processes outputs one step later
-    # (twin.engine.scheduler). false: the synchronous engine loop (`EngineCore.step`). Unset: as `vllm_version`.
-    async_scheduling: Optional[bool] = None
-    # vLLM's --performance-mode (0.17 on): `throughput` doubles the unset max_num_batched_tokens / max_num_seqs
-    # defaults (twin.engine.defaults). `interactivity` captures finer CUDA graphs at small batches, a kernel-time
-    # effect the step models do not carry: it runs as `balanced` here
-    performance_mode: Literal["balanced", "interactivity", "throughput"] = "balanced"
-    # host time left in series with the GPU under async scheduling, and V0's per-sequence host time before 0.6
-    # (twin.perf.generation). ASSUMPTIONS
-    async_exposed_step_s: float = Field(0.0, ge=0)
-    async_exposed_request_s: float = Field(0.0, ge=0)
-    v0_seq_host_s: float = Field(140e-6, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -232,12 +232,12 @@ class ClusterSpec(_Spec):
     kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = "auto"  # or vLLM's names: bfloat16, fp8_e4m3...
     tensor_parallel: int = Field(1, gt=0)
     engine: EngineSpec = EngineSpec()
+    perf: PerfSpec = PerfSpec()
 
     @field_validator("kv_cache_dtype", mode="before")
     @classmethod
     def _kv_dtype(cls, v: Any) -> Any:
         return kv_cache_dtype_name(v)
-    perf: PerfSpec = PerfSpec()
 
     def derived_max_model_len(self) -> int:
         """The context vLLM derives from the served config (vllm/config/model.py, `_get_and_verify_max_len`): the
