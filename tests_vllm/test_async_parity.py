@@ -44,8 +44,8 @@ def run_vllm_async(wl, model_dir, max_steps=20000):
     while step < max_steps:
         due = [p for k in sorted(k for k in byst if k <= step) for p in byst.pop(k)]
         for p in due:
-            vr = VRequest(str(p.rid), list(p.prompt), SamplingParams(max_tokens=len(p.output), ignore_eos=True),
-                          None, arrival_time=float(step), block_hasher=hasher)
+            vr = VRequest(f"{p.rid:06d}", list(p.prompt), SamplingParams(max_tokens=len(p.output), ignore_eos=True),
+                          None, arrival_time=float(step), block_hasher=hasher, priority=p.priority)
             live[vr.request_id] = vr
             sched.add_request(vr)
         if not live and inflight is None:
@@ -109,7 +109,8 @@ def run_twin_async(wl, max_steps=20000):
     frees of step k), with arrivals timed so the decision for step s (made at s-1) sees those due at s."""
     pool = BlockPool(wl.num_gpu_blocks, wl.block_size, True)
     cfg = SchedulerConfig(max_num_batched_tokens=wl.max_num_batched_tokens, max_num_seqs=wl.max_num_seqs,
-                          long_prefill_token_threshold=wl.long_prefill_token_threshold, async_scheduling=True)
+                          long_prefill_token_threshold=wl.long_prefill_token_threshold, async_scheduling=True,
+                          policy=wl.policy)
     log = RequestLog(len(wl.requests))
     sched = make_scheduler(cfg, pool, UnitSteps(), log)
     arrivals = P.Arrivals(wl)  # its maps only: async drivers time followers their own way
@@ -120,7 +121,7 @@ def run_twin_async(wl, max_steps=20000):
     while step < max_steps:
         # requests due at `step` are visible to schedule(step), decided at step-1
         for p in byst.pop(step, []):
-            sched.add_request(P.twin_request(wl, p), float(step) - 1.0)
+            sched.add_request(P.twin_request(wl, p, step), float(step) - 1.0)
         if not sched.has_unfinished_requests():
             if not byst:
                 return tr

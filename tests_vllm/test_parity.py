@@ -6,9 +6,10 @@ import pytest
 
 from twin.lab.parity import WORKLOADS, first_divergence, run_twin, run_vllm, vllm_engine
 
-NAMED = [n for n in WORKLOADS if n != "random"]
+NAMED = [n for n in WORKLOADS if n != "random"]  # "random-priority" too: the random mixes under the priority policy
 NAMED_SEEDS = range(3)
 RANDOM_SEEDS = [*range(60), 267]  # 267: two requests finish in one step (the free order, issue #20)
+PRIORITY_SEEDS = range(3, 30)  # beyond NAMED_SEEDS
 
 
 def check(wl, model_dir):
@@ -42,6 +43,24 @@ def test_named_workload(name, seed, tiny_llama_dir):
 @pytest.mark.parametrize("seed", RANDOM_SEEDS)
 def test_random_mix(seed, tiny_llama_dir):
     check(WORKLOADS["random"](seed), tiny_llama_dir)
+
+
+@pytest.mark.parametrize("seed", PRIORITY_SEEDS)
+def test_random_mix_under_the_priority_policy(seed, tiny_llama_dir):
+    check(WORKLOADS["random-priority"](seed), tiny_llama_dir)
+
+
+def test_priority_victims_come_from_anywhere_in_the_running_list(tiny_llama_dir):
+    """Not vacuous: vLLM preempts under the priority policy, and not always the request FCFS would (the last
+    admitted): the twin's victim choice and its un-scheduling are exercised."""
+    differ = 0
+    for seed in range(4):
+        wl = WORKLOADS["priority"](seed)
+        ref = run_vllm(wl, model_dir=tiny_llama_dir)
+        assert any(p for _, p in ref.steps)
+        wl.policy = "fcfs"
+        differ += first_divergence(ref, run_twin(wl, "step")) is not None
+    assert differ >= 3
 
 
 def test_the_random_mixes_cover_what_they_claim(tiny_llama_dir):

@@ -34,6 +34,7 @@ class EngineConfig:
     max_model_len: int | None = None
     # vLLM resolves `async_scheduling` on for GPU engines (`config/vllm.py`); see twin.engine.scheduler
     async_scheduling: bool = True
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority (twin.engine.scheduler)
     vllm_version: str = "0.32"  # the release modelled (twin.specs.vllm_versions); the scheduler is V1's
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -45,6 +46,7 @@ class EngineConfig:
             scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
             watermark=self.watermark,
             async_scheduling=self.async_scheduling,
+            policy=self.scheduling_policy,
         )
 
 

@@ -28,12 +28,13 @@ class Request:
         "status", "num_computed_tokens", "num_output_tokens", "num_cached_tokens", "num_preemptions",
         "keyed", "num_blocks", "next_reg", "own_run",
         "in_decode", "out_base", "d_base", "phase", "heap_seq", "run_seq", "reg_pending",
-        "first_token_time", "last_output_time",
+        "first_token_time", "last_output_time", "priority",
     )
 
     def __init__(self, idx: int, arrival_time: float, num_prompt_tokens: int, stop_at_tokens: int,
-                 block_keys: Sequence[int] | BlockKeys = (), session_id: int = -1) -> None:
+                 block_keys: Sequence[int] | BlockKeys = (), session_id: int = -1, priority: int = 0) -> None:
         self.idx = idx
+        self.priority = priority  # vLLM's request priority: lower is served first under the priority policy
         self.session_id = session_id
         self.arrival_time = arrival_time
         self.num_prompt_tokens = num_prompt_tokens

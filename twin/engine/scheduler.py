@@ -1,4 +1,4 @@
-"""One engine's scheduler, modelled on vLLM V1 (`vllm/v1/core/sched/scheduler.py`), FCFS policy.
+"""One engine's scheduler, modelled on vLLM V1 (`vllm/v1/core/sched/scheduler.py`), FCFS or priority policy.
 
 Each step gives every running request tokens so its computed tokens catch up with its tokens: running
 requests first in admission order (decodes 1 token, a partial prefill its next chunk), then waiting
@@ -6,10 +6,13 @@ requests are admitted while the token budget, `max_num_seqs` and KV blocks allow
 the most recently admitted request is preempted (recompute) and goes back to the front of the queue.
 
 The waiting queue is a deque, as vLLM's `FCFSRequestQueue` (`vllm/v1/core/sched/request_queue.py`) is one;
-preempted requests go back to its front. Decoding requests advance in lockstep, so they form one decode group
-(twin/engine/decode_group.py): a step costs O(1) for all decodes, and `plan_decode_run` can advance k
-homogeneous decode steps at once (the fast-forward; it stays here because it asks admission's questions
-without changing state). Output blocks are cached as they fill, as vLLM's `allocate_slots` caches every
+preempted requests go back to its front. Under vLLM's priority policy (`--scheduling-policy priority`,
+`SchedulerConfig.policy`) the deque is kept sorted as `PriorityRequestQueue` pops (`_queue`), and the victim
+is the running request with the largest (priority, arrival time), wherever it stands (`_priority_victim`).
+
+Decoding requests advance in lockstep, so they form one decode group (twin/engine/decode_group.py): a step
+costs O(1) for all decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the
+fast-forward; it stays here because it asks admission's questions without changing state). Output blocks are cached as they fill, as vLLM's `allocate_slots` caches every
 block full within the tokens it schedules.
 
 Async scheduling is `AsyncScheduler` (twin/engine/async_scheduler.py), a subclass, as in vLLM; `make_scheduler`
@@ -18,6 +21,7 @@ picks the class from the config. The methods it overrides are the points where t
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +49,28 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True  # vLLM 0.32 admission gate: room for the whole sequence
     watermark: float = 0.0
     async_scheduling: bool = False  # vLLM's AsyncScheduler + batch queue (see `Scheduler` docstring)
+    policy: str = "fcfs"  # vLLM's `SchedulerConfig.policy` (`--scheduling-policy`): "fcfs" or "priority"
+
+
+def _priority_key(r: Request) -> tuple[int, float, int]:
+    """vLLM's priority order (`Request.__lt__`): lower priority value first, then earlier arrival, then id."""
+    return (r.priority, r.arrival_time, r.idx)
+
+
+def _priority_victim(running: list[Request]) -> int:
+    """Index of the request vLLM preempts under the priority policy: the first with the largest (priority,
+    arrival time) in running order (`max(self.running, key=...)` in `Scheduler.schedule`)."""
+    best = 0
+    r = running[0]
+    bp = r.priority
+    ba = r.arrival_time
+    for j in range(1, len(running)):
+        q = running[j]
+        if q.priority > bp or (q.priority == bp and q.arrival_time > ba):
+            best = j
+            bp = q.priority
+            ba = q.arrival_time
+    return best
 
 
 class RefusedHead:
@@ -77,6 +103,9 @@ class Scheduler:
         self.block_size = pool.block_size
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
+        if config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy {config.policy!r}: vLLM's are fcfs and priority")
+        self.priority_policy: bool = config.policy == "priority"
         self.prefilling: list[Request] = []  # running requests not in the decode group, running order
         self.group = DecodeGroup(self.block_size, pool.enable_caching)  # the decoding requests, in lockstep
         self._run_seq = 0
@@ -116,7 +145,16 @@ class Scheduler:
         self.sink.request_queued(r, now)
 
     def _enqueue(self, r: Request, now: float) -> None:
-        self.waiting.append(r)
+        if self.priority_policy:
+            self._queue(r)
+        else:
+            self.waiting.append(r)
+
+    def _queue(self, r: Request) -> None:
+        """Into the waiting queue where vLLM's `PriorityRequestQueue` would pop it: by (priority, arrival time,
+        request id), `Request.__lt__` (`vllm/v1/request.py`); a preempted request too (its `prepend_request`)."""
+        w = self.waiting
+        w.insert(bisect_left(w, _priority_key(r), key=_priority_key), r)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting) or bool(self.inbox)
@@ -190,7 +228,9 @@ class Scheduler:
         return self._admission_plan(self.waiting[0], budget, thr) is not None
 
     # -- preemption --------------------------------------------------------------------------------
-    def _preempt(self, r: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, r: Request, out: SchedulerOutput, scheduled: bool = False) -> None:
+        """Recompute preemption; `scheduled`: a decode member given its token earlier in this step, whose slot's
+        block (and the block that token completes, cached) it holds, as vLLM's `allocate_slots` left them."""
         in_flight = 0
         if r.status is RequestStatus.FINISHED:  # async: finished in the step in flight, not yet freed
             self.finishing.remove(r)
@@ -203,6 +243,9 @@ class Scheduler:
         if r.in_decode:
             in_flight = self._tokens_in_flight(r)
             self.group.leave(r)
+            if scheduled:
+                r.num_computed_tokens += 1
+                r.num_blocks = -(-r.num_computed_tokens // self.block_size)
         else:
             self.prefilling.remove(r)
             if r.num_output_tokens > 0 and r.last_output_time < 0:
@@ -213,8 +256,29 @@ class Scheduler:
         r.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.sink.request_preempted(r)
-        self.waiting.appendleft(r)
+        if self.priority_policy:
+            self._queue(r)
+        else:
+            self.waiting.appendleft(r)
         out.preempted.append(r)
+
+    def _unschedule(self, r: Request, out: SchedulerOutput) -> int:
+        """Preempt `r`, scheduled earlier in this step (priority policy); returns the tokens it had been given.
+
+        vLLM's `Scheduler.schedule` gives them back to the budget and frees every block `allocate_slots` gave it,
+        this step's too; the blocks that allocation cached stay cached, as there."""
+        if r.status is RequestStatus.FINISHED:  # async: finished in the step in flight, it got nothing
+            self._preempt(r, out)
+            return 0
+        if r.in_decode:
+            self._preempt(r, out, True)
+            return 1
+        for j, (q, n, _c) in enumerate(out.prefills):
+            if q is r:
+                del out.prefills[j]
+                self._preempt(r, out)
+                return n
+        raise AssertionError(f"{r} was not scheduled in this step")
 
     def _tokens_in_flight(self, r: Request) -> int:
         """A decode member's computed tokens whose output is not known yet (async: the step in flight's)."""
@@ -339,7 +403,16 @@ class Scheduler:
                 pending = 0
                 self_preempted = False
                 while nb > pool.get_num_free_blocks():
-                    victim = running.pop()
+                    if self.priority_policy:
+                        v = _priority_victim(running)
+                        victim = running[v]
+                        del running[v]
+                        if v < i:  # scheduled earlier in this step: its tokens go back to the budget
+                            i -= 1
+                            budget += self._unschedule(victim, out)
+                            continue
+                    else:
+                        victim = running.pop()
                     self._preempt(victim, out)
                     if victim is r:
                         self_preempted = True
@@ -359,11 +432,14 @@ class Scheduler:
             i += 1
         pool.allocate(pending)
         skipped_ctx = 0
-        for r in running[i:]:
-            if r.in_decode:
+        left = [r for r in running[i:] if r.in_decode]
+        if len(left) < self.group.num_decode:
+            for r in left:  # each falls one step behind the group
                 skipped_ctx += r.num_prompt_tokens + self.group.member_output(r)
                 self.group.skip(r)
-                out.skipped.append(r)
+        else:  # no member got a token (a preemption stopped the walk first): the group, counter and all, waits
+            skipped_ctx = self.group.decode_context
+        out.skipped.extend(left)
         out.num_decode = self.group.num_decode - len(out.skipped)
         out.decode_context = self.group.decode_context - skipped_ctx
         return budget

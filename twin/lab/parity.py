@@ -49,6 +49,7 @@ class ParityRequest:
     arrival_step: int = 0
     after: int = -1
     delay: int = 1
+    priority: int = 0  # vLLM's request priority (read under the priority policy only)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Workload:
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
     keys: str = "all"  # twin block keys cover: "all" (prompt + output), "prompt", "none" (unshareable)
+    policy: str = "fcfs"  # vLLM's scheduling policy: "fcfs" or "priority"
 
 
 @dataclass
@@ -149,6 +151,31 @@ def wl_preemption(seed: int) -> Workload:
         _req(reqs, p, rng.randint(20, 100), rng, arrival_step=rng.randint(0, 20))
     reqs.sort(key=lambda r: r.arrival_step)
     return Workload("preemption", _renumber(reqs), num_gpu_blocks=40, max_num_batched_tokens=256)
+
+
+def wl_priority(seed: int) -> Workload:
+    """vLLM's priority policy under KV pressure: the queue by (priority, arrival), and victims from anywhere in the
+    running list, some already scheduled in the step (their tokens and blocks go back)."""
+    rng = random.Random(seed)
+    base = _tokens(rng, 48)
+    reqs: list[ParityRequest] = []
+    for i in range(28):
+        p = (base if rng.random() < 0.4 else []) + _tokens(rng, rng.randint(10, 140))
+        _req(reqs, p, rng.randint(10, 100), rng, arrival_step=rng.randint(0, 24), priority=rng.choice([0, 1, 1, 2]))
+    reqs.sort(key=lambda r: r.arrival_step)
+    return Workload("priority", _renumber(reqs), num_gpu_blocks=40, max_num_batched_tokens=256, policy="priority")
+
+
+def wl_random_priority(seed: int) -> Workload:
+    """The random mix of the same seed under the priority policy, with priorities drawn apart."""
+    wl = wl_random(seed)
+    rng = random.Random(10_000 + seed)
+    levels = rng.choice([[0, 1], [0, 1, 2, 3], [-5, 0, 7]])
+    for r in wl.requests:
+        r.priority = rng.choice(levels)
+    wl.name = f"random-priority-{seed}"
+    wl.policy = "priority"
+    return wl
 
 
 def wl_long_prompts(seed: int) -> Workload:
@@ -261,7 +288,9 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "long-prefill-threshold": wl_long_prefill_threshold,
     "max-num-seqs": wl_max_num_seqs,
     "two-finishers": wl_two_finishers,
+    "priority": wl_priority,
     "random": wl_random,
+    "random-priority": wl_random_priority,
 }
 
 
@@ -315,19 +344,21 @@ def twin_engine(wl: Workload) -> tuple[Scheduler, BlockPool, RequestLog]:
     """The twin's scheduler and pool with the workload's knobs (no SimPy)."""
     pool = BlockPool(wl.num_gpu_blocks, wl.block_size, True)
     cfg = SchedulerConfig(max_num_batched_tokens=wl.max_num_batched_tokens, max_num_seqs=wl.max_num_seqs,
-                          long_prefill_token_threshold=wl.long_prefill_token_threshold)
+                          long_prefill_token_threshold=wl.long_prefill_token_threshold, policy=wl.policy)
     log = RequestLog(len(wl.requests))
     return make_scheduler(cfg, pool, _UnitSteps(), log), pool, log
 
 
-def twin_request(wl: Workload, p: ParityRequest) -> Request:
+def twin_request(wl: Workload, p: ParityRequest, step: int | None = None) -> Request:
+    """The twin's request for `p`, arriving at `step` (default its `arrival_step`; a follower's is its own)."""
     if wl.keys == "all":
         keys = block_keys(p.prompt + p.output, wl.block_size)
     elif wl.keys == "prompt":
         keys = block_keys(p.prompt, wl.block_size)
     else:
         keys = []
-    return Request(p.rid, float(p.arrival_step), len(p.prompt), len(p.output), keys)
+    t = float(p.arrival_step if step is None else step)
+    return Request(p.rid, t, len(p.prompt), len(p.output), keys, priority=p.priority)
 
 
 def run_twin(wl: Workload, mode: str = "step", max_steps: int = 100_000,
@@ -361,7 +392,7 @@ def run_twin(wl: Workload, mode: str = "step", max_steps: int = 100_000,
 
     while step < max_steps:
         for p in arrivals.take(step):
-            sched.add_request(twin_request(wl, p))
+            sched.add_request(twin_request(wl, p, step))
         if not sched.has_unfinished_requests():
             nxt = arrivals.next_step()
             if nxt is None:
@@ -456,7 +487,7 @@ def vllm_engine(wl: Workload, model_dir: str | None = None):
     sched_config = VSchedulerConfig(
         max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
         max_model_len=MAX_MODEL_LEN, long_prefill_token_threshold=wl.long_prefill_token_threshold,
-        enable_chunked_prefill=True, is_encoder_decoder=False)
+        enable_chunked_prefill=True, is_encoder_decoder=False, policy=wl.policy)
     cache_config = CacheConfig(block_size=wl.block_size, enable_prefix_caching=True)
     vcfg = VllmConfig(model_config=model_config, scheduler_config=sched_config, cache_config=cache_config)
     if vcfg.scheduler_config.async_scheduling:
@@ -490,8 +521,9 @@ def run_vllm(wl: Workload, max_steps: int = 100_000, model_dir: str | None = Non
     step = 0
     while step < max_steps:
         for p in arrivals.take(step):
-            vr = VRequest(str(p.rid), list(p.prompt), SamplingParams(max_tokens=len(p.output), ignore_eos=True),
-                          None, arrival_time=float(step), block_hasher=hasher)
+            # ids zero-padded: vLLM breaks priority ties by request id, as strings
+            vr = VRequest(f"{p.rid:06d}", list(p.prompt), SamplingParams(max_tokens=len(p.output), ignore_eos=True),
+                          None, arrival_time=float(step), block_hasher=hasher, priority=p.priority)
             live[vr.request_id] = vr
             sched.add_request(vr)
         if not live:
