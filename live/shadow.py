@@ -72,6 +72,7 @@ class Mirrored:
     first_token: float | None = None
     finish: float | None = None
     output_tokens: int = 0
+    priority: int = 0  # the body's vLLM priority (read by a twin under scheduling_policy: priority)
 
     @property
     def done(self) -> bool:
@@ -102,7 +103,8 @@ class Mirror:
             rec.output_tokens = 0
             return
         rec = Mirrored(req.id, float(req.arrival_time), int(req.num_prompt_tokens), req.max_tokens,
-                       tuple(req.prefix or ()), int(req.prefix_block_size or 16), worker)
+                       tuple(req.prefix or ()), int(req.prefix_block_size or 16), worker,
+                       priority=int(req.priority or 0))
         self.records.append(rec)
         self.by_id[req.id] = rec
         self.total += 1
@@ -161,6 +163,7 @@ class WindowLoad:
     tpot_s: float | None = None  # the observed window's median TPOT (streamed requests), when known
     carried_on: list | None = None  # the worker serving each carried request (None: not known), to pin it there
     carried_decoding: list | None = None  # per carried request: it has its first token (its prompt's KV is held)
+    priority: np.ndarray | None = None  # each request's vLLM priority (None: all 0)
 
     def __len__(self) -> int:
         return len(self.offsets) - self.carried
@@ -173,13 +176,17 @@ class WindowLoad:
         return (self.offsets[idx], self.prompt_tokens[idx], self.output_tokens[idx],
                 None if self.hash_ids is None else [self.hash_ids[i] for i in idx])
 
+    def priorities(self, idx: np.ndarray) -> np.ndarray | None:
+        return None if self.priority is None else self.priority[idx]
+
     def to_stream(self):
         from twin.workload.stream import RequestStream, TraceStats
 
         order = np.argsort(self.offsets, kind="stable")  # stable: the carried ones (offset 0, first) stay first
         hashes = None if self.hash_ids is None else [self.hash_ids[i] for i in order]
         return RequestStream(self.offsets[order], self.prompt_tokens[order], self.output_tokens[order], hashes,
-                             self.hash_block_size, stats=TraceStats("live shadow", len(self), len(self)))
+                             self.hash_block_size, stats=TraceStats("live shadow", len(self), len(self)),
+                             priority=self.priorities(order))
 
 
 def observed_lengths(records: Sequence[Mirrored]) -> tuple[np.ndarray, np.ndarray, list | None, int]:
@@ -192,6 +199,11 @@ def observed_lengths(records: Sequence[Mirrored]) -> tuple[np.ndarray, np.ndarra
     bs = records[0].block_size if records else 16
     hashes = [list(r.prefix) or None for r in records]
     return prompt, np.maximum(out, 1), (hashes if any(h for h in hashes) else None), bs
+
+
+def observed_priorities(records: Sequence[Mirrored]) -> np.ndarray | None:
+    """Each request's priority, None when every one is 0 (the default, and all there is under fcfs)."""
+    return np.array([r.priority for r in records], dtype=np.int64) if any(r.priority for r in records) else None
 
 
 class LoadModel(Protocol):
@@ -210,7 +222,7 @@ class ReplayLoad:
     def next_window(self, records: Sequence[Mirrored], start: float, window_s: float) -> WindowLoad:
         prompt, out, hashes, bs = observed_lengths(records)
         t = np.array([r.arrival - start for r in records], dtype=np.float64)
-        return WindowLoad(t, prompt, out, window_s, hashes, bs)
+        return WindowLoad(t, prompt, out, window_s, hashes, bs, priority=observed_priorities(records))
 
 
 class PoissonLoad:
@@ -226,8 +238,9 @@ class PoissonLoad:
         n = int(self.rng.poisson(len(records))) if records else 0
         pick = self.rng.integers(0, len(records), n) if records else np.empty(0, np.int64)
         t = np.sort(self.rng.uniform(0.0, window_s, n))
+        prio = observed_priorities(records)
         return WindowLoad(t, prompt[pick], out[pick], window_s, None if hashes is None else [hashes[k] for k in pick],
-                          bs)
+                          bs, priority=None if prio is None else prio[pick])
 
 
 LOAD_MODELS: dict[str, Callable[..., LoadModel]] = {"replay": ReplayLoad, "poisson": PoissonLoad}
@@ -283,10 +296,14 @@ def with_in_flight(load: WindowLoad, running: Sequence[Mirrored], now: float, ma
     old_dec = list(load.carried_decoding) if load.carried_decoding is not None else [False] * load.carried
     on = [r.worker for r in running] + old_on
     dec = [r.first_token is not None for r in running] + old_dec
+    prio = None
+    if load.priority is not None or any(r.priority for r in running):
+        window_p = load.priority if load.priority is not None else np.zeros(len(load.offsets), dtype=np.int64)
+        prio = np.concatenate([np.array([r.priority for r in running], dtype=np.int64), window_p])
     return WindowLoad(np.concatenate([np.zeros(len(running)), load.offsets]),
                       np.concatenate([prompt, load.prompt_tokens]),
                       np.concatenate([np.array(left, dtype=np.int64), load.output_tokens]), load.window_s, hashes,
-                      load.hash_block_size, load.carried + len(running), load.tpot_s, on, dec)
+                      load.hash_block_size, load.carried + len(running), load.tpot_s, on, dec, prio)
 
 
 def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests: int) -> WindowLoad:
@@ -296,7 +313,7 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
     ct, cp, co, ch = load.part(np.arange(c))
     if len(load) == 0 or (rate is not None and rate <= 0):
         return WindowLoad(ct, cp, co, horizon_s, ch, load.hash_block_size, c, carried_on=load.carried_on,
-                          carried_decoding=load.carried_decoding)
+                          carried_decoding=load.carried_decoding, priority=load.priorities(np.arange(c)))
     scale = 1.0 if rate is None or load.rate <= 0 else load.rate / rate
     span = load.window_s * scale
     reps = max(1, math.ceil(horizon_s / span))
@@ -307,8 +324,10 @@ def reshape(load: WindowLoad, horizon_s: float, rate: float | None, max_requests
     horizon = horizon_s if len(keep) < max_requests else float(t[-1]) + 1e-9
     _, p, o, h = load.part(idx)
     hashes = None if h is None else (ch or []) + h
+    prio = load.priorities(np.concatenate([np.arange(c), idx]))
     return WindowLoad(np.concatenate([ct, t]), np.concatenate([cp, p]), np.concatenate([co, o]), horizon, hashes,
-                      load.hash_block_size, c, carried_on=load.carried_on, carried_decoding=load.carried_decoding)
+                      load.hash_block_size, c, carried_on=load.carried_on, carried_decoding=load.carried_decoding,
+                      priority=prio)
 
 
 def within_context(load: WindowLoad, max_model_len: int) -> WindowLoad:
@@ -368,7 +387,7 @@ def placed(load: WindowLoad, slots: Sequence[Slot]) -> tuple[WindowLoad, dict[st
     t, p, o, h = load.part(idx)
     dec = None if load.carried_decoding is None else [load.carried_decoding[i] for i in keep]
     return WindowLoad(t, p, o, load.window_s, h, load.hash_block_size, len(keep), load.tpot_s,
-                      [load.carried_on[i] for i in keep], dec), pins
+                      [load.carried_on[i] for i in keep], dec, load.priorities(idx)), pins
 
 
 WARM_HASH_BASE = 1 << 62  # synthetic prefix ids of carried requests that have none: far from any real hash
@@ -388,7 +407,7 @@ def with_warm_hashes(load: WindowLoad, block_size: int) -> WindowLoad:
             base = WARM_HASH_BASE + i * (1 << 24)
             hashes[i] = [base + j for j in range(int(load.prompt_tokens[i]) // bs)]
     return WindowLoad(load.offsets, load.prompt_tokens, load.output_tokens, load.window_s, hashes, bs, load.carried,
-                      load.tpot_s, load.carried_on, dec)
+                      load.tpot_s, load.carried_on, dec, load.priority)
 
 
 def warm(cl: Any, load: WindowLoad, pins: dict[str, int]) -> int:
@@ -473,7 +492,7 @@ def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
             eng["num_gpu_blocks_override"] = int(wcfg.num_gpu_blocks)
     if cfg.launcher is not None:
         for k in ("enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold",
-                  "performance_mode"):  # (performance_mode: the chunk planner resolves the default chunk with it)
+                  "performance_mode", "scheduling_policy"):  # (performance_mode: the chunk planner resolves the default chunk with it)
             if k in cfg.launcher.engine_args:
                 eng[k] = cfg.launcher.engine_args[k]
     eng.update(cfg.shadow.engine)
@@ -1139,6 +1158,7 @@ class ShadowInstanceForecaster:
         load = with_in_flight(base, running, now, sh.spec.max_requests, (mean_out, lengths))
         keep = np.arange(load.carried)  # only what is on this worker now; the window's arrivals are not
         offsets, prompts, outs, hashes = load.part(keep)
+        prio = load.priorities(keep)
         if extra_request is not None:
             from twin.policy.predictors import expected_stop
 
@@ -1148,6 +1168,9 @@ class ShadowInstanceForecaster:
             offsets = np.append(offsets, 0.0)
             prompts = np.append(prompts, max(1, int(extra_request.num_prompt_tokens)))
             outs = np.append(outs, max(1, int(expect)))
+            if prio is not None or extra_request.priority:
+                prio = np.append(prio if prio is not None else np.zeros(len(offsets) - 1, dtype=np.int64),
+                                 int(extra_request.priority or 0))
             prefix = list(extra_request.prefix or ()) or None
             if hashes is not None or prefix is not None:
                 hashes = (hashes if hashes is not None else [None] * (len(offsets) - 1)) + [prefix]
@@ -1157,7 +1180,7 @@ class ShadowInstanceForecaster:
         dec = list(load.carried_decoding or [])[:load.carried] + [False] * (len(offsets) - load.carried)
         sc, perf = self._scenario(engine, horizon)
         one = with_warm_hashes(WindowLoad(offsets, prompts.astype(np.int64), outs.astype(np.int64), horizon, hashes,
-                                          block, carried=len(offsets), carried_decoding=dec),
+                                          block, carried=len(offsets), carried_decoding=dec, priority=prio),
                                int(sc.cluster.engine.block_size))
         one = within_context(one, sc.cluster.max_model_len())
         cl = Cluster(sc, one.to_stream(), perf=perf)

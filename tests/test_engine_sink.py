@@ -144,7 +144,8 @@ def test_the_log_columns_are_views_of_the_arrays_the_run_writes():
 
     log = RequestLog(3)
     assert set(log.buffers) == {"arrival_s", "scheduled_s", "first_token_s", "finish_s", "instance", "prompt_tokens",
-                                "max_tokens", "output_tokens", "cached_tokens", "preemptions", "status", "session_id"}
+                                "max_tokens", "output_tokens", "cached_tokens", "preemptions", "status", "session_id",
+                                "priority"}
     assert np.isnan(log.finish_s).all() and (log.instance == -1).all() and (log.status == 0).all()
     for name, buf in log.buffers.items():
         col = getattr(log, name)

@@ -62,6 +62,14 @@ SCENARIOS = {
         "workload.sessions": {"turns_mean": 3, "think_time_s": 0.2}, "workload.num_requests": 120,
         "workload.arrival.rate": 40, **kv_blocks(120),
         "cluster.engine.scheduler_reserve_full_isl": False},
+    "priority policy under preemption": {
+        **kv_blocks(60), "workload.num_requests": 80, "workload.arrival.rate": 50,
+        "cluster.engine.scheduling_policy": "priority",
+        "workload.priorities": [{"priority": 0, "share": 1}, {"priority": 1, "share": 2}, {"priority": 5, "share": 1}]},
+    "priority policy, sessions": {
+        "workload.sessions": {"turns_mean": 3, "think_time_s": 0.2}, "workload.num_requests": 120,
+        "workload.arrival.rate": 40, **kv_blocks(120), "cluster.engine.scheduling_policy": "priority",
+        "workload.priorities": [{"priority": 0, "share": 1}, {"priority": 1, "share": 1}]},
     "trace lengths": {"workload.lengths": {"kind": "trace", "path": "traces/sharegpt_lengths.sample.csv",
                                            "max_total_tokens": 4096},
                       "cluster.num_instances": 2, "workload.num_requests": 150, "workload.arrival.rate": 8},

@@ -996,3 +996,30 @@ def test_a_failed_shadow_run_is_on_the_shadow_page():
     before, err = asyncio.run(main())
     assert before is None
     assert err["error"] == "RuntimeError: fork: scheduler made no progress with 1 waiting" and err["age_s"] >= 0
+
+
+def test_request_priorities_follow_each_request_through_the_shadow_forecast():
+    """The body's priority (RequestView.priority) reaches the twin's requests however the window is reshaped,
+    carried or placed, so a fleet serving --scheduling-policy priority is forecast with it."""
+    m = Mirror(keep_s=100.0)
+    for i, (t, prio) in enumerate([(1.0, 0), (2.0, 3), (4.0, 1)]):
+        m.arrived(RequestView(f"r{i}", t, 10, None, (), 16, None, prio), "w0", t)
+        m.finished(f"r{i}", t + 0.5, 4)
+    window = ReplayLoad().next_window(m.window(0.0, 10.0), 0.0, 10.0)
+    assert window.priority.tolist() == [0, 3, 1]
+    running = [Mirrored("a", 9.0, 10, None, worker="w0", priority=7), Mirrored("b", 9.0, 12, None, worker="gone")]
+    load = with_in_flight(window, running, 10.0, 100)
+    assert load.priority.tolist() == [7, 0, 0, 3, 1]
+    long = reshape(load, 20.0, None, 100)
+    assert long.priority.tolist() == [7, 0, 0, 3, 1, 0, 3, 1]
+    kept, _pins = placed(load, [Slot("w0")])
+    assert kept.priority.tolist() == [7, 0, 3, 1]  # the request on a worker outside the fleet left with it
+    stream = kept.to_stream()
+    assert stream.priority.tolist() == [7, 0, 3, 1]
+    assert ReplayLoad().next_window([Mirrored("z", 1.0, 10, None)], 0.0, 10.0).priority is None  # all 0: none kept
+
+
+def test_the_launched_scheduling_policy_reaches_the_shadow_twin():
+    cfg = parse_config({"launcher": {"model": "m", "engine_args": {"scheduling_policy": "priority"}},
+                        "shadow": {**SHADOW}})
+    assert base_engine(cfg, None)["scheduling_policy"] == "priority"

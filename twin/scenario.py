@@ -180,6 +180,9 @@ class EngineSpec(_Spec):
     async_exposed_step_s: float = Field(0.0, ge=0)
     async_exposed_request_s: float = Field(0.0, ge=0)
     v0_seq_host_s: float = Field(140e-6, ge=0)
+    # vLLM's --scheduling-policy: fcfs, or priority (the queue by each request's priority, lower first, then
+    # arrival; preemption takes the running request with the largest): twin.engine.scheduler
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @field_validator("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_gpu_blocks_override",
                      mode="before")
@@ -207,6 +210,17 @@ class EngineSpec(_Spec):
         from twin.specs.vllm_versions import resolve_engine_args
 
         return resolve_engine_args(data)
+
+    @model_validator(mode="after")
+    def _priority_from_v1(self) -> "EngineSpec":
+        from twin.specs.vllm_versions import parse_vllm_version
+
+        if self.scheduling_policy == "priority" and parse_vllm_version(self.vllm_version) < (0, 10):
+            raise ValueError(
+                "@scheduling_policy: priority is modelled as vLLM V1's scheduler runs it, from vllm_version 0.10 "
+                "(vllm-project/vllm#19057); earlier releases ran it on V0, whose priority scheduler also preempts "
+                "running requests for waiting ones, which the twin does not model")
+        return self
 
     @model_validator(mode="after")
     def _budget_covers_seqs(self) -> "EngineSpec":
@@ -437,6 +451,13 @@ class TraceSpec(_Spec):
         return self
 
 
+class PriorityClassSpec(_Spec):
+    """A share of the requests sent with one vLLM request priority (lower is served first)."""
+
+    priority: int
+    share: float = Field(gt=0, description="relative weight: the shares need not sum to 1")
+
+
 class WorkloadSpec(_Spec):
     num_requests: Optional[int] = Field(None, gt=0)
     arrival: Optional[ArrivalSpec] = None
@@ -448,6 +469,17 @@ class WorkloadSpec(_Spec):
     max_tokens: Optional[int] = Field(None, gt=0, description=(
         "the client's max_tokens cap on every request (None: vLLM's default, max_model_len - prompt); "
         "routers see this, never the true length"))
+    # each request (each session, with sessions) draws its vLLM priority from these classes; empty: all 0.
+    # Read by the engine under cluster.engine.scheduling_policy: priority (vLLM ignores it under fcfs)
+    priorities: list[PriorityClassSpec] = []
+
+    @field_validator("priorities")
+    @classmethod
+    def _distinct_priorities(cls, v: list[PriorityClassSpec]) -> list[PriorityClassSpec]:
+        seen = [c.priority for c in v]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"each priority once (got {seen}): give one class a larger share instead")
+        return v
 
     @model_validator(mode="after")
     def _synthetic_or_trace(self) -> "WorkloadSpec":
@@ -593,6 +625,13 @@ class Scenario(_Spec):
     sim: SimSpec = SimSpec()
     whatif: WhatIfSpec = WhatIfSpec()
     base_dir: str = Field(".", exclude=True, description="where relative paths resolve (the file's folder)")
+
+    @model_validator(mode="after")
+    def _one_queue_order(self) -> "Scenario":
+        if self.whatif.semantic_batching.enabled and self.cluster.engine.scheduling_policy == "priority":
+            raise ValueError("@whatif.semantic_batching: it regroups each engine's queue, which "
+                             "cluster.engine.scheduling_policy priority orders by priority: use one of the two")
+        return self
 
     @model_validator(mode="after")
     def _fleet_bounds(self) -> "Scenario":

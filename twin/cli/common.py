@@ -139,6 +139,16 @@ def print_summary(s: dict, console: Console) -> None:
         f"preemptions {s['preemptions']:,}; KV use mean {s['kv_usage_mean']:.1%} peak {s['kv_usage_peak']:.1%}"
     )
     console.print(_slo_and_cost(s), highlight=False)
+    for p, d in (s.get("by_priority") or {}).items():
+        att = d["slo_attainment"]
+        console.print(f"priority {p} ({s['engine']['scheduling_policy']}): {d['requests']:,} requests, TTFT p50 "
+                      f"{_fmt(d['ttft_s']['p50'])} p99 {_fmt(d['ttft_s']['p99'])}, E2E p50 {_fmt(d['e2e_s']['p50'])}, "
+                      f"goodput {d['goodput_req_s']:.2f} req/s" + (f" ({att:.1%} within the SLO)" if att is not None
+                                                                   and any(s["slo"].values()) else ""),
+                      highlight=False)
+    for n in (s.get("workload") or {}).get("notes", []):
+        if "scheduling_policy" in n:
+            console.print(f"note: {n}", highlight=False)
     fleet = s.get("fleet")
     if fleet and (fleet["scaler"] != "none" or fleet["scale_events"]):
         ev = fleet["scale_events"]

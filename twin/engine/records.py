@@ -41,6 +41,7 @@ class RequestLog(EngineSink):
         self.preemptions = self._column("preemptions", "i", np.int32, 0)
         self.status = self._column("status", "b", np.int8, int(RequestStatus.PENDING))
         self.session_id = self._column("session_id", "q", np.int64, -1)
+        self.priority = self._column("priority", "q", np.int64, 0)  # vLLM's request priority (lower first)
         self.reject_reason: dict[int, str] = {}
         self.reject_counts: dict[str, int] = {}
 
@@ -97,6 +98,7 @@ class RequestLog(EngineSink):
             "preemptions": self.preemptions,
             "status": names[self.status],
             "session_id": self.session_id,
+            "priority": self.priority,
         })
         if instance_names is not None:
             labels = np.array(list(instance_names) + [""], dtype=object)

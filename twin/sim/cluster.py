@@ -145,6 +145,7 @@ class Cluster:
         self._prompt_col = cols["prompt_tokens"]
         self._max_tokens_col = cols["max_tokens"]
         self._session_col = cols["session_id"]
+        self._priority_col = cols["priority"]
         self._instance_col = cols["instance"]
         self._status_col = cols["status"]
         self._finish_col = cols["finish_s"]
@@ -156,6 +157,8 @@ class Cluster:
         self.log.max_tokens[:] = stream.output_tokens if cap is None else np.minimum(stream.output_tokens, cap)
         if stream.session_id is not None:
             self.log.session_id[:] = stream.session_id
+        if stream.priority is not None:
+            self.log.priority[:] = stream.priority
         self.instances: list[Instance] = []
         self.by_id: dict[str, Instance] = {}
         # every engine's events: into the log, then the hooks (the log first: the hooks read it)
@@ -297,7 +300,8 @@ class Cluster:
         if hash_ids is not None and hash_ids[i] is not None and self.engine_config.enable_prefix_caching:
             pre = self.premade_keys
             if pre and i in pre:
-                return Request(i, self._arrival_col[i], p, self._max_tokens_col[i], pre.pop(i), self._session_col[i])
+                return Request(i, self._arrival_col[i], p, self._max_tokens_col[i], pre.pop(i), self._session_col[i],
+                               self._priority_col[i])
             covered = p + int(s.output_tokens[i]) if s.hashes_cover_output else p
             bs = self.engine_config.block_size
             tr = self.trace_runs[i] if self.trace_runs is not None else None
@@ -308,7 +312,8 @@ class Cluster:
         stop: int = self._max_tokens_col[i]  # the true length, capped by the client's max_tokens
         sid: int = self._session_col[i]  # -1: none
         arrival: float = self._arrival_col[i]
-        return Request(i, arrival, p, stop, keys, sid)
+        prio: int = self._priority_col[i]
+        return Request(i, arrival, p, stop, keys, sid, prio)
 
     def request_view(self, r: Request) -> RequestView:
         """What the router may know: the client's cap, never the true length; the prompt's block hashes."""
@@ -321,7 +326,7 @@ class Cluster:
         sid = None if r.session_id < 0 else str(r.session_id)
         text = None if texts is None else texts[r.idx]
         view = new_request_view(str(r.idx), r.arrival_time, r.num_prompt_tokens, self.max_tokens_cap, prefix, bs,
-                                sid, 0, None, text)
+                                sid, r.priority, None, text)
         p = self.predictor
         if p is None:
             return view

@@ -599,7 +599,7 @@ class SimForecaster:
 
     def _engine_request(self, view: RequestView) -> Request:
         return Request(self.EXTRA, self._cluster.env.now, view.num_prompt_tokens, self._output_tokens(view),
-                       list(view.prefix), -1)
+                       list(view.prefix), -1, view.priority)
 
     def _finish_stop(self, f: EngineFork, extra: Request, horizon: float) -> Callable[[], bool]:
         """`advance`'s stop test for a forecast to the extra request's finish with a horizon: its finish, or (looked

@@ -219,6 +219,7 @@ def summarize(result: SimResult) -> dict:
         else len(result.instances) * sc.cluster.tensor_parallel * result.sim_time_s,
         "fleet": fleet.summary(result.sim_time_s) if fleet is not None else None,
         "workload": result.stream_stats,
+        "by_priority": by_priority(log, sc.slo, sim_t),
         "instances": [
             {"id": inst.id, "dispatched": inst.num_dispatched, "steps": inst.scheduler.stats.num_steps,
              "busy_frac": inst.scheduler.stats.busy_time_s / sim_t,
@@ -227,6 +228,32 @@ def summarize(result: SimResult) -> dict:
         ],
     }
     return summary
+
+
+def by_priority(log, slo, sim_t: float) -> dict | None:
+    """TTFT, TPOT, E2E and goodput per request priority (`workload.priorities`), None when all share one."""
+    values = np.unique(log.priority)
+    if len(values) < 2:
+        return None
+    fin = log.status == 4
+    good = slo_mask(log, slo)
+    out = {}
+    for p in values.tolist():
+        mine = log.priority == p
+        f = fin & mine
+        multi = f & (log.output_tokens > 1)
+        n_fin = int(f.sum())
+        n_good = int((good & mine).sum())
+        out[str(p)] = {
+            "requests": int(mine.sum()),
+            "requests_finished": n_fin,
+            "ttft_s": describe((log.first_token_s - log.arrival_s)[f]),
+            "tpot_s": describe(((log.finish_s - log.first_token_s) / np.maximum(log.output_tokens - 1, 1))[multi]),
+            "e2e_s": describe((log.finish_s - log.arrival_s)[f]),
+            "goodput_req_s": n_good / sim_t,
+            "slo_attainment": n_good / n_fin if n_fin else None,
+        }
+    return out
 
 
 def roofline_ceiling_tok_s(result: SimResult) -> float:
@@ -246,6 +273,7 @@ def engine_summary(sc, cfg: EngineConfig, num_blocks: int, perf: StepTimeModel) 
     return {
         "vllm_version": e.vllm_version,  # the release modelled, and what it resolved (twin.specs.vllm_versions)
         "async_scheduling": cfg.async_scheduling,
+        "scheduling_policy": cfg.scheduling_policy,
         "enable_chunked_prefill": cfg.enable_chunked_prefill,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "max_num_batched_tokens": cfg.max_num_batched_tokens,

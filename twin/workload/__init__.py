@@ -65,6 +65,30 @@ def apply_context_limit(stream: RequestStream, max_model_len: int, policy: str, 
     return stream
 
 
+def assign_priorities(stream: RequestStream, sc) -> RequestStream:
+    """Each request's vLLM priority drawn from `workload.priorities` (one draw per session, so a conversation keeps
+    its class), from a generator of its own: the stream is otherwise the one the same seed gives without them."""
+    classes = sc.workload.priorities
+    if not classes:
+        return stream
+    values = np.array([c.priority for c in classes], dtype=np.int64)
+    p = np.array([c.share for c in classes], dtype=np.float64)
+    rng = np.random.default_rng([sc.seed, 0x9E1])
+    if stream.session_id is not None:
+        sid = np.asarray(stream.session_id)
+        keys, inverse = np.unique(sid, return_inverse=True)
+        drawn = values[rng.choice(len(values), size=len(keys), p=p / p.sum())][inverse]
+        alone = sid < 0  # requests outside any session draw on their own
+        drawn[alone] = values[rng.choice(len(values), size=int(alone.sum()), p=p / p.sum())]
+    else:
+        drawn = values[rng.choice(len(values), size=len(stream), p=p / p.sum())]
+    stream.priority = drawn
+    if sc.cluster.engine.scheduling_policy != "priority" and len(set(values.tolist())) > 1:
+        stream.stats.notes.append("workload.priorities are set but cluster.engine.scheduling_policy is fcfs: vLLM "
+                                  "ignores request priorities then")
+    return stream
+
+
 def empty_reason(t, stats: TraceStats) -> str:
     """Why a replay came out empty: the window against the trace's time span, or the filters."""
     rows = f"{stats.rows_read:,} rows read, {stats.rows_filtered:,} filtered, {stats.rows_skipped:,} skipped"
@@ -100,7 +124,8 @@ def build_stream(sc) -> RequestStream:
                                  + empty_reason(w.trace, stream.stats))
         check_span(stream, f"workload.trace {w.trace.path}", "the trace's rate_scale, target_rate or rate")
         max_len = sc.cluster.max_model_len()
-        return apply_context_limit(stream, max_len, w.on_too_long, f"workload.trace {w.trace.path}")
+        return assign_priorities(apply_context_limit(stream, max_len, w.on_too_long, f"workload.trace {w.trace.path}"),
+                                 sc)
     rng = np.random.default_rng(sc.seed)
     n = w.num_requests
     if w.closed_loop is not None:
@@ -144,4 +169,4 @@ def build_stream(sc) -> RequestStream:
         stream = RequestStream(arrivals, prompt, output, stats=stats)
     check_span(stream, "workload", "workload.arrival.rate" + (" and sessions.think_time_s" if w.sessions else ""))
     max_len = sc.cluster.max_model_len()
-    return apply_context_limit(stream, max_len, w.on_too_long, "workload")
+    return assign_priorities(apply_context_limit(stream, max_len, w.on_too_long, "workload"), sc)

@@ -46,6 +46,7 @@ class RequestStream:
     after: np.ndarray | None = None  # index of the turn this one waits for, -1 for none
     think_s: np.ndarray | None = None  # seconds after that turn ends
     texts: list | None = None  # prompt text per request, where the trace has it (length predictors read it)
+    priority: np.ndarray | None = None  # vLLM's request priority (int64; lower is served first), None: all 0
     _key_runs: list | None = field(default=None, init=False, repr=False, compare=False)  # twin.sim.cluster.trace_key_runs
 
     def __post_init__(self) -> None:
@@ -59,6 +60,10 @@ class RequestStream:
             raise ValueError("hash_ids must have one entry per request")
         if self.texts is not None and len(self.texts) != n:
             raise ValueError("texts must have one entry per request")
+        if self.priority is not None:
+            self.priority = np.asarray(self.priority, dtype=np.int64)
+            if len(self.priority) != n:
+                raise ValueError("priority must have one entry per request")
         if (self.after is None) != (self.think_s is None):
             raise ValueError("after and think_s come together")
         if n and np.any(np.diff(self.arrival_s) < 0):
@@ -75,6 +80,8 @@ class RequestStream:
             self.texts = [self.texts[i] for i in idx]
         if self.session_id is not None:
             self.session_id = np.asarray(self.session_id)[idx]
+        if self.priority is not None:
+            self.priority = self.priority[idx]
         if self.after is not None:
             position = np.empty(len(idx), dtype=np.int64)
             position[idx] = np.arange(len(idx))  # old index -> new index
@@ -94,6 +101,7 @@ class RequestStream:
             TraceStats(**{**self.stats.to_dict(), "notes": list(self.stats.notes)}),
             None if self.after is None else self.after[:n], None if self.think_s is None else self.think_s[:n],
             None if self.texts is None else self.texts[:n],
+            None if self.priority is None else self.priority[:n],
         )
         s.stats.rows_filtered += len(self) - len(s)
         s.stats.rows_used = len(s)
