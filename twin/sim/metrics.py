@@ -18,15 +18,34 @@ if TYPE_CHECKING:
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p99": 0.99}
 
 
+def linear_quantile(value_at, n: int, q: float) -> float:
+    """numpy's default percentile (linear between the samples at ranks floor(h) and floor(h) + 1, h = (n - 1) q):
+    what `vllm bench serve` prints (`np.percentile`, `np.median`: `vllm/benchmarks/serve.py: calculate_metrics`).
+    `value_at(r)` is the sample at 0-based rank r."""
+    h = (n - 1) * q
+    r0 = int(np.floor(h))
+    t = h - r0
+    a = value_at(r0)
+    if t == 0.0 or r0 + 1 >= n:
+        return a
+    b = value_at(r0 + 1)
+    return float(a + (b - a) * t) if t < 0.5 else float(b - (b - a) * (1.0 - t))  # numpy's `_lerp`
+
+
 def weighted_quantiles(values: np.ndarray, weights: np.ndarray, qs) -> list[float]:
-    """Quantiles of samples with integer multiplicities (inverted-CDF: an actual sample value)."""
+    """Quantiles of samples with integer multiplicities, as `np.percentile` gives them on the samples repeated."""
     if len(values) == 0 or weights.sum() == 0:
         return [float("nan")] * len(qs)
     order = np.argsort(values, kind="stable")
     v, w = values[order], weights[order]
     cum = np.cumsum(w)
-    total = cum[-1]
-    return [float(v[min(int(np.searchsorted(cum, q * total, side="left")), len(v) - 1)]) for q in qs]
+    n = int(cum[-1])
+    last = len(v) - 1
+
+    def at(r: int) -> float:
+        return float(v[min(int(np.searchsorted(cum, r + 1, side="left")), last)])
+
+    return [linear_quantile(at, n, q) for q in qs]
 
 
 def describe(values: np.ndarray, weights: np.ndarray | None = None) -> dict:
@@ -94,7 +113,7 @@ def describe_parts(parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:
 
     A long run's ITL has one sample per step and instance (77.6 M for 5.3 M requests on 16 instances): joining
     and sorting them, as `describe` does, took more memory than the whole simulation. The quantiles are
-    `weighted_quantiles`'s (inverted CDF, an actual sample; tested equal); the mean is summed part by part."""
+    `weighted_quantiles`'s (numpy's linear percentile; tested equal); the mean is summed part by part."""
     clean = []
     for v, w in parts:
         v = np.asarray(v, dtype=np.float64)
@@ -110,13 +129,14 @@ def describe_parts(parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     mean = sum(float(np.dot(v, w)) for v, w in clean) / n
     lo = min(float(v.min()) for v, _w in clean)
     hi = max(float(v.max()) for v, _w in clean)
-    qs = []
-    for q in QUANTILES.values():
-        x = _quantile_in_parts(clean, q * n, lo, hi)
+    def at(r: int) -> float:
+        x = _quantile_in_parts(clean, r + 1, lo, hi)
         if x is None:  # a range binning could not narrow: the reference way, on the joined samples
             x = weighted_quantiles(np.concatenate([v for v, _w in clean]),
-                                   np.concatenate([w for _v, w in clean]), [q])[0]
-        qs.append(x)
+                                   np.concatenate([w for _v, w in clean]), [r / (n - 1) if n > 1 else 0.0])[0]
+        return x
+
+    qs = [linear_quantile(at, n, q) for q in QUANTILES.values()]
     return {"count": n, "mean": mean, **dict(zip(QUANTILES, qs))}
 
 
@@ -194,7 +214,10 @@ def summarize(result: SimResult) -> dict:
         "tpot_s": describe(tpot),
         "itl_s": describe_parts([inst.scheduler.stats.itl.arrays() for inst in result.instances]),
         "e2e_s": describe(e2e),
-        "throughput_output_tok_s": generated / sim_t,
+        # `vllm bench serve`'s output throughput: the finished requests' tokens (equal to all generated when every
+        # request finishes; a run cut at max_sim_time_s has tokens of unfinished ones in generated_tok_s only)
+        "throughput_output_tok_s": float(log.output_tokens[fin].sum()) / sim_t,
+        "generated_tok_s": generated / sim_t,
         "throughput_req_s": counts["finished"] / sim_t,
         "goodput_req_s": good / sim_t,
         "slo": sc.slo.model_dump(),
