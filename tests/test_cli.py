@@ -166,3 +166,11 @@ def test_validate_and_specs_commands():
     assert r.exit_code == 0 and '"num_instances": 4' in r.output
     r = invoke("specs")
     assert r.exit_code == 0 and "H200-SXM-141GB" in r.output and "Qwen2.5-32B" in r.output
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scenarios").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_scenario_is_valid(path):
+    from twin.scenario import load_scenario
+
+    sc = load_scenario(path)
+    assert sc.name

@@ -179,3 +179,12 @@ def test_semantic_batching_and_the_priority_policy_are_refused_together():
     raw["whatif"] = {"semantic_batching": {"enabled": True}}
     with pytest.raises(TwinInputError, match="use one of the two"):
         parse_scenario(raw, "test")
+
+
+def test_a_sweep_row_has_each_priority_classes_latency():
+    from twin.analysis.sweep import flatten
+
+    sc = make_scenario(**LOADED, **{"cluster.engine.scheduling_policy": "priority"})
+    row = flatten(summarize(run_checked(sc, build_stream(sc))), sc)
+    assert row["priority_0_ttft_p99_s"] < row["priority_1_ttft_p99_s"]
+    assert {"priority_0_e2e_p50_s", "priority_1_goodput_req_s"} <= set(row)

@@ -242,6 +242,12 @@ def flatten(summary: dict, sc) -> dict[str, Any]:
     for k in SCALARS:
         v = summary.get(k)
         row[k] = math.nan if v is None else v
+    for p, d in (summary.get("by_priority") or {}).items():  # workload.priorities: each class's own latency
+        for key, label in (("ttft_s", "ttft"), ("e2e_s", "e2e")):
+            for q in ("p50", "p99"):
+                v = d[key].get(q)
+                row[f"priority_{p}_{label}_{q}_s"] = math.nan if v is None else float(v)
+        row[f"priority_{p}_goodput_req_s"] = d["goodput_req_s"]
     row["gpu_seconds"], row["gpu_seconds_source"] = gpu_seconds(summary, sc)
     row["num_gpus"] = sc.cluster.num_instances * sc.cluster.tensor_parallel
     return row
