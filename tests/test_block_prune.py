@@ -179,13 +179,23 @@ def prefixed_loaded(n=160, seed=7, **overrides):
     return sc, stream_of(arr, prompts, rng.integers(5, 300, n), hashes, hash_block_size=16)
 
 
+def priority_loaded(**overrides):
+    """`api_loaded` under vLLM's priority policy, each request priority 0 or 2 (the extra request's too: a request
+    of the higher class is queued ahead of those waiting, not behind them)."""
+    sc, stream = api_loaded(**{"cluster.engine.scheduling_policy": "priority", "cluster.engine.max_num_seqs": 6,
+                               **overrides})
+    stream.priority = np.random.default_rng(9).choice([0, 2], len(stream))
+    return sc, stream
+
+
 FITTED = {"cluster.perf.kind": "fitted", "cluster.perf.profile": "h100-vllm"}
 MOE = {"cluster.model": "Mixtral-8x7B", "cluster.tensor_parallel": 2}
 LOADS = {"sync": lambda: api_loaded(async_on=False), "async": lambda: api_loaded(async_on=True),
          "fitted": lambda: api_loaded(**FITTED), "prefix-roofline": lambda: prefixed_loaded(),
          "prefix-fitted": lambda: prefixed_loaded(**FITTED), "moe-fitted": lambda: api_loaded(**FITTED, **MOE),
          "tight-kv": lambda: api_loaded(**kv_blocks(400)),
-         "async-uncapped": lambda: api_loaded(async_on=True, **{"workload.max_tokens": None})}
+         "async-uncapped": lambda: api_loaded(async_on=True, **{"workload.max_tokens": None}),
+         "priority": lambda: priority_loaded(), "priority-sync": lambda: priority_loaded(async_on=False)}
 
 
 def bound_gaps(loads, objective):
@@ -215,7 +225,7 @@ def bound_gaps(loads, objective):
     return gaps, rel
 
 
-@pytest.mark.parametrize("loads", ["sync", "async", "fitted", "prefix-roofline", "prefix-fitted"])
+@pytest.mark.parametrize("loads", ["sync", "async", "fitted", "prefix-roofline", "prefix-fitted", "priority"])
 def test_the_first_token_bound_never_passes_the_forecast_first_token(loads):
     gaps, _ = bound_gaps(loads, "ttft")
     assert len(gaps) > 400 and min(gaps) < 0.01  # the bound is tight somewhere, not a trivial 0
@@ -301,7 +311,7 @@ def test_the_prefill_floor_is_below_every_chunking_of_the_prompt_mixed_with_deco
 
 
 @pytest.mark.parametrize("loads", ["sync", "async", "fitted", "prefix-roofline", "prefix-fitted", "moe-fitted",
-                                   "tight-kv"])
+                                   "tight-kv", "priority", "priority-sync"])
 def test_the_finish_bound_never_passes_the_forecast_finish(loads):
     """`finish_bound` is below the fork's own finish on every candidate of every decision: loads with decodes
     co-scheduled, partial prefills, queues, requests in the API server, prefix hits, an MoE model, and a KV
@@ -310,7 +320,7 @@ def test_the_finish_bound_never_passes_the_forecast_finish(loads):
     assert len(gaps) > 400
     if loads == "moe-fitted":  # decodes counted a step, their touched experts level by level
         assert np.median(rel) < 0.15
-    elif loads != "tight-kv":  # a dense model with room: the co-scheduled decodes are counted
+    elif loads not in ("tight-kv", "priority", "priority-sync"):  # a dense model with room: decodes are counted
         # the bound is tight, not a trivial floor: a median gap of 0.03 s (0.027-0.034 s here). Relative to the
         # forecast that is 7-11 %: since the forecasts run a capped request to the recent mean length rather than
         # its cap (`expected_stop`), they are several times shorter (1-2 % while they ran to the cap of 300)

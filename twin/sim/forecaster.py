@@ -63,6 +63,21 @@ def apply_stop_lengths(f: EngineFork, stop: Callable[[int, int], int | None]) ->
     g.finish_heap = heap
 
 
+def _queued_behind(s, queued: list, priority: int) -> bool:
+    """Under vLLM's priority policy, does a request queued for the engine (waiting, in its inbox, or in transit
+    before the extra one) have a larger priority value than the extra request, which would then be served first?"""
+    for r in s.waiting:
+        if r.priority > priority:
+            return True
+    for r, _t in s.inbox:
+        if r.priority > priority:
+            return True
+    for r in queued:
+        if r.priority > priority:
+            return True
+    return False
+
+
 def _queued_share(r: Request, stop: int, block_size: int) -> tuple[int, int, tuple[int, int], int, float]:
     """What a request queued for the engine (waiting, in its inbox or in the API server) adds to a finish bound, at
     its predicted `stop`: the blocks it may take at most, the most context it attends to, (its tokens, its decodes
@@ -265,6 +280,8 @@ class SimForecaster:
         transit = cl.in_transit.get(instance_id, {})
         queued = [r for r, t in sorted(transit.values(), key=lambda x: x[1]) if t <= t_in]  # ties: ahead
         behind = [r for r, t in transit.values() if t > t_in]
+        if s.priority_policy and _queued_behind(s, queued, extra_request.priority):
+            return own  # it would be queued ahead of some: the reasoning below takes them as ahead of it
         for r in queued:
             x = stop(r.idx, 0)
             blocks, reach, wait, w, pp = _queued_share(r, r.stop_at_tokens if x is None else x, bs)
