@@ -112,6 +112,27 @@ def test_max_num_seqs_caps_the_running_batch():
     assert peak == 4
 
 
+def test_max_num_active_seqs_caps_admission_below_max_num_seqs():
+    """vLLM 0.32's --max-num-active-seqs admits at most that many into RUNNING; max_num_seqs keeps its meaning."""
+    sc = make_scenario(**{"cluster.engine.max_num_seqs": 16, "cluster.engine.max_num_active_seqs": 3,
+                          "workload.num_requests": 20, "workload.arrival.rate": 1000})
+    cl = Cluster(sc, build_stream(sc))
+    peak = 0
+    sched = cl.instances[0].scheduler
+    while cl.env.peek() < float("inf") and not cl.done():
+        cl.env.step()
+        peak = max(peak, len(sched.running))
+    assert peak == 3
+
+
+def test_max_num_active_seqs_above_max_num_seqs_is_refused_as_vllm_refuses():
+    from twin.errors import TwinInputError
+
+    sc = make_scenario(**{"cluster.engine.max_num_seqs": 16, "cluster.engine.max_num_active_seqs": 17})
+    with pytest.raises(TwinInputError, match="max_num_active_seqs .17. cannot be greater than max_num_seqs .16."):
+        Cluster(sc, build_stream(sc))
+
+
 def test_same_seed_same_results_and_another_seed_differs():
     sc = make_scenario(**{"workload.num_requests": 200, "workload.arrival.rate": 40,
                           "cluster.num_instances": 3, "router.name": "random"})

@@ -70,6 +70,8 @@ SCENARIOS = {
         "workload.sessions": {"turns_mean": 3, "think_time_s": 0.2}, "workload.num_requests": 120,
         "workload.arrival.rate": 40, **kv_blocks(120), "cluster.engine.scheduling_policy": "priority",
         "workload.priorities": [{"priority": 0, "share": 1}, {"priority": 1, "share": 1}]},
+    "max_num_active_seqs": {"cluster.engine.max_num_active_seqs": 5, "workload.num_requests": 120,
+                            "workload.arrival.rate": 60, **kv_blocks(200)},
     "trace lengths": {"workload.lengths": {"kind": "trace", "path": "traces/sharegpt_lengths.sample.csv",
                                            "max_total_tokens": 4096},
                       "cluster.num_instances": 2, "workload.num_requests": 150, "workload.arrival.rate": 8},

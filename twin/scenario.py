@@ -183,9 +183,12 @@ class EngineSpec(_Spec):
     # vLLM's --scheduling-policy: fcfs, or priority (the queue by each request's priority, lower first, then
     # arrival; preemption takes the running request with the largest): twin.engine.scheduler
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # vLLM 0.32's --max-num-active-seqs: at most this many requests admitted into RUNNING (<= max_num_seqs, which
+    # still sizes the batch buffers and CUDA graphs); unset: max_num_seqs
+    max_num_active_seqs: Optional[int] = Field(None, gt=0)
 
     @field_validator("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_gpu_blocks_override",
-                     mode="before")
+                     "max_num_active_seqs", mode="before")
     @classmethod
     def _human_counts(cls, v: Any, info: Any) -> Any:
         """Counts as vLLM's command line takes them (8k, 32K); max_model_len -1 or "auto" as vLLM's auto-fit."""

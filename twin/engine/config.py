@@ -35,6 +35,7 @@ class EngineConfig:
     # vLLM resolves `async_scheduling` on for GPU engines (`config/vllm.py`); see twin.engine.scheduler
     async_scheduling: bool = True
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority (twin.engine.scheduler)
+    max_num_active_seqs: int | None = None  # vLLM 0.32's admission limit into RUNNING (<= max_num_seqs)
     vllm_version: str = "0.32"  # the release modelled (twin.specs.vllm_versions); the scheduler is V1's
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -47,6 +48,7 @@ class EngineConfig:
             watermark=self.watermark,
             async_scheduling=self.async_scheduling,
             policy=self.scheduling_policy,
+            max_num_active_seqs=self.max_num_active_seqs,
         )
 
 

@@ -50,6 +50,8 @@ class SchedulerConfig:
     watermark: float = 0.0
     async_scheduling: bool = False  # vLLM's AsyncScheduler + batch queue (see `Scheduler` docstring)
     policy: str = "fcfs"  # vLLM's `SchedulerConfig.policy` (`--scheduling-policy`): "fcfs" or "priority"
+    # vLLM 0.32's admission limit into RUNNING (`--max-num-active-seqs`, <= max_num_seqs); None: max_num_seqs
+    max_num_active_seqs: int | None = None
 
 
 def _priority_key(r: Request) -> tuple[int, float, int]:
@@ -106,6 +108,8 @@ class Scheduler:
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy {config.policy!r}: vLLM's are fcfs and priority")
         self.priority_policy: bool = config.policy == "priority"
+        # admission into the running list (vLLM's `max_num_active_reqs`): max_num_active_seqs, else max_num_seqs
+        self.max_active: int = config.max_num_active_seqs or config.max_num_seqs
         self.prefilling: list[Request] = []  # running requests not in the decode group, running order
         self.group = DecodeGroup(self.block_size, pool.enable_caching)  # the decoding requests, in lockstep
         self._run_seq = 0
@@ -223,7 +227,7 @@ class Scheduler:
 
     def _can_admit_head(self, budget: int, thr: int) -> bool:
         """Would Phase B admit the head of the queue now? (No state changes.)"""
-        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_active:
             return False
         return self._admission_plan(self.waiting[0], budget, thr) is not None
 
@@ -450,7 +454,7 @@ class Scheduler:
         pool = self.pool
         sink = self.sink
         while budget > 0 and self.waiting:
-            if len(self.running) >= cfg.max_num_seqs:
+            if len(self.running) >= self.max_active:
                 break
             r = self.waiting[0]
             plan = self._admission_plan(r, budget, thr)

@@ -65,6 +65,7 @@ class Workload:
     long_prefill_token_threshold: int = 0
     keys: str = "all"  # twin block keys cover: "all" (prompt + output), "prompt", "none" (unshareable)
     policy: str = "fcfs"  # vLLM's scheduling policy: "fcfs" or "priority"
+    max_num_active_seqs: int | None = None  # vLLM 0.32's admission limit into RUNNING (None: max_num_seqs)
 
 
 @dataclass
@@ -173,6 +174,8 @@ def wl_random_priority(seed: int) -> Workload:
     levels = rng.choice([[0, 1], [0, 1, 2, 3], [-5, 0, 7]])
     for r in wl.requests:
         r.priority = rng.choice(levels)
+    if wl.max_num_seqs > 1 and rng.random() < 0.3:
+        wl.max_num_active_seqs = rng.randint(1, wl.max_num_seqs - 1)
     wl.name = f"random-priority-{seed}"
     wl.policy = "priority"
     return wl
@@ -206,6 +209,14 @@ def wl_max_num_seqs(seed: int) -> Workload:
         _req(reqs, _tokens(rng, rng.randint(5, 80)), rng.randint(5, 50), rng, arrival_step=rng.randint(0, 10))
     reqs.sort(key=lambda r: r.arrival_step)
     return Workload("max-num-seqs", _renumber(reqs), max_num_seqs=4, max_num_batched_tokens=128)
+
+
+def wl_max_num_active_seqs(seed: int) -> Workload:
+    """Admission into RUNNING capped below max_num_seqs (vLLM 0.32's `--max-num-active-seqs`)."""
+    wl = wl_max_num_seqs(seed)
+    wl.name = "max-num-active-seqs"
+    wl.max_num_seqs, wl.max_num_active_seqs = 16, 3
+    return wl
 
 
 def wl_two_finishers(seed: int) -> Workload:
@@ -287,6 +298,7 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "long-prompts": wl_long_prompts,
     "long-prefill-threshold": wl_long_prefill_threshold,
     "max-num-seqs": wl_max_num_seqs,
+    "max-num-active-seqs": wl_max_num_active_seqs,
     "two-finishers": wl_two_finishers,
     "priority": wl_priority,
     "random": wl_random,
@@ -344,7 +356,8 @@ def twin_engine(wl: Workload) -> tuple[Scheduler, BlockPool, RequestLog]:
     """The twin's scheduler and pool with the workload's knobs (no SimPy)."""
     pool = BlockPool(wl.num_gpu_blocks, wl.block_size, True)
     cfg = SchedulerConfig(max_num_batched_tokens=wl.max_num_batched_tokens, max_num_seqs=wl.max_num_seqs,
-                          long_prefill_token_threshold=wl.long_prefill_token_threshold, policy=wl.policy)
+                          long_prefill_token_threshold=wl.long_prefill_token_threshold, policy=wl.policy,
+                          max_num_active_seqs=wl.max_num_active_seqs)
     log = RequestLog(len(wl.requests))
     return make_scheduler(cfg, pool, _UnitSteps(), log), pool, log
 
@@ -487,7 +500,8 @@ def vllm_engine(wl: Workload, model_dir: str | None = None):
     sched_config = VSchedulerConfig(
         max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
         max_model_len=MAX_MODEL_LEN, long_prefill_token_threshold=wl.long_prefill_token_threshold,
-        enable_chunked_prefill=True, is_encoder_decoder=False, policy=wl.policy)
+        enable_chunked_prefill=True, is_encoder_decoder=False, policy=wl.policy,
+        max_num_active_seqs=wl.max_num_active_seqs)
     cache_config = CacheConfig(block_size=wl.block_size, enable_prefix_caching=True)
     vcfg = VllmConfig(model_config=model_config, scheduler_config=sched_config, cache_config=cache_config)
     if vcfg.scheduler_config.async_scheduling:

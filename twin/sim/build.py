@@ -29,6 +29,10 @@ def engine_config(sc: Scenario) -> EngineConfig:
         get_gpu(sc.cluster.hardware), e.max_num_batched_tokens, e.max_num_seqs, d["max_model_len"],
         e.enable_chunked_prefill, v1=generation(e.vllm_version).is_v1,
         world_size=sc.cluster.tensor_parallel, performance_mode=e.performance_mode)
+    active = d.get("max_num_active_seqs")
+    if active is not None and active > d["max_num_seqs"]:  # vLLM's SchedulerConfig refuses it at start
+        raise TwinInputError(f"cluster.engine.max_num_active_seqs ({active}) cannot be greater than max_num_seqs "
+                             f"({d['max_num_seqs']}{'' if e.max_num_seqs else ', the default'}), as vLLM refuses")
     return EngineConfig(**d)
 
 

@@ -377,7 +377,7 @@ class SimForecaster:
             # so does a queued one, seen by step `lead` + `late`, once it has a seat (those before it in the queue
             # decode then too, and leave less budget)
             for q, (t, d) in enumerate(waits):
-                if len(running) + q >= cfg.max_num_seqs or room - q < 1:
+                if len(running) + q >= s.max_active or room - q < 1:
                     break
                 w += t
                 p_q = -(-w // (room - q)) if thr <= 0 or thr >= room - q else -(-w // thr) + len(partial) + q + 1
@@ -387,7 +387,7 @@ class SimForecaster:
                     tokens += k
                     ctx += k * (t + 1) + k * (k - 1) / 2
                     spans.append((a, b))
-        if cfg.enable_chunked_prefill and len(running) + ahead < cfg.max_num_seqs:
+        if cfg.enable_chunked_prefill and len(running) + ahead < s.max_active:
             chunk = budget - len(running) - ahead  # what the decodes ahead of the extra one leave, every step
             if chunk >= 1:
                 total = most_work + n
