@@ -133,6 +133,38 @@ def test_max_num_active_seqs_above_max_num_seqs_is_refused_as_vllm_refuses():
         Cluster(sc, build_stream(sc))
 
 
+ADMISSION_LOAD = {"workload.num_requests": 400, "workload.arrival.rate": 200, "workload.lengths.prompt_tokens": 500,
+                  "workload.lengths.output_tokens": 200}
+
+
+@pytest.mark.parametrize("knob, value", [("max_num_queued_reqs", 20), ("max_num_queued_tokens", 3000)])
+def test_vllms_admission_limits_answer_503_and_bound_the_queue(knob, value):
+    """vLLM 0.32's --max-num-queued-reqs / --max-num-queued-tokens (`AsyncLLM.check_admission`): past them a new
+    request is refused (503) at the API server; every request is still accounted for, and TTFT stays bounded."""
+    from twin.sim.metrics import summarize
+
+    free = summarize(run_checked(make_scenario(**ADMISSION_LOAD), build_stream(make_scenario(**ADMISSION_LOAD))))
+    sc = make_scenario(**ADMISSION_LOAD, **{f"cluster.engine.{knob}": value})
+    res = run_checked(sc, build_stream(sc))
+    s = summarize(res)
+    assert free["requests_rejected"] == 0
+    assert s["reject_reasons"] == {"refused by vLLM's admission (503)": s["requests_rejected"]}
+    assert 0 < s["requests_rejected"] < 400
+    assert s["ttft_s"]["p99"] < free["ttft_s"]["p99"] / 5
+    reasons = [r for r in res.log.reject_reason.values()]
+    assert all(knob in r for r in reasons)
+
+
+def test_the_admission_count_is_the_engines_own_requests_at_the_arrival():
+    sc = make_scenario(**ADMISSION_LOAD, **{"cluster.engine.max_num_queued_reqs": 1})
+    res = run_checked(sc, build_stream(sc))
+    log = res.log
+    fin = np.flatnonzero(log.status == 4)
+    # with one request at a time, the finished ones never overlap
+    order = fin[np.argsort(log.arrival_s[fin])]
+    assert (log.arrival_s[order][1:] >= log.finish_s[order][:-1]).all()
+
+
 def test_same_seed_same_results_and_another_seed_differs():
     sc = make_scenario(**{"workload.num_requests": 200, "workload.arrival.rate": 40,
                           "cluster.num_instances": 3, "router.name": "random"})

@@ -72,6 +72,8 @@ SCENARIOS = {
         "workload.priorities": [{"priority": 0, "share": 1}, {"priority": 1, "share": 1}]},
     "max_num_active_seqs": {"cluster.engine.max_num_active_seqs": 5, "workload.num_requests": 120,
                             "workload.arrival.rate": 60, **kv_blocks(200)},
+    "vLLM admission limits": {"cluster.engine.max_num_queued_reqs": 12, "cluster.engine.max_num_queued_tokens": 4000,
+                              "workload.num_requests": 150, "workload.arrival.rate": 120},
     "trace lengths": {"workload.lengths": {"kind": "trace", "path": "traces/sharegpt_lengths.sample.csv",
                                            "max_total_tokens": 4096},
                       "cluster.num_instances": 2, "workload.num_requests": 150, "workload.arrival.rate": 8},

@@ -186,9 +186,15 @@ class EngineSpec(_Spec):
     # vLLM 0.32's --max-num-active-seqs: at most this many requests admitted into RUNNING (<= max_num_seqs, which
     # still sizes the batch buffers and CUDA graphs); unset: max_num_seqs
     max_num_active_seqs: Optional[int] = Field(None, gt=0)
+    # vLLM 0.32's API-server admission control: a new request is answered 503 when the engine holds this many
+    # unfinished requests, or this many prompt tokens of requests without a first token (a TTFT QoS valve:
+    # target TTFT x prefill throughput). Unset: no limit. The twin counts the 503s as rejections; a client's retry
+    # elsewhere is not modelled
+    max_num_queued_reqs: Optional[int] = Field(None, ge=0)
+    max_num_queued_tokens: Optional[int] = Field(None, ge=0)
 
     @field_validator("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_gpu_blocks_override",
-                     "max_num_active_seqs", mode="before")
+                     "max_num_active_seqs", "max_num_queued_reqs", "max_num_queued_tokens", mode="before")
     @classmethod
     def _human_counts(cls, v: Any, info: Any) -> Any:
         """Counts as vLLM's command line takes them (8k, 32K); max_model_len -1 or "auto" as vLLM's auto-fit."""

@@ -36,6 +36,9 @@ class EngineConfig:
     async_scheduling: bool = True
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority (twin.engine.scheduler)
     max_num_active_seqs: int | None = None  # vLLM 0.32's admission limit into RUNNING (<= max_num_seqs)
+    # vLLM 0.32's API-server admission (503 past them): requests in the engine, prompt tokens before a first token
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
     vllm_version: str = "0.32"  # the release modelled (twin.specs.vllm_versions); the scheduler is V1's
 
     def scheduler_config(self) -> SchedulerConfig:

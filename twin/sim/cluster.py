@@ -171,6 +171,9 @@ class Cluster:
         assert self.engine_config.max_model_len is not None  # engine_config() fills it in
         self.max_model_len: int = self.engine_config.max_model_len
         self.max_tokens_cap = sc.workload.max_tokens
+        # vLLM 0.32's API-server admission control (`Instance.admission_refusal`), checked only when configured
+        self.admission_limits: bool = (self.engine_config.max_num_queued_reqs is not None
+                                       or self.engine_config.max_num_queued_tokens is not None)
         # what-if semantic batching: regroups an instance's waiting queue as requests enter it (twin.whatif.semantic)
         self.queue_order: Callable[[deque], None] | None = None
         if sc.whatif.semantic_batching.enabled:
@@ -380,6 +383,11 @@ class Cluster:
         if not inst.fits(r.num_prompt_tokens + r.stop_at_tokens):
             self._reject(i, "larger than the instance's KV cache", f"{inst.id} has {inst.pool.num_usable_blocks} blocks")
             return
+        if self.admission_limits:
+            why = inst.admission_refusal()
+            if why is not None:  # vLLM answers 503 so the client may retry elsewhere: not modelled, it is counted
+                self._reject(i, "refused by vLLM's admission (503)", f"{inst.id}: {why}")
+                return
         if now >= inst.timeline_next:  # its in-flight count changes: the timeline records the ticks before
             inst.timeline.fill(inst, now)  # (`Instance.touch`; its gauges do not change until the engine sees it)
         self.dispatcher.dispatched(i, view, inst.id)

@@ -168,6 +168,32 @@ class Instance:
         """Could a request of this many tokens ever be held by this instance's KV pool?"""
         return math.ceil(num_tokens / self.config.block_size) <= self.pool.num_usable_blocks
 
+    def admission_refusal(self) -> str | None:
+        """Why vLLM 0.32's API server would answer a new request 503 now, else None (`AsyncLLM.check_admission`):
+        `max_num_queued_reqs` caps the requests in the engine and not finished (its output processor's, so not those
+        still in pre-processing), `max_num_queued_tokens` the prompt tokens of those without a first token."""
+        cfg = self.config
+        s = self.scheduler
+        cap = cfg.max_num_queued_reqs
+        if cap is not None:
+            n = len(s.running) + len(s.waiting) + len(s.inbox)
+            if n + 1 > cap:
+                return f"max_num_queued_reqs: {n} in flight, limit {cap}"
+        cap = cfg.max_num_queued_tokens
+        if cap is not None:
+            t = 0
+            for r in s.waiting:
+                if r.first_token_time < 0:
+                    t += r.num_prompt_tokens
+            for r, _t in s.inbox:
+                t += r.num_prompt_tokens
+            for r in s.prefilling:
+                if r.first_token_time < 0:
+                    t += r.num_prompt_tokens
+            if t >= cap:
+                return f"max_num_queued_tokens: {t} prompt tokens before their first token, limit {cap}"
+        return None
+
     # -- InstanceView --------------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
