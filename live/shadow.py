@@ -492,7 +492,7 @@ def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
             eng["num_gpu_blocks_override"] = int(wcfg.num_gpu_blocks)
     if cfg.launcher is not None:
         for k in ("enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold",
-                  "performance_mode", "scheduling_policy", "max_num_active_seqs", "max_num_queued_reqs",
+                  "long_prefill_token_threshold_adaptive", "performance_mode", "scheduling_policy", "max_num_active_seqs", "max_num_queued_reqs",
                   "max_num_queued_tokens"):  # (performance_mode: the chunk planner resolves the default chunk with it)
             if k in cfg.launcher.engine_args:
                 eng[k] = cfg.launcher.engine_args[k]

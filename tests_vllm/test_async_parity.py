@@ -110,7 +110,8 @@ def run_twin_async(wl, max_steps=20000):
     pool = BlockPool(wl.num_gpu_blocks, wl.block_size, True)
     cfg = SchedulerConfig(max_num_batched_tokens=wl.max_num_batched_tokens, max_num_seqs=wl.max_num_seqs,
                           long_prefill_token_threshold=wl.long_prefill_token_threshold, async_scheduling=True,
-                          policy=wl.policy, max_num_active_seqs=wl.max_num_active_seqs)
+                          policy=wl.policy, max_num_active_seqs=wl.max_num_active_seqs,
+                          long_prefill_token_threshold_adaptive=wl.long_prefill_token_threshold_adaptive)
     log = RequestLog(len(wl.requests))
     sched = make_scheduler(cfg, pool, UnitSteps(), log)
     arrivals = P.Arrivals(wl)  # its maps only: async drivers time followers their own way

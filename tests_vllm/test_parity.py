@@ -63,6 +63,15 @@ def test_priority_victims_come_from_anywhere_in_the_running_list(tiny_llama_dir)
     assert differ >= 3
 
 
+def test_the_adaptive_threshold_is_not_the_fixed_one(tiny_llama_dir):
+    """Not vacuous: on its workload vLLM's adaptive long-prefill threshold schedules otherwise than the fixed one."""
+    for seed in range(3):
+        wl = WORKLOADS["adaptive-threshold"](seed)
+        ref = run_vllm(wl, model_dir=tiny_llama_dir)
+        wl.long_prefill_token_threshold_adaptive = False
+        assert first_divergence(ref, run_twin(wl, "step")) is not None
+
+
 def test_the_random_mixes_cover_what_they_claim(tiny_llama_dir):
     """Across the seeds: preemptions, prefix hits, long-prefill thresholds and seq caps all occur."""
     pre = hits = 0

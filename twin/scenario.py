@@ -151,6 +151,8 @@ class EngineSpec(_Spec):
     max_num_batched_tokens: Optional[int] = Field(None, gt=0)
     max_num_seqs: Optional[int] = Field(None, gt=0)
     long_prefill_token_threshold: int = Field(0, ge=0)
+    # vLLM 0.32: the threshold never cuts a chunk below max_num_batched_tokens // (running + waiting requests)
+    long_prefill_token_threshold_adaptive: bool = False
     vllm_version: str = "0.32"
     enable_chunked_prefill: Optional[bool] = None  # unset: on for V1, off for V0 (twin.specs.vllm_versions)
     enable_prefix_caching: Optional[bool] = None  # unset: on for V1, off for V0

@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
     long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False  # vLLM 0.32: floored at the budget's fair share
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduler_reserve_full_isl: bool = True
@@ -46,6 +47,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
             watermark=self.watermark,

@@ -45,6 +45,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0
+    # vLLM 0.32: the threshold floored at the budget's fair share, max_num_batched_tokens // requests
+    long_prefill_token_threshold_adaptive: bool = False
     enable_chunked_prefill: bool = True
     scheduler_reserve_full_isl: bool = True  # vLLM 0.32 admission gate: room for the whole sequence
     watermark: float = 0.0
@@ -302,7 +304,7 @@ class Scheduler:
         out = SchedulerOutput(t_start=now)
         out.t_decided = self._decision_time(now)
         budget = cfg.max_num_batched_tokens
-        thr = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        thr = self._long_prefill_threshold()
 
         # Phase A, fast path: no preemption needed, so the running list need not be walked.
         if not self._schedule_running_fast(budget, thr, out):
@@ -314,6 +316,18 @@ class Scheduler:
         if not out.preempted:
             self._admit(budget, thr, now, out)
         return out
+
+    def _long_prefill_threshold(self) -> int:
+        """This step's cap on a prompt chunk (`Scheduler.schedule`): none for a lone request, which has nobody to
+        starve; with `long_prefill_token_threshold_adaptive`, at least the budget's fair share per request."""
+        cfg = self.config
+        n = len(self.running) + len(self.waiting)
+        thr = cfg.long_prefill_token_threshold if n > 1 else 0
+        if thr > 0 and cfg.long_prefill_token_threshold_adaptive:
+            share = cfg.max_num_batched_tokens // n
+            if share > thr:
+                thr = share
+        return thr
 
     def _schedule_running_fast(self, budget: int, thr: int, out: SchedulerOutput) -> bool:
         """Schedule Phase A at group level when the outcome provably equals the exact walk.
@@ -575,7 +589,7 @@ class Scheduler:
         free = self.pool.get_num_free_blocks()
         if self.waiting and not self._head_stays_blocked(free):
             budget_left = self.config.max_num_batched_tokens - self.group.num_decode
-            thr = self.config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+            thr = self._long_prefill_threshold()
             if self._can_admit_head(budget_left, thr):
                 return 0
             self.refused_head = RefusedHead(self.waiting[0], len(self.running), self.group.num_decode, free,

@@ -66,6 +66,7 @@ class Workload:
     keys: str = "all"  # twin block keys cover: "all" (prompt + output), "prompt", "none" (unshareable)
     policy: str = "fcfs"  # vLLM's scheduling policy: "fcfs" or "priority"
     max_num_active_seqs: int | None = None  # vLLM 0.32's admission limit into RUNNING (None: max_num_seqs)
+    long_prefill_token_threshold_adaptive: bool = False  # vLLM 0.32: the cap floored at the budget's fair share
 
 
 @dataclass
@@ -176,6 +177,7 @@ def wl_random_priority(seed: int) -> Workload:
         r.priority = rng.choice(levels)
     if wl.max_num_seqs > 1 and rng.random() < 0.3:
         wl.max_num_active_seqs = rng.randint(1, wl.max_num_seqs - 1)
+    wl.long_prefill_token_threshold_adaptive = wl.long_prefill_token_threshold > 0 and rng.random() < 0.5
     wl.name = f"random-priority-{seed}"
     wl.policy = "priority"
     return wl
@@ -200,6 +202,15 @@ def wl_long_prefill_threshold(seed: int) -> Workload:
     reqs.sort(key=lambda r: r.arrival_step)
     return Workload("long-prefill-threshold", _renumber(reqs), max_num_batched_tokens=256,
                     long_prefill_token_threshold=48, keys="prompt")
+
+
+def wl_adaptive_threshold(seed: int) -> Workload:
+    """The long-prefill threshold floored at the budget's fair share per request (vLLM 0.32's adaptive one)."""
+    wl = wl_long_prefill_threshold(seed)
+    wl.name = "adaptive-threshold"
+    wl.long_prefill_token_threshold = 16
+    wl.long_prefill_token_threshold_adaptive = True
+    return wl
 
 
 def wl_max_num_seqs(seed: int) -> Workload:
@@ -297,6 +308,7 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "preemption": wl_preemption,
     "long-prompts": wl_long_prompts,
     "long-prefill-threshold": wl_long_prefill_threshold,
+    "adaptive-threshold": wl_adaptive_threshold,
     "max-num-seqs": wl_max_num_seqs,
     "max-num-active-seqs": wl_max_num_active_seqs,
     "two-finishers": wl_two_finishers,
@@ -357,7 +369,8 @@ def twin_engine(wl: Workload) -> tuple[Scheduler, BlockPool, RequestLog]:
     pool = BlockPool(wl.num_gpu_blocks, wl.block_size, True)
     cfg = SchedulerConfig(max_num_batched_tokens=wl.max_num_batched_tokens, max_num_seqs=wl.max_num_seqs,
                           long_prefill_token_threshold=wl.long_prefill_token_threshold, policy=wl.policy,
-                          max_num_active_seqs=wl.max_num_active_seqs)
+                          max_num_active_seqs=wl.max_num_active_seqs,
+                          long_prefill_token_threshold_adaptive=wl.long_prefill_token_threshold_adaptive)
     log = RequestLog(len(wl.requests))
     return make_scheduler(cfg, pool, _UnitSteps(), log), pool, log
 
@@ -501,7 +514,8 @@ def vllm_engine(wl: Workload, model_dir: str | None = None):
         max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
         max_model_len=MAX_MODEL_LEN, long_prefill_token_threshold=wl.long_prefill_token_threshold,
         enable_chunked_prefill=True, is_encoder_decoder=False, policy=wl.policy,
-        max_num_active_seqs=wl.max_num_active_seqs)
+        max_num_active_seqs=wl.max_num_active_seqs,
+        long_prefill_token_threshold_adaptive=wl.long_prefill_token_threshold_adaptive)
     cache_config = CacheConfig(block_size=wl.block_size, enable_prefix_caching=True)
     vcfg = VllmConfig(model_config=model_config, scheduler_config=sched_config, cache_config=cache_config)
     if vcfg.scheduler_config.async_scheduling:

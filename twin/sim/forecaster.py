@@ -267,6 +267,8 @@ class SimForecaster:
         held = self._held(inst)
         if held is None:
             return own  # a partial prefill may leave a decode without budget for a step
+        if cfg.long_prefill_token_threshold_adaptive and cfg.long_prefill_token_threshold > 0:
+            return own  # the chunk cap moves with the queue: the step counts below read a fixed one
         left, partial, demand, most, work, pairs, most_work, waits = held
         waits = list(waits)
         stop = self._predictor()
