@@ -11,11 +11,16 @@ replace the local one without the controller changing:
 `LocalActuator` runs `python -m vllm.entrypoints.openai.api_server` processes, each in its own session
 (process group) so that stopping signals the API server, EngineCore and Worker together
 (../shared/notes/vllm-cpu.md: SIGKILL to the API server alone orphans the other two).
+
+A worker's port is `base_port + slot`. vLLM binds it without SO_REUSEPORT, so a second server on a taken port dies
+(EADDRINUSE) while the first answers every readiness probe: a slot whose port another process holds is skipped,
+and a worker counts as ready only once its own process group listens on its port (`group_listens`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -28,8 +33,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from live.config import LauncherSpec
 from live.registry import Worker
-from live.vllm_server import (FLAG_KINDS_SCRIPT, VLLM_FLAGS, FlagKinds, kv_events_config, needs_flag_kinds,
-                              parse_flag_kinds, server_command, spawn, stop_group, tail)
+from live.vllm_server import (FLAG_KINDS_SCRIPT, VLLM_FLAGS, FlagKinds, bind_error, group_listens,
+                              kv_events_config, needs_flag_kinds, parse_flag_kinds, server_command, spawn,
+                              stop_group, tail)
 
 if TYPE_CHECKING:
     from live.controller import Controller
@@ -59,6 +65,11 @@ class LaunchError(RuntimeError):
     """A worker did not come up; the message carries the end of its log."""
 
 
+class LaunchRefused(LaunchError):
+    """No launch was tried: no room for another worker now (`launcher.max_workers`, or no free port). Not a failed
+    launch, so no reason to back off: room comes back when a worker is retired."""
+
+
 @dataclass
 class _Proc:
     popen: subprocess.Popen
@@ -81,12 +92,31 @@ class LocalActuator:
         self.log_dir = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="llmtwin-workers-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
-    def _slot(self) -> int:
-        s = 0
-        while s in self._slots:
-            s += 1
-        self._slots.add(s)
-        return s
+    def _slot(self, wid: str) -> int:
+        """The lowest slot of `launcher.max_workers` that no worker of ours holds and whose port vLLM can bind: a port
+        another process listens on is skipped (a warning names it), as vLLM would die there while the other answered
+        its readiness probes. None free, or an address vLLM cannot bind at all: a LaunchError."""
+        sp = self.spec
+        taken: list[int] = []
+        for s in range(sp.max_workers):
+            if s in self._slots:
+                continue
+            err = bind_error(sp.host, sp.base_port + s)
+            if err is not None and err.errno != errno.EADDRINUSE:  # no port of this host would do
+                raise LaunchError(f"worker {wid}: cannot bind launcher.host {sp.host} port {sp.base_port + s}: "
+                                  f"{err.strerror or err}")
+            if err is not None:
+                taken.append(sp.base_port + s)
+                continue
+            self._slots.add(s)
+            if taken:
+                log.warning("worker %s: port %s in use by another process; it takes port %d", wid,
+                            ", ".join(map(str, taken)), sp.base_port + s)
+            return s
+        why = ([f"{', '.join(map(str, taken))} in use by other processes"] if taken else []) + (
+            [f"{len(self._slots)} held by this launcher's workers"] if self._slots else [])
+        raise LaunchRefused(f"worker {wid}: no free port in launcher.base_port {sp.base_port} to "
+                            f"{sp.base_port + sp.max_workers - 1} ({'; '.join(why)})")
 
     async def flag_kinds(self, args: Mapping[str, Any], env: Mapping[str, str]) -> FlagKinds | None:
         """The workers' vLLM's flags (`FLAG_KINDS_SCRIPT` run by `launcher.python`, once), where the command line
@@ -147,7 +177,7 @@ class LocalActuator:
         sp = self.spec
         running = sum(1 for w in self.controller.registry if w.handle is not None and w.state != "stopped")
         if running >= sp.max_workers:
-            raise LaunchError(f"launcher.max_workers ({sp.max_workers}) reached")
+            raise LaunchRefused(f"launcher.max_workers ({sp.max_workers}) reached")
         env = dict(os.environ)
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.update(sp.env)
@@ -155,9 +185,9 @@ class LocalActuator:
         kinds = await self.flag_kinds({**sp.engine_args, **spec.engine_args}, env)
         running = sum(1 for w in self.controller.registry if w.handle is not None and w.state != "stopped")
         if running >= sp.max_workers:  # others started while the flags were read
-            raise LaunchError(f"launcher.max_workers ({sp.max_workers}) reached")
+            raise LaunchRefused(f"launcher.max_workers ({sp.max_workers}) reached")
         wid = f"local-{next(self._ids)}"
-        slot = self._slot()
+        slot = self._slot(wid)
         try:
             cmd, kv_endpoint = self.command(slot, spec.engine_args, kinds)
         except ValueError as e:  # an engine argument vLLM's command line cannot say
@@ -189,6 +219,9 @@ class LocalActuator:
         return wid
 
     async def _wait_ready(self, worker: Worker, proc: _Proc) -> None:
+        """Until one tiny completion succeeds on the worker's port, while its own process group listens there
+        (before that, an answer there is another server's); a LaunchError with its log's end if it exits first or
+        `launcher.ready_timeout_s` passes."""
         deadline = time.monotonic() + self.spec.ready_timeout_s
         while True:
             if proc.popen.poll() is not None:
@@ -197,7 +230,7 @@ class LocalActuator:
             if time.monotonic() > deadline:
                 raise LaunchError(f"worker {worker.id} not ready after {self.spec.ready_timeout_s:.0f} s:\n"
                                   f"{tail(proc.log_path)}")
-            if await self.controller.try_ready(worker):
+            if group_listens(proc.popen.pid, proc.port) is not False and await self.controller.try_ready(worker):
                 return
             await asyncio.sleep(0.5)
 

@@ -27,6 +27,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why vLLM's server could not bind `host:port` now (EADDRINUSE: another process listens there), or None. Its
+    socket is bound as vLLM binds it: SO_REUSEADDR, no SO_REUSEPORT (`create_server_socket`,
+    vllm/entrypoints/launchers/launcher.py), so a port in TIME_WAIT is free and a listened one is not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return e
+    return None
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """The inodes of the TCP sockets listening on `port` (any address), from /proc/net/tcp{,6}; None without them."""
+    inodes: set[str] = set()
+    seen = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        seen = True
+        for row in rows:  # sl local_address rem_address st ... uid timeout inode
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rpartition(":")[2], 16) == port:
+                inodes.add(f[9])
+    return inodes if seen else None
+
+
+def group_listens(pgid: int, port: int) -> bool | None:
+    """Whether a process of the group `pgid` (a server `spawn` started: API server, EngineCore, workers) listens on
+    TCP `port`, read from /proc (Linux); None where /proc cannot tell. vLLM binds its port before it builds the
+    engine and listens once it serves (`setup_server`, vllm/entrypoints/launchers/launcher.py): until then,
+    whatever answers on the port is not this server."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return None
+    if not inodes:
+        return False
+    want = {f"socket:[{i}]" for i in inodes}
+    pids = [pgid]
+    try:
+        pids += [int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != pgid and _pgid(int(d)) == pgid]
+    except OSError:
+        pass
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except PermissionError:
+            return None  # its descriptors are not ours to read here
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in want:
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class FlagKinds:
     """What vLLM's command line makes of a flag's value where it is not `--flag VALUE`, by vLLM's names.

@@ -76,6 +76,82 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
+def test_a_port_another_server_answers_on_is_skipped_not_taken_for_the_worker(tmp_path, caplog):
+    """vLLM binds without SO_REUSEPORT: launched on a port another server listens on, it dies with EADDRINUSE while
+    the other answers its readiness probes, and was marked up by it. The launcher skips that port (and says so)."""
+    base = free_ports(3)
+
+    async def main():
+        squatter = FakeWorker("squatter")
+        squatter.port = base
+        await squatter.start()
+        try:
+            async with proxy([], launcher=launcher(tmp_path, base), **FAST) as (ctl, url, c):
+                w = ctl.registry.get("local-0")
+                async with c.post(url + "/v1/completions", json={"prompt": "hi there", "max_tokens": 2}) as r:
+                    answer = await r.json()
+                return w.url, w.handle.popen.pid, w.handle.popen.poll(), answer
+        finally:
+            await squatter.stop()
+
+    with caplog.at_level(logging.WARNING, logger="llmtwin.live"):
+        wurl, pid, exited, answer = asyncio.run(main())
+    assert port_of(wurl) == base + 1 and exited is None
+    assert answer.get("pid") == pid, answer  # the launched process answered, not the squatter
+    assert f"port {base} in use by another process; it takes port {base + 1}" in caplog.text
+
+
+def test_no_free_port_in_the_launchers_range_is_one_line(tmp_path):
+    base = free_ports(2)
+
+    async def main():
+        squatters = [FakeWorker(f"s{i}") for i in range(2)]
+        for i, s in enumerate(squatters):
+            s.port = base + i
+            await s.start()
+        try:
+            async with proxy([], launcher=launcher(tmp_path, base, num_workers=0), **FAST) as (ctl, url, c):
+                with pytest.raises(LaunchError) as e:
+                    await ctl.actuator.start(ctl.launch_spec())
+                return str(e.value), list(ctl.actuator.procs), sorted(ctl.actuator._slots)
+        finally:
+            for s in squatters:
+                await s.stop()
+
+    msg, procs, slots = asyncio.run(main())
+    assert msg == (f"worker local-0: no free port in launcher.base_port {base} to {base + 1} ({base}, {base + 1} in "
+                   "use by other processes)")
+    assert procs == [] and slots == []
+
+
+def test_a_worker_is_ready_only_once_its_own_process_listens_on_its_port(tmp_path):
+    """The port was free when chosen and taken before vLLM bound it (vLLM binds seconds after its start, once it
+    imported): the other server's answers must not make the launch ready; the launch fails with the worker's log."""
+    base = free_ports(2)
+    gate = tmp_path / "gate"
+
+    async def main():
+        cfg = launcher(tmp_path, base, num_workers=0, max_workers=1, env={"FAKE_VLLM_GATE": str(gate)})
+        squatter = FakeWorker("squatter")
+        squatter.port = base
+        async with proxy([], launcher=cfg, **FAST) as (ctl, url, c):
+            task = asyncio.get_running_loop().create_task(ctl.actuator.start(ctl.launch_spec()))
+            assert await until(lambda: "local-0" in ctl.actuator.procs)  # spawned: it waits for the gate to bind
+            await squatter.start()  # another server takes the port and answers on it
+            try:
+                await asyncio.sleep(1.5)  # readiness polls every 0.5 s: time to (wrongly) take the squatter's answers
+                gate.touch()
+                with pytest.raises(LaunchError) as e:
+                    await task
+            finally:
+                await squatter.stop()
+            return str(e.value), ctl.registry.get("local-0"), squatter.models_reads
+
+    msg, w, reads = asyncio.run(main())
+    assert "exited with 1 while starting" in msg and "address already in use" in msg.lower()
+    assert w is None and reads == 0  # the other server was never asked
+
+
 def test_a_false_for_a_flag_vllm_has_only_on_is_left_out_of_the_command(tmp_path):
     """`disable_log_stats: false` became --no-disable-log-stats, which vLLM refuses ("unrecognized arguments"): its
     store_true flags have no --no- form. The launcher reads the workers' vLLM's flags (here the fake has none, so
