@@ -316,7 +316,9 @@ class Controller:
         if check is not None:
             check.cancel()
         self.registry.remove(worker_id)
-        self._idle.pop(worker_id, None)
+        idle = self._idle.pop(worker_id, None)
+        if idle is not None:  # a drain waiting for its last request (a worker that died while draining) ends
+            idle.set()
 
     async def drain(self, worker_id: str) -> None:
         """No new requests to it from now; returns after its last in-flight request ends."""
@@ -522,6 +524,12 @@ class Controller:
         h = self.cfg.health
         last: dict[str, float] = {}
         while True:
+            reap = getattr(self.actuator, "reap", None)
+            if reap is not None:  # launched workers whose process ended: retired, so the scaler can replace them
+                try:
+                    await reap()
+                except Exception:  # noqa: BLE001 - logged; health checks go on
+                    log.error("reaping exited workers raised:\n%s", traceback.format_exc())
             now = time.monotonic()
             due = []
             for w in self.registry:

@@ -6,7 +6,9 @@ replace the local one without the controller changing:
 - `start(spec) -> worker_id`: bring a worker up with these engine arguments, wait until it serves (a tiny
   completion succeeds), register it with the controller;
 - `drain(worker_id)`: stop routing to it at once, wait for its last in-flight request, then `stop`;
-- `stop(worker_id)`: end it now (in-flight requests fail) and deregister it.
+- `stop(worker_id)`: end it now (in-flight requests fail) and deregister it;
+- `reap()` (optional): retire the workers whose process ended by itself, so the scaler can replace them (the
+  controller's health loop calls it; a Kubernetes actuator would watch its pods).
 
 `LocalActuator` runs `python -m vllm.entrypoints.openai.api_server` processes, each in its own session
 (process group) so that stopping signals the API server, EngineCore and Worker together
@@ -14,7 +16,9 @@ replace the local one without the controller changing:
 
 A worker's port is `base_port + slot`. vLLM binds it without SO_REUSEPORT, so a second server on a taken port dies
 (EADDRINUSE) while the first answers every readiness probe: a slot whose port another process holds is skipped,
-and a worker counts as ready only once its own process group listens on its port (`group_listens`).
+and a worker counts as ready only once its own process group listens on its port (`group_listens`). After that,
+its process is watched: vLLM's API server exits when its EngineCore dies, and `reap` then retires it (its slot and
+port freed, its in-flight requests already failed) so that the scaler starts a replacement.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class _Proc:
     log_path: Path
     slot: int
     port: int
+    ready: bool = False  # past start-up: its exit is `reap`'s to see (`_wait_ready` sees it before)
 
 
 class LocalActuator:
@@ -175,16 +180,15 @@ class LocalActuator:
     async def start(self, spec: LaunchSpec | None = None) -> str:
         spec = spec or LaunchSpec()
         sp = self.spec
-        running = sum(1 for w in self.controller.registry if w.handle is not None and w.state != "stopped")
-        if running >= sp.max_workers:
+        # the workers of ours alive (a crashed one was retired by `reap`, which freed its place)
+        if len(self.procs) >= sp.max_workers:
             raise LaunchRefused(f"launcher.max_workers ({sp.max_workers}) reached")
         env = dict(os.environ)
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.update(sp.env)
         env.update(spec.env)
         kinds = await self.flag_kinds({**sp.engine_args, **spec.engine_args}, env)
-        running = sum(1 for w in self.controller.registry if w.handle is not None and w.state != "stopped")
-        if running >= sp.max_workers:  # others started while the flags were read
+        if len(self.procs) >= sp.max_workers:  # others started while the flags were read
             raise LaunchRefused(f"launcher.max_workers ({sp.max_workers}) reached")
         wid = f"local-{next(self._ids)}"
         slot = self._slot(wid)
@@ -216,6 +220,7 @@ class LocalActuator:
         except BaseException:
             await self.stop(wid)
             raise
+        proc.ready = True
         return wid
 
     async def _wait_ready(self, worker: Worker, proc: _Proc) -> None:
@@ -233,6 +238,19 @@ class LocalActuator:
             if group_listens(proc.popen.pid, proc.port) is not False and await self.controller.try_ready(worker):
                 return
             await asyncio.sleep(0.5)
+
+    async def reap(self) -> list[str]:
+        """Retire the workers whose process exited after start-up (vLLM's API server ends when its EngineCore
+        dies): the rest of its process group is killed, its slot and port are freed and it leaves the registry, so
+        it no longer counts toward `launcher.max_workers` and the scaler can start a replacement. Its requests in
+        flight have failed already, as they do on any worker that dies. Returns their ids."""
+        gone = [(wid, p) for wid, p in self.procs.items() if p.ready and p.popen.poll() is not None]
+        for wid, p in gone:
+            log.error("worker %s: its process exited with %s; retired (port %d free again). Its log ends:\n%s", wid,
+                      p.popen.returncode, p.port, tail(p.log_path))
+            self.controller.metrics.scale_events.labels("exited").inc()
+            await self.stop(wid)
+        return [wid for wid, _ in gone]
 
     async def drain(self, worker_id: str) -> None:
         await self.controller.drain(worker_id)

@@ -152,6 +152,53 @@ def test_a_worker_is_ready_only_once_its_own_process_listens_on_its_port(tmp_pat
     assert w is None and reads == 0  # the other server was never asked
 
 
+def test_a_launched_worker_whose_process_exits_is_retired_and_replaced(tmp_path, caplog):
+    """vLLM's API server exits when its EngineCore dies. The worker stayed registered as down and counted toward
+    launcher.max_workers, so the scaler could start no replacement: now its exit retires it (slot and port freed)
+    and the scaler starts another on the same port."""
+    base = free_ports(2)
+
+    async def main():
+        cfg = launcher(tmp_path, base, max_workers=1)
+        async with proxy([], launcher=cfg, scaler={"name": "static", "params": {"target": 1}, "interval_s": 0.1},
+                         **FAST) as (ctl, url, c):
+            first = ctl.registry.get("local-0")
+            os.killpg(first.handle.popen.pid, signal.SIGKILL)
+            replaced = await until(lambda: (w := ctl.registry.get("local-1")) is not None and w.routable)
+            async with c.post(url + "/v1/completions", json={"prompt": "again", "max_tokens": 2}) as r:
+                status = r.status
+            async with c.get(url + "/metrics") as r:
+                page = await r.text()
+            return replaced, ctl.registry.get("local-0"), ctl.registry.get("local-1"), status, page
+
+    with caplog.at_level(logging.ERROR, logger="llmtwin.live"):
+        replaced, old, new, status, page = asyncio.run(main())
+    assert replaced and old is None
+    assert port_of(new.url) == base  # the dead worker's port, free again
+    assert status == 200
+    assert 'llmtwin_scale_events_total{action="exited"} 1.0' in page
+    assert "worker local-0: its process exited with -9; retired" in caplog.text
+
+
+def test_a_drain_waiting_on_a_worker_that_dies_ends_when_it_is_retired(tmp_path):
+    """A drain waits for the worker's last request; a worker retired meanwhile (its process exited) left that wait
+    without its wake-up, and the drain (and the scaler round that ran it) hung."""
+    base = free_ports(2)
+
+    async def main():
+        async with proxy([], launcher=launcher(tmp_path, base), **FAST) as (ctl, url, c):
+            w = ctl.registry.get("local-0")
+            ctl.dispatched(RequestView("r-stuck", 0.0, 4, 4, (), 16), "local-0", 0.0)  # in flight, never finished
+            drain = asyncio.get_running_loop().create_task(ctl.actuator.drain("local-0"))
+            assert await until(lambda: w.state == "draining")
+            os.killpg(w.handle.popen.pid, signal.SIGKILL)
+            await asyncio.wait_for(drain, 30)
+            return ctl.registry.get("local-0"), dict(ctl.actuator.procs)
+
+    gone, procs = asyncio.run(main())
+    assert gone is None and procs == {}
+
+
 def test_a_false_for_a_flag_vllm_has_only_on_is_left_out_of_the_command(tmp_path):
     """`disable_log_stats: false` became --no-disable-log-stats, which vLLM refuses ("unrecognized arguments"): its
     store_true flags have no --no- form. The launcher reads the workers' vLLM's flags (here the fake has none, so
