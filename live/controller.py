@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import random
 import sys
@@ -26,6 +27,7 @@ from twin.errors import TwinInputError
 from twin.policy.base import build_router as build_router_from
 from twin.policy.host import PolicyHost
 from twin.policy.prefix_index import PreciseIndex
+from twin.policy.scalers import ACTIVE
 from twin.policy.views import FleetView, InstanceConfig
 from twin.scenario import human_int
 
@@ -33,7 +35,7 @@ from live.config import LiveConfig
 from live.kv_subscriber import KVEventSubscriber
 from live.metrics import ControllerMetrics
 from live.registry import Registry, Worker
-from live.scaling import make_scaler, plan_scale
+from live.scaling import ScaleAction, ScalePlan, make_scaler, plan_scale
 from live.signals import parse_metrics
 from live.tokens import PromptTokenizer
 
@@ -571,7 +573,8 @@ class Controller:
         else:
             decided = self.scaler.decide(fleet.now, fleet, None)
         launcher = self.cfg.launcher
-        plan = plan_scale(decided, fleet, 0, launcher.max_workers if launcher is not None else None)
+        plan = self.launched_only(decided, plan_scale(decided, fleet, 0, launcher.max_workers if launcher is not None
+                                                      else None), fleet)
         if plan.is_noop:
             return plan
         if self.actuator is None:
@@ -584,6 +587,27 @@ class Controller:
             if isinstance(e, BaseException):  # a worker that failed to start: its reason and log tail, not nothing
                 log.error("scaling: %s", str(e) or type(e).__name__)
         return plan
+
+    def launched_only(self, decided: Any, plan: ScalePlan, fleet: FleetView) -> ScalePlan:
+        """Only the workers the launcher started are drained: a static worker (`workers:`) is not the controller's to
+        stop, and a drained one could never come back. It counts in the fleet the scaler sizes (its capacity serves),
+        so a target below the active fleet drains that many launched workers, chosen by the same planner among them
+        (`plan_scale`); an explicit drain that names a static worker leaves it serving, with a warning."""
+        static = [d for d in plan.drain if (w := self.registry.get(d)) is not None and w.handle is None]
+        if not static:
+            return plan
+        if getattr(decided, "target", None) is None:
+            log.warning("scaling: not draining %s: only workers the launcher started are scaled", ", ".join(static))
+            return dataclasses.replace(plan, drain=tuple(d for d in plan.drain if d not in static))
+        launched = [v for v in fleet.all_instances
+                    if (w := self.registry.get(v.id)) is not None and w.handle is not None]
+        active = sum(1 for v in launched if v.state in ACTIVE)
+        among = FleetView(fleet.now, [v for v in launched if v.state == "serving"], fleet.bookkeeping,
+                          all_instances=launched)
+        drain = plan_scale(ScaleAction(max(0, active - len(plan.drain))), among).drain
+        log.info("scaling: static worker%s %s kept (not the launcher's); draining %s instead",
+                 "s" if len(static) > 1 else "", ", ".join(static), ", ".join(drain) or "none")
+        return dataclasses.replace(plan, drain=drain)
 
     # -- bookkeeping (called by the proxy) -----------------------------------------------------------
     def next_id(self) -> str:

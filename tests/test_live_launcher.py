@@ -199,6 +199,51 @@ def test_a_drain_waiting_on_a_worker_that_dies_ends_when_it_is_retired(tmp_path)
     assert gone is None and procs == {}
 
 
+def test_the_scaler_never_drains_a_static_worker(tmp_path, caplog):
+    """A static worker (`workers:`) drained by a scale-in was stopped for good (the actuator found no process and
+    retired it). Only launched workers are drained: a target under the fleet drains launched ones, chosen by the
+    planner among them, and an explicit drain of a static worker leaves it serving."""
+    base = free_ports(2)
+
+    class DrainW0:
+        def decide(self, now, fleet, forecast=None):
+            return ScaleAction(drain=("w0",))
+
+    async def main():
+        ws = await fakes(1)
+        async with proxy(ws, launcher=launcher(tmp_path, base, num_workers=2), **FAST) as (ctl, url, c):
+            # both launched workers are busy, the static one idle: the planner's pick for one drain is w0
+            reqs = {wid: RequestView(f"r-{wid}", 0.0, 4, 4, (), 16) for wid in ("local-0", "local-1")}
+            for wid, req in reqs.items():
+                ctl.dispatched(req, wid, 0.0)
+            ctl.scaler = make_scaler("static", target=2)
+            task = asyncio.get_running_loop().create_task(ctl.scale_once())
+            assert await until(lambda: any(w.state == "draining" for w in ctl.registry))
+            draining = [w.id for w in ctl.registry if w.state == "draining"]
+            for wid in draining:
+                ctl.finished(reqs[wid], wid, 1.0, 1)
+            plan = await task
+            after_target = sorted(w.id for w in ctl.registry)
+            ctl.scaler = DrainW0()
+            await ctl.scale_once()
+            ctl.scaler = make_scaler("static", target=0)
+            for wid, req in reqs.items():
+                if ctl.registry.get(wid) is not None:
+                    ctl.finished(req, wid, 1.0, 1)
+            await ctl.scale_once()
+            left = [(w.id, w.routable) for w in ctl.registry]
+        for w in ws:
+            await w.stop()
+        return draining, list(plan.drain), after_target, left
+
+    with caplog.at_level(logging.INFO, logger="llmtwin.live"):
+        draining, drained, after_target, left = asyncio.run(main())
+    assert draining == drained and drained in (["local-0"], ["local-1"])  # a launched one, not the idle static w0
+    assert after_target == sorted({"local-0", "local-1", "w0"} - set(drained))
+    assert "static worker w0 kept" in caplog.text and "not draining w0" in caplog.text
+    assert left == [("w0", True)]  # target 0: every launched worker drained, the static one serves on
+
+
 def test_a_false_for_a_flag_vllm_has_only_on_is_left_out_of_the_command(tmp_path):
     """`disable_log_stats: false` became --no-disable-log-stats, which vLLM refuses ("unrecognized arguments"): its
     store_true flags have no --no- form. The launcher reads the workers' vLLM's flags (here the fake has none, so
