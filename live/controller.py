@@ -211,6 +211,9 @@ class Controller:
 
     async def _first_contact(self, w: Worker) -> None:
         if not await self.try_ready(w):
+            # its models and context are read when it comes up (`scrape`, from the health loop): without them its
+            # /v1/models cards are missing and model-aware routing cannot tell what it serves
+            w.models_stale = True
             self.registry.set_state(w, "serving", time.monotonic())
             self.registry.mark_down(w, time.monotonic(), w.last_error or "not ready at start",
                                     self.cfg.health.backoff_initial_s, self.cfg.health.backoff_max_s)
@@ -460,7 +463,8 @@ class Controller:
         return True
 
     async def _reread_models(self, w: Worker) -> None:
-        """After a restart: /v1/models again, until one read succeeds (`w.models_stale`), one read at a time."""
+        """After a restart, or once a worker that was down at start-up comes up: /v1/models (again), until one read
+        succeeds (`w.models_stale`), one read at a time."""
         if w.id in self._reading:
             return
         self._reading.add(w.id)
@@ -468,11 +472,9 @@ class Controller:
             if await self.read_models(w):
                 w.models_stale = False
             else:
-                log.warning("worker %s: /v1/models after its restart: %s (tried again at the next scrape)", w.id,
-                            w.last_error)
+                log.warning("worker %s: /v1/models: %s (tried again at the next scrape)", w.id, w.last_error)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-            log.warning("worker %s: /v1/models after its restart: %s: %s (tried again at the next scrape)", w.id,
-                        type(e).__name__, e)
+            log.warning("worker %s: /v1/models: %s: %s (tried again at the next scrape)", w.id, type(e).__name__, e)
         finally:
             self._reading.discard(w.id)
 

@@ -44,7 +44,7 @@ class Worker:
     handle: Any = None  # the launcher's process handle, None for static workers
     launch_args: dict[str, Any] = field(default_factory=dict)  # the engine arguments known given (vLLM's names)
     process_start: float | None = None  # its server's process_start_time_seconds: a change is a restart
-    models_stale: bool = False  # restarted, /v1/models not yet read again
+    models_stale: bool = False  # restarted (or down at first contact), /v1/models not yet read (again)
 
     @property
     def view_state(self) -> str:

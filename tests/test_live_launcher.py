@@ -244,6 +244,28 @@ def test_the_scaler_never_drains_a_static_worker(tmp_path, caplog):
     assert left == [("w0", True)]  # target 0: every launched worker drained, the static one serves on
 
 
+def test_a_static_worker_down_at_start_has_its_models_read_once_it_comes_up():
+    """Its /v1/models was read only at first contact (or after a restart), so a worker that came up later served
+    with no models: the proxy's /v1/models answered 503 and model-aware routing could not see it."""
+
+    async def main():
+        w = FakeWorker("late")
+        w.port = free_ports(1)
+        async with proxy([w], **FAST) as (ctl, url, c):
+            reg = ctl.registry.get("late")
+            assert not reg.healthy and reg.models == ()
+            await w.start()
+            assert await until(lambda: reg.healthy and reg.models)
+            async with c.get(url + "/v1/models") as r:
+                status, body = r.status, await r.json()
+        await w.stop()
+        return reg, status, body
+
+    reg, status, body = asyncio.run(main())
+    assert reg.models == ("fake",) and reg.config.max_model_len == 64
+    assert status == 200 and [m["id"] for m in body["data"]] == ["fake"]
+
+
 def test_a_false_for_a_flag_vllm_has_only_on_is_left_out_of_the_command(tmp_path):
     """`disable_log_stats: false` became --no-disable-log-stats, which vLLM refuses ("unrecognized arguments"): its
     store_true flags have no --no- form. The launcher reads the workers' vLLM's flags (here the fake has none, so
