@@ -69,6 +69,22 @@ class WorkerSpec(_Spec):
     max_model_len: Optional[int] = Field(None, gt=0)
     performance_mode: Optional[Literal["balanced", "interactivity", "throughput"]] = Field(None, description=(
         "its --performance-mode, when set (throughput doubles the two defaults above)"))
+    api_key: Optional[str] = Field(None, min_length=1, description=(
+        "its --api-key (or VLLM_API_KEY), when it asks one: the controller's own calls to its /v1 send it, and so "
+        "does the proxy on clients' requests when server.api_key is set"))
+    api_key_env: Optional[str] = Field(None, description="or: read that key from this environment variable")
+
+    def resolved_api_key(self, index: int) -> str | None:
+        """Its key, or None (it asks none)."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise TwinInputError(f"workers[{index}].api_key_env: environment variable {self.api_key_env} is "
+                                     "not set")
+            return key
+        return None
 
     @field_validator("url")
     @classmethod

@@ -51,6 +51,12 @@ def launch_int(v: Any) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def worker_auth(w: Worker) -> dict[str, str] | None:
+    """The header the controller's own calls to a worker's /v1 carry: its `--api-key` (or VLLM_API_KEY), which vLLM
+    asks of every /v1 request (`AuthenticationMiddleware`, vllm/entrypoints/serve/middleware/authenticate.py)."""
+    return {"Authorization": f"Bearer {w.api_key}"} if w.api_key else None
+
+
 ROUTE_SWITCH_INTERVAL_S = 0.001  # the GIL's switch interval while a look-ahead router decides off the loop
 _switch = {"holders": 0, "saved": 0.0}  # the setting is the process's: lowered by the first controller, restored by
 # the last (controllers can overlap: tests, an embedding program)
@@ -158,6 +164,7 @@ class Controller:
         self.signals = self.host.signals
         self.registry.fleet.signals = self.signals
         self.api_key = cfg.server.resolved_api_keys()
+        self.worker_keys = [ws.resolved_api_key(i) for i, ws in enumerate(cfg.workers)]  # the static workers' own
         self.session: aiohttp.ClientSession | None = None
         self.kv: KVEventSubscriber | None = None
         self.actuator: Any = None
@@ -184,11 +191,11 @@ class Controller:
                                              timeout=aiohttp.ClientTimeout(total=None))
         if any(w.kv_events_endpoint for w in cfg.workers) or (cfg.launcher and cfg.launcher.kv_events):
             self.kv = KVEventSubscriber(self.precise, self.metrics)
-        for wid, ws in zip(cfg.worker_ids(), cfg.workers):
+        for wid, ws, key in zip(cfg.worker_ids(), cfg.workers, self.worker_keys):
             given = {k: getattr(ws, k) for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                                                  "performance_mode")}
             w = Worker(wid, ws.url, state="starting", kv_events_endpoint=ws.kv_events_endpoint,
-                       launch_args={k: v for k, v in given.items() if v is not None})
+                       launch_args={k: v for k, v in given.items() if v is not None}, api_key=key)
             w.config = self.launch_config(w.launch_args)
             self.add_worker(w)
         await asyncio.gather(*(self._first_contact(w) for w in self.registry))
@@ -366,7 +373,7 @@ class Controller:
         if w.models:
             body["model"] = w.models[0]
         try:
-            async with self.session.post(w.url + "/v1/completions", json=body,
+            async with self.session.post(w.url + "/v1/completions", json=body, headers=worker_auth(w),
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.health.timeout_s)) as r:
                 data = await r.read()
                 if r.status != 200 or b'"choices"' not in data:
@@ -405,8 +412,9 @@ class Controller:
                     body["model"] = w.models[0]
                 probes += 1
                 try:
-                    async with self.session.post(w.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(
-                            total=max(1.0, deadline - time.monotonic()))) as r:
+                    async with self.session.post(w.url + "/v1/completions", json=body, headers=worker_auth(w),
+                                                 timeout=aiohttp.ClientTimeout(
+                                                     total=max(1.0, deadline - time.monotonic()))) as r:
                         await r.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                     pass
@@ -441,7 +449,8 @@ class Controller:
         """What `/v1/models` tells: the models a worker serves and its context (then vLLM's clamps of its unset
         batch limits by it). Read at first contact and again when the worker restarted (`scrape`). False (with
         `w.last_error`) for an answer that is not vLLM's list of model cards."""
-        async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5),
+                                    headers=worker_auth(w)) as r:
             if r.status != 200:
                 w.last_error = f"/v1/models answered {r.status}"
                 return False

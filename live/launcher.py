@@ -65,6 +65,15 @@ class Actuator(Protocol):
     async def stop(self, worker_id: str) -> None: ...
 
 
+def launch_api_key(args: Mapping[str, Any], env: Mapping[str, str]) -> str | None:
+    """The key a worker launched with these engine arguments and environment asks on /v1: its `api_key` (one or a
+    list: the first), else VLLM_API_KEY, as vLLM picks them (`init_entrypoints_middleware`,
+    vllm/entrypoints/serve/middleware/register.py: `args.api_key or [envs.VLLM_API_KEY]`)."""
+    given = args.get("api_key")
+    keys = [given] if isinstance(given, str) else list(given or [])
+    return next((str(k) for k in (keys or [env.get("VLLM_API_KEY")]) if k), None)
+
+
 class LaunchError(RuntimeError):
     """A worker did not come up; the message carries the end of its log."""
 
@@ -202,7 +211,8 @@ class LocalActuator:
         log_path = self.log_dir / f"{wid}.log"
         args = {**sp.engine_args, **spec.engine_args}
         url = f"http://{sp.host}:{sp.base_port + slot}"
-        worker = Worker(wid, url, state="starting", kv_events_endpoint=kv_endpoint, launch_args=args)
+        worker = Worker(wid, url, state="starting", kv_events_endpoint=kv_endpoint, launch_args=args,
+                        api_key=launch_api_key(args, env))
         worker.config = self.controller.launch_config(args)
         self.controller.add_worker(worker)  # binds the KV-event socket before the publisher connects
         try:

@@ -202,6 +202,16 @@ class Proxy:
         out["Accept-Encoding"] = "identity"  # the answer is relayed as it comes, and its usage read
         return out
 
+    def to_worker(self, fwd: CIMultiDict, w: Any) -> CIMultiDict:
+        """`fwd` for worker `w`: where the proxy checks keys itself (`server.api_key`), the client's key was the
+        proxy's, and the worker gets its own (`api_key`: the launch's --api-key or VLLM_API_KEY, a static worker's
+        config), as vLLM asks it on /v1; without a proxy key the client's header passes as it came."""
+        if self.ctl.api_key is None or not w.api_key:
+            return fwd
+        out = fwd.copy()
+        out["Authorization"] = f"Bearer {w.api_key}"
+        return out
+
     def _timed_out(self, w: Any, out: web.StreamResponse | None = None) -> web.StreamResponse:
         """A worker that did not answer within `request_timeout_s` (a stream: sent nothing before its first chunk;
         once the stream is relayed, `out` is what the client has): a 504."""
@@ -308,7 +318,8 @@ class Proxy:
             routable, key=lambda w: ctl.bookkeeping.load(w.id).requests)
         try:
             async with ctl.session.request(request.method, self.upstream(w, request.path), data=raw or None,
-                                           headers=self.forwarded(request), timeout=self.timeout) as r:
+                                           headers=self.to_worker(self.forwarded(request), w),
+                                           timeout=self.timeout) as r:
                 data = await r.read()
                 return web.Response(body=data, status=r.status, headers=returned(r.headers))
         except asyncio.TimeoutError:
@@ -497,8 +508,8 @@ class Proxy:
                 ctl.streamed(req, stream)
             try:
                 if stream:
-                    return await self._stream(request, req, w, path, raw, fwd)
-                return await self._unary(req, w, path, raw, fwd)
+                    return await self._stream(request, req, w, path, raw, self.to_worker(fwd, w))
+                return await self._unary(req, w, path, raw, self.to_worker(fwd, w))
             except _Retryable as e:
                 last_error, answer = str(e), e.answer
                 if answer is None:

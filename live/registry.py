@@ -45,6 +45,7 @@ class Worker:
     launch_args: dict[str, Any] = field(default_factory=dict)  # the engine arguments known given (vLLM's names)
     process_start: float | None = None  # its server's process_start_time_seconds: a change is a restart
     models_stale: bool = False  # restarted (or down at first contact), /v1/models not yet read (again)
+    api_key: str | None = field(default=None, repr=False)  # its --api-key: the controller's calls to its /v1 send it
 
     @property
     def view_state(self) -> str:

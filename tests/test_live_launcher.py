@@ -266,6 +266,67 @@ def test_a_static_worker_down_at_start_has_its_models_read_once_it_comes_up():
     assert status == 200 and [m["id"] for m in body["data"]] == ["fake"]
 
 
+@pytest.mark.parametrize("how", ["engine_args", "env"])
+def test_a_launched_worker_that_asks_a_key_gets_it(tmp_path, how):
+    """vLLM guards /v1 with --api-key (or VLLM_API_KEY, which the launcher's environment passes on): the readiness
+    probe and /v1/models carried no key, so such a worker never became ready. The controller now sends it, and the
+    proxy, which checks its own key, sends the worker's in its place."""
+    base = free_ports(2)
+    extra = {"engine_args": {"api_key": "worker-key"}} if how == "engine_args" else {
+        "env": {"VLLM_API_KEY": "worker-key"}}
+
+    async def main():
+        async with proxy([], launcher=launcher(tmp_path, base, **extra), server={"api_key": "client-key"},
+                         **FAST) as (ctl, url, c):
+            w = ctl.registry.get("local-0")
+            auth = {"Authorization": "Bearer client-key"}
+            async with c.post(url + "/v1/completions", json={"prompt": "hi there", "max_tokens": 2},
+                              headers=auth) as r:
+                answer = await r.json()
+            async with c.post(url + "/v1/completions", json={"prompt": "hi there", "max_tokens": 2, "stream": True},
+                              headers=auth) as r:
+                streamed = r.status
+            return w.routable, w.models, answer, streamed
+
+    routable, models, answer, streamed = asyncio.run(main())
+    assert routable and models == ("fake",)
+    assert answer["echo_auth"] == "Bearer worker-key"
+    assert streamed == 200
+
+
+def test_a_static_worker_that_asks_a_key_gets_its_configured_one(tmp_path):
+    """`workers[].api_key` (or `api_key_env`): without a proxy key the client's own header passes as it came."""
+    port = free_ports(1)
+    log = (tmp_path / "static.log").open("wb")
+    p = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "m",
+                          "--served-model-name", "fake", "--host", "127.0.0.1", "--port", str(port),
+                          "--api-key", "static-key"], env={**os.environ, "PYTHONPATH": str(FAKE_VLLM)},
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    os.environ["LLMTWIN_TEST_WORKER_KEY"] = "static-key"
+
+    async def main():
+        workers = [{"id": "s0", "url": f"http://127.0.0.1:{port}", "api_key_env": "LLMTWIN_TEST_WORKER_KEY"}]
+        async with proxy([], workers=workers, **FAST) as (ctl, url, c):
+            w = ctl.registry.get("s0")
+            assert await until(lambda: w.routable and w.models)
+            async with c.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+                bare = r.status
+            async with c.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                              headers={"Authorization": "Bearer static-key"}) as r:
+                keyed = r.status
+            return w.models, bare, keyed
+
+    try:
+        models, bare, keyed = asyncio.run(main())
+    finally:
+        os.environ.pop("LLMTWIN_TEST_WORKER_KEY", None)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        log.close()
+    assert models == ("fake",)
+    assert bare == 401 and keyed == 200  # transparent: the worker judges the client's header
+
+
 def test_a_false_for_a_flag_vllm_has_only_on_is_left_out_of_the_command(tmp_path):
     """`disable_log_stats: false` became --no-disable-log-stats, which vLLM refuses ("unrecognized arguments"): its
     store_true flags have no --no- form. The launcher reads the workers' vLLM's flags (here the fake has none, so
