@@ -137,10 +137,18 @@ class LauncherSpec(_Spec):
     ready_timeout_s: float = Field(300.0, gt=0)
     stop_timeout_s: float = Field(15.0, gt=0, description="SIGTERM to SIGKILL")
     log_dir: Optional[str] = Field(None, description="worker stdout/stderr files (default: a temporary folder)")
+    launch_backoff_initial_s: float = Field(10.0, gt=0, description=(
+        "after a scaler round whose launch failed, no launch for this long; doubled by each such round in a row"))
+    launch_backoff_max_s: float = Field(300.0, gt=0, description="the longest wait between failed launch rounds")
 
     @model_validator(mode="after")
     def _reachable(self) -> "LauncherSpec":
         """A fleet the launcher could never start is refused at load, not once its first workers are up."""
+        if self.launch_backoff_initial_s > self.launch_backoff_max_s:  # as health's back-off: a cap set alone wins
+            if "launch_backoff_initial_s" in self.model_fields_set:
+                raise ValueError(f"launch_backoff_initial_s {self.launch_backoff_initial_s:g} is above "
+                                 f"launch_backoff_max_s {self.launch_backoff_max_s:g}")
+            self.launch_backoff_initial_s = self.launch_backoff_max_s
         if self.num_workers > self.max_workers:
             raise ValueError(f"num_workers {self.num_workers} is above max_workers {self.max_workers}")
         ranges = {"base_port": self.base_port}

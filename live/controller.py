@@ -171,6 +171,8 @@ class Controller:
         self.tasks: list[asyncio.Task] = []
         self._kv_checks: dict[str, asyncio.Task] = {}
         self._reading: set[str] = set()  # workers whose /v1/models is being read again after a restart
+        self._launch_failures = 0  # scaler rounds in a row with a failed launch
+        self._launch_retry_at = 0.0  # no launch before this (monotonic): the back-off after failed launches
         self.accepting = True
         self._ids = 0
         self._idle: dict[str, asyncio.Event] = {}
@@ -586,6 +588,10 @@ class Controller:
         launcher = self.cfg.launcher
         plan = self.launched_only(decided, plan_scale(decided, fleet, 0, launcher.max_workers if launcher is not None
                                                       else None), fleet)
+        if plan.start and fleet.now < self._launch_retry_at:  # launches failed lately: none until the back-off ends
+            log.debug("scaling: %d launches wanted, none before the back-off ends in %.1f s", plan.start,
+                      self._launch_retry_at - fleet.now)
+            plan = dataclasses.replace(plan, start=0)
         if plan.is_noop:
             return plan
         if self.actuator is None:
@@ -594,10 +600,39 @@ class Controller:
         log.info("scaling: start %d, drain %s (%s)", plan.start, list(plan.drain), plan.reason)
         jobs = [self.actuator.start(self.launch_spec(plan.engine_args)) for _ in range(plan.start)]
         jobs += [self.actuator.drain(wid) for wid in plan.drain]
-        for e in await asyncio.gather(*jobs, return_exceptions=True):
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        from live.launcher import LaunchRefused
+
+        for e in results:
             if isinstance(e, BaseException):  # a worker that failed to start: its reason and log tail, not nothing
-                log.error("scaling: %s", str(e) or type(e).__name__)
+                (log.warning if isinstance(e, LaunchRefused) else log.error)("scaling: %s", str(e) or type(e).__name__)
+        if plan.start:
+            tried = [e for e in results[:plan.start] if not isinstance(e, LaunchRefused)]  # refusals tried nothing
+            if tried:
+                self._launched(sum(isinstance(e, BaseException) for e in tried), len(tried))
         return plan
+
+    def _launched(self, failed: int, tried: int) -> None:
+        """A round of launches ended: one that failed doubles the wait before the next (from
+        `launcher.launch_backoff_initial_s` up to `launch_backoff_max_s`), so a worker that cannot start (a bad
+        engine argument, a model that does not load) is not retried every `scaler.interval_s`; a round whose
+        launches all succeeded ends the back-off. Launches refused for want of room (`LaunchRefused`) are neither."""
+        if not failed:
+            if self._launch_failures:
+                log.info("scaling: launches succeed again after %d failed rounds", self._launch_failures)
+            self._launch_failures, self._launch_retry_at = 0, 0.0
+            return
+        from live.config import LauncherSpec
+
+        sp = self.cfg.launcher
+        keys = ("launch_backoff_initial_s", "launch_backoff_max_s")
+        first, cap = (getattr(sp, k) if sp is not None else LauncherSpec.model_fields[k].default  # another actuator's
+                      for k in keys)
+        self._launch_failures += 1
+        wait = min(cap, first * 2 ** (self._launch_failures - 1))
+        self._launch_retry_at = time.monotonic() + wait
+        log.warning("scaling: %d of %d launches failed (%d rounds in a row): the next launch in %g s at the earliest",
+                    failed, tried, self._launch_failures, wait)
 
     def launched_only(self, decided: Any, plan: ScalePlan, fleet: FleetView) -> ScalePlan:
         """Only the workers the launcher started are drained: a static worker (`workers:`) is not the controller's to
@@ -715,6 +750,10 @@ class Controller:
         out: dict[str, Any] = {"router": self.router_name, "prefix_index": self.index_kind,
                                "tokenizer": self.tokenizer.mode, "in_flight": self.bookkeeping.in_flight(),
                                "accepting": self.accepting, "workers": workers}
+        if self.cfg.launcher is not None:  # the back-off after failed launches (`_launched`)
+            out["launches"] = {"failed_rounds": self._launch_failures,
+                               "next_launch_in_s": max(0.0, self._launch_retry_at - now) if self._launch_failures
+                               else None}
         if self.chunk_plan is not None:
             out["chunk_plan"] = self.chunk_plan.status()
         return out

@@ -113,6 +113,9 @@ def test_no_free_port_in_the_launchers_range_is_one_line(tmp_path):
             async with proxy([], launcher=launcher(tmp_path, base, num_workers=0), **FAST) as (ctl, url, c):
                 with pytest.raises(LaunchError) as e:
                     await ctl.actuator.start(ctl.launch_spec())
+                ctl.scaler = make_scaler("static", target=1)
+                await ctl.scale_once()  # refused again: no launch was tried, so no back-off
+                assert ctl.status()["launches"] == {"failed_rounds": 0, "next_launch_in_s": None}
                 return str(e.value), list(ctl.actuator.procs), sorted(ctl.actuator._slots)
         finally:
             for s in squatters:
@@ -325,6 +328,44 @@ def test_a_static_worker_that_asks_a_key_gets_its_configured_one(tmp_path):
         log.close()
     assert models == ("fake",)
     assert bare == 401 and keyed == 200  # transparent: the worker judges the client's header
+
+
+def test_failed_launches_back_off_doubling_up_to_the_cap(tmp_path, caplog):
+    """A launch that failed was tried again every scaler interval, forever: now each failed round doubles the wait
+    (launcher.launch_backoff_initial_s, up to launch_backoff_max_s), and a successful one ends it."""
+    base = free_ports(2)
+
+    async def main():
+        ws = await fakes(1)
+        cfg = launcher(tmp_path, base, num_workers=0, python=str(tmp_path / "no-such-python"),
+                       launch_backoff_initial_s=0.2, launch_backoff_max_s=0.3)
+        async with proxy(ws, launcher=cfg, **FAST) as (ctl, url, c):
+            ctl.scaler = make_scaler("static", target=2)
+            starts = []
+            for _ in range(3):
+                await ctl.scale_once()  # tries, fails, sets the wait
+                again = await ctl.scale_once()  # within the wait: no launch
+                starts.append(again.start)
+                wait = ctl.status()["launches"]["next_launch_in_s"]
+                await asyncio.sleep(wait + 0.05)
+            status = ctl.status()["launches"]
+            ctl.cfg.launcher.python = sys.executable  # the interpreter is back: a launch succeeds, the back-off ends
+            await ctl.scale_once()
+            after = ctl.status()["launches"], ctl.registry.get("local-3").routable
+        for w in ws:
+            await w.stop()
+        return starts, status, after
+
+    with caplog.at_level(logging.INFO, logger="llmtwin.live"):
+        starts, status, (after, launched) = asyncio.run(main())
+    assert starts == [0, 0, 0]
+    assert caplog.text.count("cannot start") == 3
+    waits = [line.rsplit("next launch in ", 1)[1].split(" s")[0] for line in caplog.text.splitlines()
+             if "next launch in" in line]
+    assert waits == ["0.2", "0.3", "0.3"]
+    assert status["failed_rounds"] == 3
+    assert after == {"failed_rounds": 0, "next_launch_in_s": None} and launched
+    assert "launches succeed again after 3 failed rounds" in caplog.text
 
 
 def test_a_false_for_a_flag_vllm_has_only_on_is_left_out_of_the_command(tmp_path):
