@@ -100,29 +100,25 @@ def test_a_request_longer_than_max_model_len_is_rejected_with_a_reason():
     assert res.log.status[1] == 4
 
 
-def test_max_num_seqs_caps_the_running_batch():
-    sc = make_scenario(**{"cluster.engine.max_num_seqs": 4, "workload.num_requests": 20,
-                          "workload.arrival.rate": 1000})
+def peak_running(**overrides) -> int:
+    """The most requests the running list ever held, stepping the run event by event."""
+    sc = make_scenario(**{"workload.num_requests": 20, "workload.arrival.rate": 1000, **overrides})
     cl = Cluster(sc, build_stream(sc))
     peak = 0
     sched = cl.instances[0].scheduler
     while cl.env.peek() < float("inf") and not cl.done():
         cl.env.step()
         peak = max(peak, len(sched.running))
-    assert peak == 4
+    return peak
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    assert peak_running(**{"cluster.engine.max_num_seqs": 4}) == 4
 
 
 def test_max_num_active_seqs_caps_admission_below_max_num_seqs():
     """vLLM 0.32's --max-num-active-seqs admits at most that many into RUNNING; max_num_seqs keeps its meaning."""
-    sc = make_scenario(**{"cluster.engine.max_num_seqs": 16, "cluster.engine.max_num_active_seqs": 3,
-                          "workload.num_requests": 20, "workload.arrival.rate": 1000})
-    cl = Cluster(sc, build_stream(sc))
-    peak = 0
-    sched = cl.instances[0].scheduler
-    while cl.env.peek() < float("inf") and not cl.done():
-        cl.env.step()
-        peak = max(peak, len(sched.running))
-    assert peak == 3
+    assert peak_running(**{"cluster.engine.max_num_seqs": 16, "cluster.engine.max_num_active_seqs": 3}) == 3
 
 
 def test_max_num_active_seqs_above_max_num_seqs_is_refused_as_vllm_refuses():
