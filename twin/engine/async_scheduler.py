@@ -77,10 +77,7 @@ class AsyncScheduler(Scheduler):
         t = self.next_decision_t
         i = 0
         while i < len(inbox) and inbox[i][1] <= t:
-            if self.priority_policy:
-                self._queue(inbox[i][0])
-            else:
-                self.waiting.append(inbox[i][0])
+            self._queue(inbox[i][0])
             i += 1
         if i:
             del inbox[:i]

@@ -12,8 +12,8 @@ is the running request with the largest (priority, arrival time), wherever it st
 
 Decoding requests advance in lockstep, so they form one decode group (twin/engine/decode_group.py): a step
 costs O(1) for all decodes, and `plan_decode_run` can advance k homogeneous decode steps at once (the
-fast-forward; it stays here because it asks admission's questions without changing state). Output blocks are cached as they fill, as vLLM's `allocate_slots` caches every
-block full within the tokens it schedules.
+fast-forward; it stays here because it asks admission's questions without changing state). Output blocks are
+cached as they fill, as vLLM's `allocate_slots` caches every block full within the tokens it schedules.
 
 Async scheduling is `AsyncScheduler` (twin/engine/async_scheduler.py), a subclass, as in vLLM; `make_scheduler`
 picks the class from the config. The methods it overrides are the points where the two differ.
@@ -151,16 +151,19 @@ class Scheduler:
         self.sink.request_queued(r, now)
 
     def _enqueue(self, r: Request, now: float) -> None:
-        if self.priority_policy:
-            self._queue(r)
-        else:
-            self.waiting.append(r)
+        self._queue(r)
 
-    def _queue(self, r: Request) -> None:
-        """Into the waiting queue where vLLM's `PriorityRequestQueue` would pop it: by (priority, arrival time,
-        request id), `Request.__lt__` (`vllm/v1/request.py`); a preempted request too (its `prepend_request`)."""
+    def _queue(self, r: Request, preempted: bool = False) -> None:
+        """Into the waiting queue where vLLM's request queue (`vllm/v1/core/sched/request_queue.py`) puts it: FCFS
+        at the back, a preempted request at the front (`prepend_request`); priority where `PriorityRequestQueue`
+        pops it, by (priority, arrival time, request id) (`Request.__lt__`, `vllm/v1/request.py`), preempted or not."""
         w = self.waiting
-        w.insert(bisect_left(w, _priority_key(r), key=_priority_key), r)
+        if self.priority_policy:
+            w.insert(bisect_left(w, _priority_key(r), key=_priority_key), r)
+        elif preempted:
+            w.appendleft(r)
+        else:
+            w.append(r)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting) or bool(self.inbox)
@@ -262,10 +265,7 @@ class Scheduler:
         r.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.sink.request_preempted(r)
-        if self.priority_policy:
-            self._queue(r)
-        else:
-            self.waiting.appendleft(r)
+        self._queue(r, preempted=True)
         out.preempted.append(r)
 
     def _unschedule(self, r: Request, out: SchedulerOutput) -> int:
