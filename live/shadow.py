@@ -490,10 +490,11 @@ def base_engine(cfg: "LiveConfig", wcfg: Any | None) -> dict:
             eng["max_model_len"] = int(wcfg.max_model_len)
         if wcfg.num_gpu_blocks and wcfg.num_gpu_blocks >= 2:
             eng["num_gpu_blocks_override"] = int(wcfg.num_gpu_blocks)
-    if cfg.launcher is not None:
+    if cfg.launcher is not None:  # the launch's engine arguments the twin models (performance_mode: the chunk
+        # planner resolves the default chunk with it)
         for k in ("enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold",
-                  "long_prefill_token_threshold_adaptive", "performance_mode", "scheduling_policy", "max_num_active_seqs", "max_num_queued_reqs",
-                  "max_num_queued_tokens"):  # (performance_mode: the chunk planner resolves the default chunk with it)
+                  "long_prefill_token_threshold_adaptive", "performance_mode", "scheduling_policy",
+                  "max_num_active_seqs", "max_num_queued_reqs", "max_num_queued_tokens"):
             if k in cfg.launcher.engine_args:
                 eng[k] = cfg.launcher.engine_args[k]
     eng.update(cfg.shadow.engine)
@@ -596,15 +597,12 @@ def _q(values, q: str) -> float | None:
 def forecast_metrics(result: Any, window_s: float, slo: Any, carried: int = 0) -> dict:
     """TTFT/TPOT/ITL/E2E/queue quantiles, goodput and SLO attainment of a simulated window's own requests
     (the `carried` in-flight ones first in the log are load, not counted; ITL is per step, so counts them)."""
-    from twin.sim.metrics import itl_samples, slo_mask, weighted_quantiles
+    from twin.sim.metrics import itl_samples, latencies, slo_mask, weighted_quantiles
 
     lg = result.log
     mine = np.arange(lg.n) >= carried
     fin = (lg.status == 4) & mine
-    ttft = (lg.first_token_s - lg.arrival_s)[fin]
-    e2e = (lg.finish_s - lg.arrival_s)[fin]
-    multi = fin & (lg.output_tokens > 1)
-    tpot = ((lg.finish_s - lg.first_token_s) / np.maximum(lg.output_tokens - 1, 1))[multi]
+    ttft, tpot, e2e = latencies(lg, mine)
     queue = (lg.scheduled_s - lg.arrival_s)[fin]
     iv, iw = itl_samples(result)
     itl = weighted_quantiles(iv, iw, [0.5])[0] if len(iv) else float("nan")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from twin.engine.config import EngineConfig, num_gpu_blocks
 from twin.engine.records import RequestLog, account
@@ -32,20 +32,35 @@ def linear_quantile(value_at, n: int, q: float) -> float:
     return float(a + (b - a) * t) if t < 0.5 else float(b - (b - a) * (1.0 - t))  # numpy's `_lerp`
 
 
-def weighted_quantiles(values: np.ndarray, weights: np.ndarray, qs) -> list[float]:
-    """Quantiles of samples with integer multiplicities, as `np.percentile` gives them on the samples repeated."""
-    if len(values) == 0 or weights.sum() == 0:
-        return [float("nan")] * len(qs)
+def _ranked(values: np.ndarray, weights: np.ndarray) -> tuple[Callable[[int], float], int]:
+    """(the sample at each 0-based rank, the count) of samples with integer multiplicities, sorted once."""
     order = np.argsort(values, kind="stable")
     v, w = values[order], weights[order]
     cum = np.cumsum(w)
-    n = int(cum[-1])
     last = len(v) - 1
 
     def at(r: int) -> float:
         return float(v[min(int(np.searchsorted(cum, r + 1, side="left")), last)])
 
+    return at, int(cum[-1])
+
+
+def weighted_quantiles(values: np.ndarray, weights: np.ndarray, qs) -> list[float]:
+    """Quantiles of samples with integer multiplicities, as `np.percentile` gives them on the samples repeated."""
+    if len(values) == 0 or weights.sum() == 0:
+        return [float("nan")] * len(qs)
+    at, n = _ranked(values, weights)
     return [linear_quantile(at, n, q) for q in qs]
+
+
+def latencies(log: RequestLog, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(TTFT, TPOT, E2E) samples of the finished requests (among `mask`), as `vllm bench serve` takes them: TPOT =
+    (finish - first token) / (output - 1), only for requests with more than one output token."""
+    fin = log.status == 4 if mask is None else (log.status == 4) & mask
+    multi = fin & (log.output_tokens > 1)
+    return ((log.first_token_s - log.arrival_s)[fin],
+            ((log.finish_s - log.first_token_s) / np.maximum(log.output_tokens - 1, 1))[multi],
+            (log.finish_s - log.arrival_s)[fin])
 
 
 def describe(values: np.ndarray, weights: np.ndarray | None = None) -> dict:
@@ -129,11 +144,15 @@ def describe_parts(parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     mean = sum(float(np.dot(v, w)) for v, w in clean) / n
     lo = min(float(v.min()) for v, _w in clean)
     hi = max(float(v.max()) for v, _w in clean)
+    joined: list[Callable[[int], float]] = []  # the reference way, on the joined samples (sorted once, if needed)
+
     def at(r: int) -> float:
         x = _quantile_in_parts(clean, r + 1, lo, hi)
-        if x is None:  # a range binning could not narrow: the reference way, on the joined samples
-            x = weighted_quantiles(np.concatenate([v for v, _w in clean]),
-                                   np.concatenate([w for _v, w in clean]), [r / (n - 1) if n > 1 else 0.0])[0]
+        if x is None:  # a range binning could not narrow
+            if not joined:
+                joined.append(_ranked(np.concatenate([v for v, _w in clean]),
+                                      np.concatenate([w for _v, w in clean]))[0])
+            x = joined[0](r)
         return x
 
     qs = [linear_quantile(at, n, q) for q in QUANTILES.values()]
@@ -176,10 +195,7 @@ def summarize(result: SimResult) -> dict:
     sc = result.scenario
     counts = account(log)
     fin = log.status == 4
-    ttft = (log.first_token_s - log.arrival_s)[fin]
-    e2e = (log.finish_s - log.arrival_s)[fin]
-    multi = fin & (log.output_tokens > 1)
-    tpot = ((log.finish_s - log.first_token_s) / np.maximum(log.output_tokens - 1, 1))[multi]
+    ttft, tpot, e2e = latencies(log)
     sim_t = result.sim_time_s if result.sim_time_s > 0 else float("nan")
     stats = [inst.scheduler.stats for inst in result.instances]
     queries = sum(s.prefix_cache_queries for s in stats)
@@ -263,16 +279,15 @@ def by_priority(log, slo, sim_t: float) -> dict | None:
     out = {}
     for p in values.tolist():
         mine = log.priority == p
-        f = fin & mine
-        multi = f & (log.output_tokens > 1)
-        n_fin = int(f.sum())
+        ttft, tpot, e2e = latencies(log, mine)
+        n_fin = int((fin & mine).sum())
         n_good = int((good & mine).sum())
         out[str(p)] = {
             "requests": int(mine.sum()),
             "requests_finished": n_fin,
-            "ttft_s": describe((log.first_token_s - log.arrival_s)[f]),
-            "tpot_s": describe(((log.finish_s - log.first_token_s) / np.maximum(log.output_tokens - 1, 1))[multi]),
-            "e2e_s": describe((log.finish_s - log.arrival_s)[f]),
+            "ttft_s": describe(ttft),
+            "tpot_s": describe(tpot),
+            "e2e_s": describe(e2e),
             "goodput_req_s": n_good / sim_t,
             "slo_attainment": n_good / n_fin if n_fin else None,
         }
