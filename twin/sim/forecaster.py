@@ -11,6 +11,7 @@ protocol in twin.policy.views.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from bisect import bisect_left
 from typing import Callable
@@ -66,16 +67,8 @@ def apply_stop_lengths(f: EngineFork, stop: Callable[[int, int], int | None]) ->
 def _queued_behind(s, queued: list, priority: int) -> bool:
     """Under vLLM's priority policy, does a request queued for the engine (waiting, in its inbox, or in transit
     before the extra one) have a larger priority value than the extra request, which would then be served first?"""
-    for r in s.waiting:
-        if r.priority > priority:
-            return True
-    for r, _t in s.inbox:
-        if r.priority > priority:
-            return True
-    for r in queued:
-        if r.priority > priority:
-            return True
-    return False
+    inbox = (r for r, _t in s.inbox)
+    return any(r.priority > priority for r in itertools.chain(s.waiting, inbox, queued))
 
 
 def _queued_share(r: Request, stop: int, block_size: int) -> tuple[int, int, tuple[int, int], int, float]:

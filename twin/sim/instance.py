@@ -176,7 +176,7 @@ class Instance:
         s = self.scheduler
         cap = cfg.max_num_queued_reqs
         if cap is not None:
-            n = len(s.running) + len(s.waiting) + len(s.inbox)
+            n = self.num_running + self.num_waiting  # (its waiting count holds the async inbox)
             if n + 1 > cap:
                 return f"max_num_queued_reqs: {n} in flight, limit {cap}"
         cap = cfg.max_num_queued_tokens
